@@ -1,0 +1,213 @@
+"""Drafters: what proposes the draft tree each step.
+
+A drafter is a small interface (``begin`` / ``propose`` / ``accept``), so a new way of drafting is a new
+class and the decode loop stays the same. Provided here:
+
+* :class:`MedusaDrafter`: Medusa heads on the target's hidden state, a static tree (Cai et al. 2024).
+* :class:`PromptLookupDrafter`: n-gram match in the context (Saxena 2023, "prompt lookup decoding").
+* :class:`DraftModelDrafter`: a separate small causal LM with the same tokenizer proposing K tokens
+  (Leviathan et al. 2023; Chen et al. 2023).
+
+EAGLE drafters live in :mod:`selfspec.decode.eagle`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from selfspec.decode.kv import call_with_cache
+from selfspec.decode.sampling import SamplingConfig, probs_from_logits, process_logits
+from selfspec.decode.tree import StaticTree
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """One step's draft.
+
+    Attributes:
+        tokens: LongTensor ``[N]``; ``tokens[0]`` is the root (last decided token).
+        parents: LongTensor ``[N]``, ``parents[0] = -1``, ``parents[i] < i``.
+        q: ``[N, V]`` float32 or None. ``q[i]`` is the distribution node i's children were sampled from
+            (i.i.d.); None means the children were chosen deterministically (top-k), which the verifier
+            handles as one-hot proposals.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    q: torch.Tensor | None = None
+
+
+class Drafter(Protocol):
+    """What the decode loop needs from a drafter."""
+
+    name: str
+
+    def begin(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Called once after prefill. ``prompt_ids`` ``[T]``, target ``hidden`` ``[T, D]``."""
+
+    def propose(self, context: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
+        """Draft a tree whose root is ``context[-1]``. ``context``: LongTensor ``[T]`` (prompt + output)."""
+
+    def accept(self, accepted_tokens: torch.Tensor, accepted_hidden: torch.Tensor) -> None:
+        """Called after verification with the root + accepted drafts ``[A]`` and their target hidden ``[A, D]``."""
+
+
+def _chain_parents(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.arange(-1, n - 1, device=device)
+
+
+class MedusaDrafter:
+    """Medusa heads + a static tree.
+
+    Node at depth d >= 1 with rank r takes head (d-1)'s rank-r candidate, computed from the target's
+    hidden state at the last accepted node. Drafts are deterministic top-k (``q = None``), which the
+    lossless verifier accepts under sampling too.
+    """
+
+    name = "medusa"
+
+    def __init__(self, heads, tree: StaticTree) -> None:
+        if tree.max_depth > heads.config.num_heads:
+            raise ValueError(f"tree depth {tree.max_depth} exceeds the {heads.config.num_heads} Medusa heads")
+        self.heads = heads
+        self.tree = tree
+        self._hidden: torch.Tensor | None = None
+        self._topk = tree.topk
+        self._depths = tree.max_depth
+        # node i >= 1 -> flat index into [max_depth, topk] candidates
+        self._gather = (tree.head_index[1:] * self._topk + tree.rank[1:]).clone()
+
+    def begin(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        self._hidden = hidden[-1]
+
+    @torch.inference_mode()
+    def propose(self, context: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
+        h = self._hidden
+        states = self.heads.head_states(h.to(next(self.heads.parameters()).dtype))[: self._depths]
+        if self.heads.config.own_lm_head:
+            logits = torch.stack([self.heads.lm_heads[k](states[k]) for k in range(self._depths)])
+        else:
+            logits = states @ self.heads._shared.to(states.dtype).T
+        cand = logits.topk(self._topk, dim=-1).indices  # [depth, topk] draft ids
+        cand = self.heads.draft_ids[cand].reshape(-1)
+        tokens = torch.cat([context[-1:], cand[self._gather.to(cand.device)]])
+        return DraftTree(tokens=tokens, parents=self.tree.parents.to(tokens.device))
+
+    def accept(self, accepted_tokens: torch.Tensor, accepted_hidden: torch.Tensor) -> None:
+        self._hidden = accepted_hidden[-1]
+
+
+class PromptLookupDrafter:
+    """Prompt lookup decoding: propose the continuation of the latest earlier match of the context's last n-gram.
+
+    Args:
+        num_tokens: K, draft tokens proposed per step.
+        max_ngram: longest n-gram tried first (down to ``min_ngram``).
+    """
+
+    name = "prompt_lookup"
+
+    def __init__(self, num_tokens: int = 8, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if num_tokens < 1 or not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need num_tokens >= 1 and 1 <= min_ngram <= max_ngram")
+        self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
+
+    def begin(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        pass
+
+    def propose(self, context: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
+        ctx = context.tolist()
+        draft: list[int] = []
+        for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
+            tail = ctx[-n:]
+            for start in range(len(ctx) - n - 1, -1, -1):  # latest match first
+                if ctx[start : start + n] == tail:
+                    draft = ctx[start + n : start + n + self.num_tokens]
+                    break
+            if draft:
+                break
+        tokens = torch.tensor([ctx[-1]] + draft, dtype=torch.long, device=context.device)
+        return DraftTree(tokens=tokens, parents=_chain_parents(tokens.numel(), context.device))
+
+    def accept(self, accepted_tokens: torch.Tensor, accepted_hidden: torch.Tensor) -> None:
+        pass
+
+
+class DraftModelDrafter:
+    """A separate small causal LM (same tokenizer) drafting a chain of K tokens.
+
+    Greedy: argmax drafts (``q = None``). Sampling: each draft token is sampled from q, the draft
+    model's distribution after the same processing as the target's (temperature, top-k/p, ...), and
+    q is returned for the verifier (Leviathan et al. 2023, Algorithm 1). The draft model keeps its own
+    KV cache, cropped to the longest prefix it shares with the context each step.
+    """
+
+    name = "draft_model"
+
+    def __init__(self, model, num_tokens: int = 4, logits_processor=None) -> None:
+        from selfspec.decode.kv import new_cache
+
+        self.model = model
+        self.num_tokens = num_tokens
+        self.logits_processor = logits_processor
+        self._new_cache = lambda: new_cache(model)
+        self._cache = None
+        self._cached: list[int] = []
+
+    def begin(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        self._cache = self._new_cache()
+        self._cached = []
+
+    @torch.inference_mode()
+    def _feed(self, ids: list[int], device) -> torch.Tensor:
+        start = len(self._cached)
+        out = call_with_cache(
+            self.model,
+            self._cache,
+            input_ids=torch.tensor([ids], device=device),
+            position_ids=torch.arange(start, start + len(ids), device=device).unsqueeze(0),
+            logits_to_keep=1,
+        )
+        self._cached.extend(ids)
+        return out.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def propose(self, context: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
+        ctx = context.tolist()
+        common = 0
+        for a, b in zip(self._cached, ctx):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(ctx) - 1)  # always re-feed at least the root to get its logits
+        if common < len(self._cached):
+            self._cache.crop(common)
+            del self._cached[common:]
+        logits = self._feed(ctx[common:], context.device)
+        draft: list[int] = []
+        q_rows: list[torch.Tensor] = []
+        running = list(ctx)
+        for _ in range(self.num_tokens):
+            row = process_logits(
+                logits.unsqueeze(0), torch.tensor([running], device=context.device), sampling, self.logits_processor
+            )
+            if sampling.do_sample:
+                q = probs_from_logits(row)[0]
+                tok = int(torch.multinomial(q, 1, generator=generator))
+                q_rows.append(q)
+            else:
+                tok = int(row[0].argmax())
+            draft.append(tok)
+            running.append(tok)
+            logits = self._feed([tok], context.device)
+        tokens = torch.tensor([ctx[-1]] + draft, dtype=torch.long, device=context.device)
+        q = None
+        if sampling.do_sample:
+            q = torch.cat([torch.stack(q_rows), torch.zeros_like(q_rows[0]).unsqueeze(0)])  # leaf row unused
+        return DraftTree(tokens=tokens, parents=_chain_parents(tokens.numel(), context.device), q=q)
+
+    def accept(self, accepted_tokens: torch.Tensor, accepted_hidden: torch.Tensor) -> None:
+        pass

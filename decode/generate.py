@@ -1,0 +1,288 @@
+"""The speculative decoding loop: draft -> verify forward -> accept -> compact KV, one named call each.
+
+The output is exactly the target's: under greedy the same tokens as ``model.generate(do_sample=False)``
+(up to floating-point ties between a tree forward and a one-token forward), under sampling the same
+distribution (Leviathan et al. 2023; Chen et al. 2023; Miao et al. 2024 for trees), because every target
+distribution p is processed exactly as plain ``generate`` would process it at that position.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from selfspec.decode import kv
+from selfspec.decode.drafters import Drafter, DraftTree
+from selfspec.decode.sampling import SamplingConfig, probs_from_logits, process_logits, sample
+from selfspec.decode.tree import tree_depths
+from selfspec.decode.verify import VerifyResult, verify_greedy, verify_tree_sampling, verify_typical
+
+
+@dataclass
+class GenerationStats:
+    """Per-call statistics.
+
+    Attributes:
+        steps: target verification forwards (prefill excluded).
+        new_tokens: tokens returned.
+        accepted_per_step: tokens produced by each verification step (accepted drafts + 1).
+        mean_accepted_tokens: tau, mean of ``accepted_per_step``.
+        accepted_by_depth: ``accepted_by_depth[d]`` = steps whose accepted path reached depth d+1.
+        drafted_by_depth: ``drafted_by_depth[d]`` = steps whose tree had a node at depth d+1.
+        prefill_s, draft_s, verify_s, total_s: wall seconds.
+        tokens_per_s: ``new_tokens / total_s`` (prefill included, like plain generate).
+        finish_reason: ``"stop"`` (EOS or stop string) or ``"length"``.
+        lossy: True when typical acceptance was used (not distribution-preserving).
+    """
+
+    steps: int = 0
+    new_tokens: int = 0
+    accepted_per_step: list[int] = field(default_factory=list)
+    accepted_by_depth: list[int] = field(default_factory=list)
+    drafted_by_depth: list[int] = field(default_factory=list)
+    tree_nodes: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+    finish_reason: str = "length"
+    lossy: bool = False
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        return sum(self.accepted_per_step) / max(1, len(self.accepted_per_step))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["mean_accepted_tokens"] = self.mean_accepted_tokens
+        d["tokens_per_s"] = self.tokens_per_s
+        return d
+
+
+@dataclass
+class GenerationOutput:
+    """``tokens``: the new token ids; ``text``: their decoding (when a tokenizer was given); ``stats``."""
+
+    tokens: list[int]
+    stats: GenerationStats
+    text: str | None = None
+
+
+class _Stopper:
+    """Exact stopping: EOS ids, stop strings and ``max_new_tokens``, checked token by token."""
+
+    def __init__(self, eos_ids: Sequence[int], stop_strings: Sequence[str], tokenizer, max_new_tokens: int) -> None:
+        self.eos = set(int(e) for e in eos_ids)
+        self.stop_strings = [s for s in stop_strings if s]
+        if self.stop_strings and tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer: pass tokenizer=... to generate")
+        self.tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self._window = max((len(s) for s in self.stop_strings), default=0)
+
+    def push(self, out: list[int], new: list[int]) -> str | None:
+        """Append ``new`` to ``out`` one token at a time; return a finish reason as soon as one holds."""
+        for tok in new:
+            if len(out) >= self.max_new_tokens:
+                return "length"
+            out.append(tok)
+            if tok in self.eos:
+                return "stop"
+            if self.stop_strings:
+                # Decode only the tail: enough tokens to hold the longest stop string plus this token.
+                tail_text = self.tokenizer.decode(out[-(self._window + 1) :], skip_special_tokens=False)
+                prev_text = self.tokenizer.decode(out[-(self._window + 1) : -1], skip_special_tokens=False)
+                for s in self.stop_strings:
+                    if s in tail_text and not (s in prev_text and len(out) > 1):
+                        return "stop"
+        return "length" if len(out) >= self.max_new_tokens else None
+
+
+def _node_contexts(context: torch.Tensor, tree: DraftTree, depths: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Group nodes by depth with the token context preceding each node's next token.
+
+    Returns:
+        ``[(node_ids [n_d], contexts [n_d, T + d]) ...]``; the context of node i is the decided tokens
+        (ending with the root) plus the draft tokens on the path to node i.
+    """
+    parents = tree.parents.tolist()
+    toks = tree.tokens.tolist()
+    paths: list[list[int]] = [[]]
+    for i in range(1, len(parents)):
+        paths.append(paths[parents[i]] + [toks[i]])
+    groups = []
+    for d in range(int(depths.max()) + 1):
+        nodes = (depths == d).nonzero().flatten()
+        ext = torch.tensor([paths[i] for i in nodes.tolist()], dtype=torch.long, device=context.device).reshape(len(nodes), d)
+        groups.append((nodes, torch.cat([context.expand(len(nodes), -1), ext], dim=1)))
+    return groups
+
+
+def target_distributions(
+    logits: torch.Tensor,
+    context: torch.Tensor,
+    tree: DraftTree,
+    sampling: SamplingConfig,
+    logits_processor,
+    generated_before_root: int,
+    min_new_tokens: int,
+    eos_ids: Sequence[int],
+) -> torch.Tensor:
+    """Process the target logits at every tree node exactly as plain ``generate`` would at that position.
+
+    Args:
+        logits: ``[N, V]`` float32 raw target logits at the nodes.
+        context: LongTensor ``[T]`` decided tokens ending with the root.
+        tree: the draft tree.
+        generated_before_root: new tokens emitted before the root... i.e. ``len(output)`` (root included).
+        min_new_tokens: EOS is masked while fewer than this many tokens have been generated.
+
+    Returns:
+        ``[N, V]`` float32 processed logits (-inf = disallowed).
+    """
+    needs_context = sampling.repetition_penalty != 1.0 or bool(logits_processor)
+    depths = tree_depths(tree.parents.cpu()).to(logits.device)
+    if needs_context:
+        out = torch.empty_like(logits)
+        for nodes, ctx in _node_contexts(context, tree, depths):
+            out[nodes] = process_logits(logits[nodes], ctx, sampling, logits_processor)
+    else:
+        out = process_logits(logits, context.new_empty((logits.shape[0], 0)), sampling, None)
+    if min_new_tokens > 0 and eos_ids:
+        # HF's MinNewTokensLengthLogitsProcessor: before the next token, generated = output + depth.
+        block = (generated_before_root + depths) < min_new_tokens
+        if bool(block.any()):
+            eos = torch.tensor(list(eos_ids), device=logits.device)
+            rows = block.nonzero().flatten()
+            out[rows.unsqueeze(1), eos.unsqueeze(0)] = float("-inf")
+    return out
+
+
+@torch.inference_mode()
+def speculative_generate(
+    model,
+    drafter: Drafter,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int = 128,
+    min_new_tokens: int = 0,
+    sampling: SamplingConfig | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    stop_strings: Sequence[str] = (),
+    tokenizer=None,
+    logits_processor=None,
+    generator: torch.Generator | None = None,
+    acceptance: str = "exact",
+    streamer: Callable[[list[int]], None] | None = None,
+) -> GenerationOutput:
+    """Generate with draft-and-verify; output equals the target's own (see module docstring).
+
+    Args:
+        model: the frozen target (``transformers`` causal LM), batch size 1.
+        drafter: a :class:`~selfspec.decode.drafters.Drafter`.
+        input_ids: LongTensor ``[T]`` or ``[1, T]``, the prompt.
+        max_new_tokens: hard cap on returned tokens (never exceeded).
+        min_new_tokens: EOS is suppressed until this many tokens exist (counts tokens, not steps).
+        sampling: greedy by default.
+        eos_token_id: one id or several; output stops right after the first one produced.
+        stop_strings: output stops at the token that completes any of them (needs ``tokenizer``).
+        logits_processor: ``transformers`` ``LogitsProcessor`` objects applied at every position.
+        generator: ``torch.Generator`` for every random draw (drafts, acceptance, residual, bonus).
+        acceptance: ``"exact"`` (lossless) or ``"typical"`` (Medusa typical acceptance: LOSSY, flagged in stats).
+        streamer: called with each step's new tokens.
+
+    Returns:
+        :class:`GenerationOutput`.
+
+    Raises:
+        ValueError: bad shapes or arguments.
+    """
+    sampling = sampling or SamplingConfig()
+    if acceptance not in ("exact", "typical"):
+        raise ValueError("acceptance must be 'exact' (lossless) or 'typical' (lossy, Medusa)")
+    if input_ids.dim() == 2:
+        if input_ids.shape[0] != 1:
+            raise ValueError("speculative_generate decodes one sequence at a time (batch size 1)")
+        input_ids = input_ids[0]
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    stats = GenerationStats(lossy=acceptance == "typical")
+    stopper = _Stopper(eos_ids, stop_strings, tokenizer, max_new_tokens)
+    t0 = time.perf_counter()
+
+    cache = kv.new_cache(model)
+    hidden = kv.prefill(model, input_ids, cache)
+    root_tree = DraftTree(tokens=input_ids[-1:], parents=torch.tensor([-1]))
+    p0 = target_distributions(
+        kv.lm_logits(model, hidden[-1:]), input_ids, root_tree, sampling, logits_processor, 0, min_new_tokens, eos_ids
+    )
+    first = int(sample(probs_from_logits(p0), generator)[0]) if sampling.do_sample else int(p0[0].argmax())
+    drafter.begin(input_ids, hidden)
+    out: list[int] = []
+    reason = stopper.push(out, [first])
+    if streamer:
+        streamer([first])
+    context = torch.cat([input_ids, torch.tensor([first], device=device)])
+    past = input_ids.numel()
+    stats.prefill_s = time.perf_counter() - t0
+
+    while reason is None:
+        t1 = time.perf_counter()
+        tree = drafter.propose(context, sampling, generator)
+        t2 = time.perf_counter()
+        h = kv.forward_tree(model, tree.tokens, tree.parents, cache, past)
+        logits = kv.lm_logits(model, h)
+        p = target_distributions(logits, context, tree, sampling, logits_processor, len(out), min_new_tokens, eos_ids)
+        result = _verify(p, tree, sampling, generator, acceptance)
+        kv.compact_cache(cache, past, result.accepted_nodes)
+        t3 = time.perf_counter()
+        acc = result.accepted_nodes
+        new = tree.tokens[acc[1:]].tolist() + [result.next_token]
+        drafter.accept(tree.tokens[acc], h[acc])
+        stats.draft_s += t2 - t1
+        stats.verify_s += t3 - t2
+        stats.steps += 1
+        stats.tree_nodes += tree.tokens.numel()
+        stats.accepted_per_step.append(len(new))
+        _count_depths(stats, tree, len(acc) - 1)
+        before = len(out)
+        reason = stopper.push(out, new)
+        if streamer and len(out) > before:
+            streamer(out[before:])
+        past += acc.numel()
+        context = torch.cat([context, torch.tensor(new, device=device)])
+
+    stats.finish_reason = reason
+    stats.new_tokens = len(out)
+    stats.total_s = time.perf_counter() - t0
+    text = tokenizer.decode(out, skip_special_tokens=True) if tokenizer is not None else None
+    return GenerationOutput(tokens=out, stats=stats, text=text)
+
+
+def _verify(p: torch.Tensor, tree: DraftTree, sampling: SamplingConfig, generator, acceptance: str) -> VerifyResult:
+    if acceptance == "typical":
+        return verify_typical(probs_from_logits(p), tree.tokens, tree.parents, generator=generator)
+    if not sampling.do_sample:
+        return verify_greedy(p, tree.tokens, tree.parents)
+    return verify_tree_sampling(probs_from_logits(p), tree.tokens, tree.parents, tree.q, generator)
+
+
+def _count_depths(stats: GenerationStats, tree: DraftTree, accepted_depth: int) -> None:
+    max_depth = int(tree_depths(tree.parents.cpu()).max()) if tree.tokens.numel() > 1 else 0
+    while len(stats.drafted_by_depth) < max_depth:
+        stats.drafted_by_depth.append(0)
+        stats.accepted_by_depth.append(0)
+    for d in range(max_depth):
+        stats.drafted_by_depth[d] += 1
+    for d in range(accepted_depth):
+        stats.accepted_by_depth[d] += 1

@@ -1,0 +1,241 @@
+"""Medusa-1 draft heads (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with
+Multiple Decoding Heads", arXiv:2401.10774).
+
+K heads sit on the target's last hidden state ``h_t`` (after the final norm). Head k (0-based) is
+``L`` residual blocks ``x + SiLU(W x + b)`` (W zero-initialised, so a fresh head reproduces ``h_t``)
+followed by a vocabulary projection, and predicts the token ``k + 2`` positions ahead of ``t`` (the
+target's own lm_head predicts ``t + 1``).
+
+The projection is either an own lm_head per head, initialised from the target's (``own_lm_head=True``,
+Medusa's default), or the target's frozen lm_head shared by every head. Both can be restricted to a
+reduced draft vocabulary (the N most frequent target tokens, as in FR-Spec / EAGLE-3): row ``i`` of
+the projection scores target token ``draft_ids[i]``.
+
+Parameter names follow vLLM's ``MedusaModel`` (``blocks.{k}.layers.{l}.weight``,
+``lm_heads.{k}.weight``) so a head directory exports without renaming.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from selfspec.heads.config import HeadFormatError, config_from_dict, read_json
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    """Shape and provenance of a set of Medusa heads.
+
+    Attributes:
+        hidden_size: D, the target's hidden size.
+        vocab_size: V, the target's vocabulary size.
+        num_heads: K, number of heads (head k predicts token t+2+k).
+        num_layers: residual blocks per head.
+        own_lm_head: True: each head has its own projection (initialised from the target's lm_head);
+            False: heads share the target's frozen lm_head.
+        draft_vocab_size: N rows in the projection; equals ``vocab_size`` when no reduced vocabulary is used.
+        target: the target name the heads were trained on (informational).
+        target_fingerprint: :func:`selfspec.target.target_fingerprint` of that target; checked on load.
+        head_topk_accuracy: optional ``[K][k]`` held-out top-1..top-k accuracies per head, used to build
+            the static tree (Medusa's greedy tree construction).
+    """
+
+    hidden_size: int
+    vocab_size: int
+    num_heads: int = 4
+    num_layers: int = 1
+    own_lm_head: bool = True
+    draft_vocab_size: int | None = None
+    target: str = ""
+    target_fingerprint: str = ""
+    head_topk_accuracy: list[list[float]] | None = None
+    head_type: str = "medusa"
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1 or self.num_layers < 1:
+            raise ValueError("num_heads and num_layers must be >= 1")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}]")
+        if self.head_type != "medusa":
+            raise HeadFormatError(f"head_type {self.head_type!r} is not 'medusa'")
+
+    @property
+    def n_draft(self) -> int:
+        return self.draft_vocab_size or self.vocab_size
+
+
+class ResBlock(nn.Module):
+    """``x + SiLU(W x + b)`` with W zero-initialised (identity at start). Shapes: ``[..., D] -> [..., D]``."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class _Blocks(nn.Module):
+    def __init__(self, hidden_size: int, num_layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(ResBlock(hidden_size) for _ in range(num_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads. See the module docstring for the algorithm.
+
+    Buffers:
+        draft_ids: LongTensor ``[N]``, target token id of each projection row (``arange(V)`` when full).
+
+    Args:
+        config: the head shapes.
+        target_lm_head: ``[V, D]`` target lm_head weight used to initialise own heads (copied) or, when
+            ``own_lm_head`` is False, referenced (never trained) at forward time.
+        draft_ids: optional LongTensor ``[N]`` of target ids forming the reduced draft vocabulary.
+    """
+
+    def __init__(
+        self,
+        config: MedusaConfig,
+        target_lm_head: torch.Tensor | None = None,
+        draft_ids: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        D, N = config.hidden_size, config.n_draft
+        if draft_ids is None:
+            draft_ids = torch.arange(config.vocab_size)
+        if draft_ids.shape != (N,):
+            raise ValueError(f"draft_ids must have shape [{N}], got {tuple(draft_ids.shape)}")
+        self.register_buffer("draft_ids", draft_ids.to(torch.long).clone(), persistent=True)
+        self.blocks = nn.ModuleList(_Blocks(D, config.num_layers) for _ in range(config.num_heads))
+        self.lm_heads = nn.ModuleList()
+        if config.own_lm_head:
+            for _ in range(config.num_heads):
+                head = nn.Linear(D, N, bias=False)
+                if target_lm_head is not None:
+                    head.weight.data.copy_(target_lm_head.detach()[self.draft_ids].to(head.weight.dtype))
+                self.lm_heads.append(head)
+        self._shared: torch.Tensor | None = None
+        if target_lm_head is not None:
+            self.attach_target(target_lm_head)
+
+    def attach_target(self, target_lm_head: torch.Tensor) -> None:
+        """Reference the target's frozen lm_head ``[V, D]`` (needed when ``own_lm_head`` is False)."""
+        if target_lm_head.shape != (self.config.vocab_size, self.config.hidden_size):
+            raise HeadFormatError(
+                f"target lm_head has shape {tuple(target_lm_head.shape)}, heads expect "
+                f"[{self.config.vocab_size}, {self.config.hidden_size}]: these heads belong to another target."
+            )
+        if not self.config.own_lm_head:
+            ids = self.draft_ids.to(target_lm_head.device)
+            full = ids.numel() == target_lm_head.shape[0]
+            self._shared = target_lm_head.detach() if full else target_lm_head.detach()[ids]
+
+    def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Residual blocks of every head. ``hidden``: ``[..., D]`` -> ``[K, ..., D]``."""
+        return torch.stack([blocks(hidden) for blocks in self.blocks])
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits of every head over the draft vocabulary.
+
+        Args:
+            hidden: ``[..., D]`` target last hidden states (after the final norm), any float dtype.
+
+        Returns:
+            ``[K, ..., N]`` logits; head k at position t scores the token at t+2+k. Map a draft index
+            ``i`` to a target token id with ``draft_ids[i]``.
+
+        Raises:
+            RuntimeError: shared-lm_head heads used before :meth:`attach_target`.
+        """
+        states = self.head_states(hidden)
+        if self.config.own_lm_head:
+            return torch.stack([head(states[k]) for k, head in enumerate(self.lm_heads)])
+        if self._shared is None:
+            raise RuntimeError("heads with own_lm_head=False need attach_target(target_lm_head) first")
+        return states @ self._shared.to(states.dtype).T
+
+    # ---------------------------------------------------------------- files
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` (head weights only, never target weights).
+
+        Returns:
+            The directory.
+        """
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        tmp = out / (WEIGHTS_NAME + ".tmp")
+        save_file(state, str(tmp), metadata={"format": "pt", "head_type": "medusa"})
+        tmp.replace(out / WEIGHTS_NAME)
+        cfg = dataclasses.asdict(self.config)
+        cfg.update({"model_type": "medusa", "num_hidden_layers": self.config.num_layers})
+        (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
+        return out
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | Path, target_lm_head: torch.Tensor | None = None, target_fingerprint: str | None = None
+    ) -> MedusaHeads:
+        """Load heads saved by :meth:`save_pretrained`, refusing anything that does not match exactly.
+
+        Args:
+            directory: the head directory.
+            target_lm_head: ``[V, D]`` target lm_head, attached after loading.
+            target_fingerprint: if given, must equal the fingerprint stored with the heads.
+
+        Raises:
+            HeadFormatError: missing/corrupt files, unknown config keys, missing or unexpected tensors,
+                wrong shapes, or heads trained on another target. Nothing is half-loaded: the module is
+                only returned when every tensor matched.
+        """
+        from safetensors import SafetensorsError
+        from safetensors.torch import load_file
+
+        d = Path(directory)
+        raw = read_json(d / CONFIG_NAME)
+        raw.pop("model_type", None)
+        raw.pop("num_hidden_layers", None)
+        config = config_from_dict(MedusaConfig, raw, where=str(d / CONFIG_NAME))
+        if target_fingerprint and config.target_fingerprint and config.target_fingerprint != target_fingerprint:
+            raise HeadFormatError(
+                f"heads in {d} were trained on target {config.target!r} (fingerprint {config.target_fingerprint}), "
+                f"not on the target given (fingerprint {target_fingerprint}); load them with their own target."
+            )
+        try:
+            state = load_file(str(d / WEIGHTS_NAME))
+        except (OSError, SafetensorsError) as err:
+            raise HeadFormatError(f"cannot read {d / WEIGHTS_NAME}: {err}") from err
+        heads = cls(config, draft_ids=state.get("draft_ids"))
+        expected = heads.state_dict()
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        bad = sorted(k for k in set(expected) & set(state) if expected[k].shape != state[k].shape)
+        if missing or unexpected or bad:
+            raise HeadFormatError(
+                f"{d / WEIGHTS_NAME} does not match its config: missing={missing} unexpected={unexpected} "
+                f"wrong_shape={bad}. Re-export the heads with save_pretrained."
+            )
+        heads.load_state_dict(state, strict=True)
+        if target_lm_head is not None:
+            heads.attach_target(target_lm_head)
+        return heads

@@ -1,0 +1,222 @@
+"""Public Python API: ``selfspec.load(target, heads)`` -> a model whose ``generate`` is the target's, faster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from selfspec.decode.drafters import DraftModelDrafter, MedusaDrafter, PromptLookupDrafter
+from selfspec.decode.generate import GenerationOutput, speculative_generate
+from selfspec.decode.sampling import SamplingConfig
+from selfspec.decode.tree import greedy_tree_from_accuracy, static_tree
+
+# A small tree for heads without measured accuracy: 10 nodes suit a CPU (verify cost grows with nodes).
+DEFAULT_MEDUSA_PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]
+DEFAULT_TREE_NODES = 10
+
+
+class SpeculativeModel:
+    """A frozen target plus a drafter. Build it with :func:`load`.
+
+    Attributes:
+        target: the ``transformers`` causal LM (frozen, eval mode).
+        tokenizer: its tokenizer (None if the target was passed as a module without one).
+        drafter: the :class:`~selfspec.decode.drafters.Drafter` in use.
+    """
+
+    def __init__(self, target, tokenizer, drafter) -> None:
+        self.target = target
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+
+    # ------------------------------------------------------------------ inputs
+    def encode(self, prompt: Any) -> torch.Tensor:
+        """Token ids ``[T]`` for a prompt given as ids (list / LongTensor ``[T]`` or ``[1, T]``), a string
+        (tokenized as is) or chat messages (``[{"role", "content"}]``, rendered with the chat template
+        and the generation prompt).
+
+        Raises:
+            ValueError: empty prompt, or a string / messages without a tokenizer.
+        """
+        if isinstance(prompt, torch.Tensor):
+            ids = prompt.reshape(-1).to(torch.long)
+        elif isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):
+            if self.tokenizer is None:
+                raise ValueError("text and chat prompts need a tokenizer; pass token ids or load with a tokenizer")
+            if isinstance(prompt, str):
+                ids = torch.tensor(self.tokenizer(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
+            else:
+                enc = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=True)
+                ids = torch.tensor(enc["input_ids"], dtype=torch.long)
+        else:
+            ids = torch.tensor(list(prompt), dtype=torch.long)
+        if ids.numel() == 0:
+            raise ValueError("the prompt is empty")
+        return ids
+
+    def default_eos(self) -> list[int]:
+        """EOS ids from the target's generation config (falling back to the tokenizer's)."""
+        eos = getattr(self.target.generation_config, "eos_token_id", None)
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return []
+        return [eos] if isinstance(eos, int) else list(eos)
+
+    # ------------------------------------------------------------------ generate
+    def generate(
+        self,
+        prompt: Any,
+        max_new_tokens: int = 128,
+        *,
+        min_new_tokens: int = 0,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        eos_token_id: int | Sequence[int] | None = None,
+        stop_strings: Sequence[str] = (),
+        logits_processor=None,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        acceptance: str = "exact",
+        streamer: Callable[[list[int]], None] | None = None,
+    ) -> GenerationOutput:
+        """Generate like ``transformers`` ``generate`` (batch 1), with speculative decoding.
+
+        Output is exactly the target's: token-identical under greedy, distribution-identical under
+        sampling (``acceptance="typical"`` is the one lossy opt-in, flagged in ``stats.lossy``).
+
+        Args:
+            prompt: ids, a string or chat messages (see :meth:`encode`).
+            max_new_tokens: cap on new tokens (never exceeded).
+            min_new_tokens: EOS suppressed until this many tokens exist.
+            do_sample, temperature, top_k, top_p, min_p, repetition_penalty: as in ``transformers``
+                (``top_k=0`` means off here).
+            eos_token_id: one id or several; default: the target's generation config.
+            stop_strings: stop at the token that completes any of them.
+            logits_processor: extra ``transformers`` ``LogitsProcessor`` objects.
+            seed: seed for a fresh ``torch.Generator`` (same seed, same output).
+            generator: an explicit ``torch.Generator`` (wins over ``seed``).
+            acceptance: ``"exact"`` or ``"typical"`` (lossy).
+            streamer: called with each step's new token ids.
+
+        Returns:
+            :class:`~selfspec.decode.generate.GenerationOutput` (``tokens``, ``text``, ``stats`` with
+            ``steps``, ``mean_accepted_tokens`` (tau), ``tokens_per_s``, ``finish_reason``).
+
+        Raises:
+            ValueError: invalid sampling values or prompt.
+        """
+        sampling = SamplingConfig(
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+        )
+        if generator is None and seed is not None:
+            generator = torch.Generator(device=next(self.target.parameters()).device).manual_seed(seed)
+        return speculative_generate(
+            self.target,
+            self.drafter,
+            self.encode(prompt),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
+            sampling=sampling,
+            eos_token_id=self.default_eos() if eos_token_id is None else eos_token_id,
+            stop_strings=stop_strings,
+            tokenizer=self.tokenizer,
+            logits_processor=logits_processor,
+            generator=generator,
+            acceptance=acceptance,
+            streamer=streamer,
+        )
+
+
+def make_drafter(
+    target,
+    heads: str | Path | torch.nn.Module | None = None,
+    *,
+    tree: Sequence[Sequence[int]] | None = None,
+    tree_nodes: int | None = None,
+    draft_model=None,
+    draft_tokens: int = 4,
+    prompt_lookup: bool = False,
+    **eagle_options: Any,
+):
+    """Build the drafter for a target from exactly one of ``heads``, ``draft_model`` or ``prompt_lookup``.
+
+    Raises:
+        ValueError: none or several drafting methods given.
+        HeadFormatError: the heads do not load (see :func:`selfspec.heads.load_heads`).
+    """
+    chosen = [heads is not None, draft_model is not None, bool(prompt_lookup)]
+    if sum(chosen) != 1:
+        raise ValueError("pass exactly one of heads=..., draft_model=..., prompt_lookup=True")
+    if prompt_lookup:
+        return PromptLookupDrafter(num_tokens=draft_tokens * 2)
+    if draft_model is not None:
+        if isinstance(draft_model, (str, Path)):
+            from selfspec.target import load_target
+
+            draft_model, _ = load_target(draft_model, dtype=next(target.parameters()).dtype)
+        return DraftModelDrafter(draft_model, num_tokens=draft_tokens)
+    from selfspec.heads import load_heads
+
+    if isinstance(heads, (str, Path)):
+        heads = load_heads(heads, target=target)
+    dtype = next(target.parameters()).dtype
+    heads = heads.to(device=next(target.parameters()).device, dtype=dtype).eval()
+    if getattr(heads.config, "head_type", "") == "medusa":
+        heads.attach_target(target.get_output_embeddings().weight)
+        if tree is None:
+            acc = heads.config.head_topk_accuracy
+            n = tree_nodes or DEFAULT_TREE_NODES
+            tree = greedy_tree_from_accuracy(acc, n) if acc else DEFAULT_MEDUSA_PATHS[: n - 1]
+        return MedusaDrafter(heads, static_tree(tree))
+    from selfspec.decode.eagle import EagleDrafter
+
+    return EagleDrafter(heads, target, **eagle_options)
+
+
+def load(
+    target: str | Path | Any,
+    heads: str | Path | torch.nn.Module | None = None,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    tokenizer=None,
+    threads: int | None = None,
+    **drafter_options: Any,
+) -> SpeculativeModel:
+    """Load a target and a drafter.
+
+    Args:
+        target: a target name (see :func:`selfspec.target.resolve_target`) or a loaded model.
+        heads: a head directory or module; or pass ``draft_model=`` / ``prompt_lookup=True``.
+        dtype: target dtype when loading by name.
+        device: target device when loading by name.
+        tokenizer: needed for text prompts when ``target`` is a module.
+        threads: ``torch.set_num_threads`` value.
+        drafter_options: ``tree``, ``tree_nodes``, ``draft_model``, ``draft_tokens``, ``prompt_lookup``,
+            and EAGLE options (``depth``, ``top_k``, ``total_tokens``).
+
+    Returns:
+        :class:`SpeculativeModel`.
+    """
+    if threads:
+        torch.set_num_threads(threads)
+    if isinstance(target, (str, Path)):
+        from selfspec.target import load_target
+
+        target, tokenizer = load_target(target, dtype=dtype, device=device)
+    return SpeculativeModel(target, tokenizer, make_drafter(target, heads, **drafter_options))
+
+
+from_pretrained = load

@@ -1,0 +1,38 @@
+"""The ``selfspec`` command: ``train``, ``bench``, ``quickstart``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {
+        "train": "train heads on a frozen target (same as: accelerate launch -m selfspec.train CONFIG [k=v ...])",
+        "bench": "speedup and tau against plain transformers generate, in one run",
+        "quickstart": "the embedded default: SmolLM2 target, ShareGPT data, train heads, then bench",
+    }
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        parser = argparse.ArgumentParser(prog="selfspec", description="self-speculative decoding")
+        sub = parser.add_subparsers(dest="command")
+        for name, help_text in commands.items():
+            sub.add_parser(name, help=help_text, add_help=False)
+        parser.print_help()
+        return 0 if argv[:1] in ([], ["-h"], ["--help"]) else 2
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        from selfspec.train.__main__ import main as train_main
+
+        return train_main(rest)
+    if command == "bench":
+        from selfspec.bench import main as bench_main
+
+        return bench_main(rest)
+    from selfspec.quickstart import main as quickstart_main
+
+    return quickstart_main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

