@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from selfspec.decode.kv import call_with_cache
+from selfspec.decode.kv import call_with_cache, crop_cache
 from selfspec.decode.sampling import SamplingConfig, probs_from_logits, process_logits
 from selfspec.decode.tree import StaticTree
 
@@ -184,7 +184,7 @@ class DraftModelDrafter:
             common += 1
         common = min(common, len(ctx) - 1)  # always re-feed at least the root to get its logits
         if common < len(self._cached):
-            self._cache.crop(common)
+            crop_cache(self._cache, common)
             del self._cached[common:]
         logits = self._feed(ctx[common:], context.device)
         draft: list[int] = []

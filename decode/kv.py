@@ -111,3 +111,11 @@ def compact_cache(cache, past_length: int, accepted_nodes: torch.Tensor) -> None
             layer.values[:, :, past_length:keep] = layer.values.index_select(2, idx)
         layer.keys = layer.keys[:, :, :keep]
         layer.values = layer.values[:, :, :keep]
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first ``length`` cached tokens of every layer (works across ``transformers`` versions)."""
+    for layer in cache.layers:
+        if layer.keys is not None and layer.keys.numel():
+            layer.keys = layer.keys[:, :, :length]
+            layer.values = layer.values[:, :, :length]

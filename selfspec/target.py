@@ -65,7 +65,11 @@ def _convert_gguf(src_dir: Path, gguf_file: str, out_dir: Path) -> None:
     logger.info("converting %s/%s into %s (once)", src_dir, gguf_file, out_dir)
     loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf_file, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf_file)
-    config = AutoConfig.for_model(**loaded.config.to_dict())
+    raw = loaded.config.to_dict()
+    # The dequantised copy is a plain checkpoint: keeping GGUF's quantization_config would send every
+    # later from_pretrained down the GGUF loading path.
+    raw.pop("quantization_config", None)
+    config = AutoConfig.for_model(**raw)
     fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
     # Tied embeddings may show lm_head.weight as missing; anything else is a conversion bug.
@@ -80,6 +84,14 @@ def _convert_gguf(src_dir: Path, gguf_file: str, out_dir: Path) -> None:
     (tmp / "selfspec_source.json").write_text(json.dumps({"package_dir": str(src_dir), "gguf_file": gguf_file}))
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
+
+
+def _is_converted(out_dir: Path) -> bool:
+    try:
+        config = json.loads((out_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return "quantization_config" not in config and (out_dir / "model.safetensors").is_file()
 
 
 def resolve_target(name: str | os.PathLike) -> str:
@@ -106,7 +118,7 @@ def resolve_target(name: str | os.PathLike) -> str:
     if key in ALIASES:
         package, gguf_file, install = ALIASES[key]
         out_dir = cache_dir() / "targets" / key
-        if (out_dir / "config.json").is_file() and (out_dir / "model.safetensors").is_file():
+        if _is_converted(out_dir):
             return str(out_dir)
         src = _package_dir(package)
         if src is None or not (src / gguf_file).is_file():

@@ -52,7 +52,7 @@ class TrainConfig:
     distill_conversations: int = 320
     distill_max_new_tokens: int = 160
     distill_batch_size: int = 16
-    dtype: str = "bfloat16"
+    dtype: str = "float32"
     num_heads: int = 4
     num_layers: int = 1
     own_lm_head: bool = True

@@ -61,3 +61,47 @@ def topk_hits(logits: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch
     scored = (labels.T != IGNORE)  # [K, P]
     hits = (match.cumsum(-1) * scored.unsqueeze(-1)).sum(1)
     return hits, scored.sum(1)
+
+
+def eagle_loss(
+    pred_features: torch.Tensor,
+    target_features: torch.Tensor,
+    pred_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    ce_weight: float = 0.1,
+    feature_weight: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """EAGLE-1 loss (Li et al. 2024, arXiv:2401.15077, section 4.2): feature regression plus a token term.
+
+    ``feature_weight * SmoothL1(f', f) + ce_weight * CE(p, softmax(target_logits))``, where the CE is the
+    cross-entropy of the draft distribution (``log_softmax(pred_logits)``) against the target's
+    distribution at the same position (soft labels, as EAGLE's reference code; 0.1 is its weight).
+    Both terms are means over the P scored positions (SmoothL1 also over D, beta 1).
+
+    Args:
+        pred_features: ``[P, D]`` predicted features ``f'_{t+1}`` at the scored positions.
+        target_features: ``[P, D]`` the target's features ``f_{t+1}`` there (after the final norm).
+        pred_logits: ``[P, N]`` draft logits (``lm_head(f')`` over the draft vocabulary).
+        target_logits: ``[P, N]`` target logits over the same rows (``lm_head(f)``; no gradient needed).
+        ce_weight, feature_weight: term weights.
+
+    Returns:
+        ``(loss, feature_loss, ce_loss)``: float32 scalars; the last two detached. With P = 0 all are 0
+        (and ``loss`` still has a graph, so every process can call ``backward``).
+
+    Raises:
+        ValueError: mismatched shapes.
+    """
+    if pred_features.shape != target_features.shape or pred_logits.shape != target_logits.shape:
+        raise ValueError(
+            f"shape mismatch: features {tuple(pred_features.shape)} vs {tuple(target_features.shape)}, "
+            f"logits {tuple(pred_logits.shape)} vs {tuple(target_logits.shape)}"
+        )
+    if pred_features.shape[0] == 0:
+        zero = pred_features.float().sum() * 0.0 + pred_logits.float().sum() * 0.0
+        return zero, zero.detach(), zero.detach()
+    feat = F.smooth_l1_loss(pred_features.float(), target_features.float())
+    p = torch.softmax(target_logits.float(), dim=-1)
+    ce = -(p * torch.log_softmax(pred_logits.float(), dim=-1)).sum(-1).mean()
+    loss = feature_weight * feat + ce_weight * ce
+    return loss, feat.detach(), ce.detach()

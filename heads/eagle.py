@@ -1,0 +1,347 @@
+"""EAGLE-1 draft head (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
+Uncertainty", arXiv:2401.15077), drafted as EAGLE-2 dynamic trees by :mod:`selfspec.decode.eagle`.
+
+The head autoregresses on the target's *features*: ``f_t`` is the target's last hidden state at
+position t AFTER the final norm (what :func:`selfspec.decode.kv.prefill` returns, and what the target's
+lm_head turns into the distribution of token ``x_{t+1}``). At head position t the input is the pair
+``(f_t, x_{t+1})``::
+
+    z_t    = fc(concat(embed(x_{t+1}), f_t))          # [.., 2D] -> [.., D]
+    f'_t+1 = DecoderLayer(z)_t                       # one layer of the target's own architecture,
+                                                     # input_layernorm replaced by identity
+    logits = f'_t+1 @ lm_head[draft_ids].T           # target's frozen lm_head, no extra norm
+
+Because features are after the target's final norm, the predicted feature goes through the lm_head
+directly (as in EAGLE-1, whose features are Hugging Face's ``hidden_states[-1]``, also after the norm).
+The token embedding, lm_head and rotary embedding are the target's and frozen; they are referenced
+(never registered, never saved) through :meth:`EagleHead.attach_target`.
+
+The decoder layer is built through ``transformers``' public classes from the target's config (the class
+of ``target.model.layers[0]``, or of a meta-device model of the saved config), so any Llama-like target
+works without copying a modeling file.
+
+Files (``save_pretrained``), laid out so EAGLE-1 serving engines load them (vLLM ``EagleLlamaForCausalLM``,
+SGLang ``LlamaForCausalLMEagle``):
+
+* ``config.json``: the target's config with ``num_hidden_layers: 1``, plus ``head_type: "eagle"`` and a
+  ``selfspec`` object holding :class:`EagleConfig` (strictly checked);
+* ``model.safetensors``: exactly ``fc.weight`` (+ ``fc.bias``) and ``layers.0.*``;
+* ``draft_vocab.safetensors`` (only with a reduced draft vocabulary): ``draft_ids`` ``[N]``, kept out of
+  the weights file so engines that load the full-vocabulary EAGLE-1 layout are not handed an unknown
+  tensor. The head's weights do not depend on the vocabulary; only drafting restricts the lm_head rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from selfspec.heads.config import HeadFormatError, config_from_dict, read_json
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+DRAFT_VOCAB_NAME = "draft_vocab.safetensors"
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """selfspec's own fields of an EAGLE head (the architecture lives in the transformers config).
+
+    Attributes:
+        hidden_size: D, the target's hidden size.
+        vocab_size: V, the target's vocabulary size.
+        draft_vocab_size: N lm_head rows used while drafting; None = the full vocabulary.
+        fc_bias: whether ``fc`` (2D -> D) has a bias (EAGLE-1: yes).
+        target: the target name the head was trained on (informational).
+        target_fingerprint: :func:`selfspec.target.target_fingerprint` of that target; checked on load.
+        heldout_top1: held-out teacher-forced top-1 accuracy vs the target's argmax, if measured.
+        head_type: always ``"eagle"``.
+    """
+
+    hidden_size: int
+    vocab_size: int
+    draft_vocab_size: int | None = None
+    fc_bias: bool = True
+    target: str = ""
+    target_fingerprint: str = ""
+    heldout_top1: float | None = None
+    head_type: str = "eagle"
+
+    def __post_init__(self) -> None:
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}]")
+        if self.head_type != "eagle":
+            raise HeadFormatError(f"head_type {self.head_type!r} is not 'eagle'")
+
+    @property
+    def n_draft(self) -> int:
+        return self.draft_vocab_size or self.vocab_size
+
+
+def _one_layer_config(arch_config):
+    """A deep copy of a transformers config with ``num_hidden_layers = 1`` (and SDPA attention)."""
+    cfg = copy.deepcopy(arch_config)
+    cfg.num_hidden_layers = 1
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = list(cfg.layer_types[:1])
+    if getattr(cfg, "_attn_implementation", None) not in ("sdpa", "eager"):
+        cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def decoder_layer_class(arch_config, target=None) -> type[nn.Module]:
+    """The decoder layer class of an architecture: ``target.model.layers[0].__class__`` when a target is
+    given, else that of a meta-device (no memory) model built from ``arch_config``.
+
+    Raises:
+        HeadFormatError: the architecture has no ``model.layers`` stack.
+    """
+    if target is not None:
+        layers = getattr(target.base_model, "layers", None)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            layers = getattr(AutoModelForCausalLM.from_config(arch_config).base_model, "layers", None)
+    if not layers:
+        raise HeadFormatError(f"model type {arch_config.model_type!r} has no decoder layer stack (model.layers)")
+    return layers[0].__class__
+
+
+def _check_draft_ids(draft_ids: torch.Tensor, n: int, vocab_size: int, where: str) -> None:
+    if draft_ids.dtype != torch.long or draft_ids.shape != (n,):
+        raise HeadFormatError(f"{where}: draft_ids must be int64 of shape [{n}], got {draft_ids.dtype} {tuple(draft_ids.shape)}")
+    if n and (int(draft_ids.min()) < 0 or int(draft_ids.max()) >= vocab_size):
+        raise HeadFormatError(f"{where}: draft_ids must lie in [0, {vocab_size})")
+    if torch.unique(draft_ids).numel() != n:
+        raise HeadFormatError(f"{where}: draft_ids contain duplicates")
+
+
+class EagleHead(nn.Module):
+    """EAGLE-1 feature head: ``fc`` + one decoder layer of the target's kind (see the module docstring).
+
+    Parameters: ``fc.weight`` ``[D, 2D]`` (+ ``fc.bias`` ``[D]``) and ``layers.0.*``.
+    Buffer (non-persistent, saved in its own file): ``draft_ids`` LongTensor ``[N]``, the target token id
+    of each draft-vocabulary row (``arange(V)`` when full).
+
+    Args:
+        config: :class:`EagleConfig`.
+        arch_config: the target's transformers config (copied; ``num_hidden_layers`` set to 1).
+        draft_ids: optional LongTensor ``[N]`` of target ids forming the reduced draft vocabulary.
+        target: the frozen target; when given, its decoder layer class is used and it is attached.
+        init_from_target_layer: when a target is given, initialise ``layers.0`` from the target's last
+            decoder layer (a good starting point for training; EAGLE itself starts from random).
+    """
+
+    def __init__(
+        self,
+        config: EagleConfig,
+        arch_config,
+        draft_ids: torch.Tensor | None = None,
+        target=None,
+        init_from_target_layer: bool = False,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.arch_config = _one_layer_config(arch_config)
+        if self.arch_config.hidden_size != config.hidden_size or self.arch_config.vocab_size != config.vocab_size:
+            raise HeadFormatError(
+                f"architecture config (hidden {self.arch_config.hidden_size}, vocab {self.arch_config.vocab_size}) "
+                f"disagrees with the head config (hidden {config.hidden_size}, vocab {config.vocab_size})"
+            )
+        D, N = config.hidden_size, config.n_draft
+        if draft_ids is None:
+            draft_ids = torch.arange(config.vocab_size)
+        _check_draft_ids(draft_ids.to(torch.long), N, config.vocab_size, "EagleHead")
+        self.register_buffer("draft_ids", draft_ids.to(torch.long).clone(), persistent=False)
+        self.fc = nn.Linear(2 * D, D, bias=config.fc_bias)
+        layer = decoder_layer_class(self.arch_config, target)(self.arch_config, layer_idx=0)
+        if init_from_target_layer and target is not None:
+            src = {k: v for k, v in target.base_model.layers[-1].state_dict().items() if not k.startswith("input_layernorm.")}
+            layer.load_state_dict(src, strict=False)
+        # EAGLE-1: the first (here: only) layer has no input norm; fc's output enters attention directly.
+        layer.input_layernorm = nn.Identity()
+        self.layers = nn.ModuleList([layer])
+        self._target: tuple[Any, ...] | None = None  # (embed, rotary, lm_head weight [N, D]); not registered
+        self._lm_cast: dict[torch.dtype, torch.Tensor] = {}
+        if target is not None:
+            self.attach_target(target)
+
+    # ---------------------------------------------------------------- target
+    def attach_target(self, target) -> None:
+        """Reference the frozen target's token embedding, rotary embedding and lm_head (rows ``draft_ids``).
+
+        Raises:
+            HeadFormatError: the target's sizes or model type differ from the head's.
+        """
+        cfg = target.config
+        if (cfg.hidden_size, cfg.vocab_size) != (self.config.hidden_size, self.config.vocab_size):
+            raise HeadFormatError(
+                f"target has hidden {cfg.hidden_size} / vocab {cfg.vocab_size}, the EAGLE head expects "
+                f"{self.config.hidden_size} / {self.config.vocab_size}: it belongs to another target."
+            )
+        if cfg.model_type != self.arch_config.model_type:
+            raise HeadFormatError(f"target is a {cfg.model_type!r} model, the head a {self.arch_config.model_type!r} layer")
+        rotary = getattr(target.base_model, "rotary_emb", None)
+        if rotary is None:
+            raise HeadFormatError("the target has no model.rotary_emb module; EAGLE heads need RoPE positions")
+        lm = target.get_output_embeddings().weight.detach()
+        ids = self.draft_ids.to(lm.device)
+        lm = lm if ids.numel() == lm.shape[0] else lm[ids]
+        self._target = (target.get_input_embeddings(), rotary, lm)
+        self._lm_cast = {}
+
+    def _require_target(self) -> tuple[Any, ...]:
+        if self._target is None:
+            raise RuntimeError("EagleHead needs attach_target(target) (its embeddings, RoPE and lm_head) first")
+        return self._target
+
+    def lm_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The target's lm_head rows of the draft vocabulary, ``[N, D]`` in ``dtype`` (frozen, cached)."""
+        lm = self._require_target()[2]
+        if lm.dtype == dtype:
+            return lm
+        if dtype not in self._lm_cast:
+            self._lm_cast[dtype] = lm.to(dtype)
+        return self._lm_cast[dtype]
+
+    # ---------------------------------------------------------------- compute
+    def forward(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+    ) -> torch.Tensor:
+        """Predict the next features.
+
+        Args:
+            features: ``[B, T, D]`` target features ``f_t`` (after the final norm), any float dtype.
+            input_ids: LongTensor ``[B, T]``, the tokens ``x_{t+1}`` paired with them.
+            position_ids: LongTensor ``[B, T]``.
+            attention_mask: additive float ``[B or 1, 1, T, past + T]`` (0 attend, dtype-min blocked) or
+                None for a plain causal mask without cache.
+            cache: a ``transformers`` ``DynamicCache`` of the head (one layer), extended by T entries.
+
+        Returns:
+            Predicted features ``[B, T, D]`` in the head's dtype; position t predicts ``f_{t+1}``.
+        """
+        embed, rotary, _ = self._require_target()
+        dtype = self.fc.weight.dtype
+        with torch.no_grad():
+            emb = embed(input_ids).to(dtype)
+        x = self.fc(torch.cat([emb, features.to(dtype)], dim=-1))
+        position_embeddings = rotary(x, position_ids)
+        kwargs: dict[str, Any] = {}
+        if cache is not None:
+            kwargs = {"cache": cache, "use_cache": True}
+        out = self.layers[0](
+            x, attention_mask=attention_mask, position_ids=position_ids, position_embeddings=position_embeddings, **kwargs
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    def draft_logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """``[..., D]`` predicted features -> ``[..., N]`` logits over the draft vocabulary (row i scores
+        target token ``draft_ids[i]``), in the features' dtype."""
+        return predicted @ self.lm_weight(predicted.dtype).T
+
+    # ---------------------------------------------------------------- files
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write ``config.json``, ``model.safetensors`` and, with a reduced vocabulary, ``draft_vocab.safetensors``.
+
+        Head weights only: never the target's embeddings or lm_head. Returns the directory.
+        """
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        tmp = out / (WEIGHTS_NAME + ".tmp")
+        save_file(state, str(tmp), metadata={"format": "pt", "head_type": "eagle"})
+        tmp.replace(out / WEIGHTS_NAME)
+        vocab_file = out / DRAFT_VOCAB_NAME
+        if self.config.draft_vocab_size is not None:
+            tmp = out / (DRAFT_VOCAB_NAME + ".tmp")
+            save_file({"draft_ids": self.draft_ids.cpu().contiguous()}, str(tmp), metadata={"format": "pt"})
+            tmp.replace(vocab_file)
+        elif vocab_file.exists():
+            vocab_file.unlink()
+        arch = self.arch_config.to_dict()
+        arch.update({"num_hidden_layers": 1, "head_type": "eagle", "selfspec": dataclasses.asdict(self.config)})
+        arch.pop("_attn_implementation_autoset", None)
+        (out / CONFIG_NAME).write_text(json.dumps(arch, indent=2, default=str))
+        return out
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | Path, target=None, target_fingerprint: str | None = None
+    ) -> EagleHead:
+        """Load a head saved by :meth:`save_pretrained`, refusing anything that does not match exactly.
+
+        Args:
+            directory: the head directory.
+            target: the frozen target, attached after loading (its decoder layer class is used).
+            target_fingerprint: if given, must equal the fingerprint stored with the head.
+
+        Raises:
+            HeadFormatError: missing/corrupt files, unknown ``selfspec`` keys, an architecture that is not
+                one layer, missing or unexpected tensors, wrong shapes or dtypes of ``draft_ids``, or a head
+                trained on another target. Nothing is half-loaded.
+        """
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        d = Path(directory)
+        raw = read_json(d / CONFIG_NAME)
+        if raw.pop("head_type", None) != "eagle":
+            raise HeadFormatError(f"{d / CONFIG_NAME} is not an EAGLE head (head_type must be 'eagle')")
+        ours = raw.pop("selfspec", None)
+        if not isinstance(ours, dict):
+            raise HeadFormatError(f"{d / CONFIG_NAME} lacks its 'selfspec' object; re-export with save_pretrained")
+        config = config_from_dict(EagleConfig, ours, where=f"{d / CONFIG_NAME} ['selfspec']")
+        if target_fingerprint and config.target_fingerprint and config.target_fingerprint != target_fingerprint:
+            raise HeadFormatError(
+                f"head in {d} was trained on target {config.target!r} (fingerprint {config.target_fingerprint}), "
+                f"not on the target given (fingerprint {target_fingerprint}); load it with its own target."
+            )
+        if raw.get("num_hidden_layers") != 1:
+            raise HeadFormatError(f"{d / CONFIG_NAME}: an EAGLE-1 head has num_hidden_layers 1")
+        model_type = raw.pop("model_type", None)
+        try:
+            arch = AutoConfig.for_model(model_type, **raw)
+        except (ValueError, KeyError, TypeError) as err:
+            raise HeadFormatError(f"{d / CONFIG_NAME}: not a transformers config ({err})") from err
+        if target is not None and target.config.model_type != arch.model_type:
+            raise HeadFormatError(f"head is a {arch.model_type!r} layer, the target a {target.config.model_type!r} model")
+        try:
+            state = load_file(str(d / WEIGHTS_NAME))
+            draft_ids = None
+            if config.draft_vocab_size is not None:
+                vocab = load_file(str(d / DRAFT_VOCAB_NAME))
+                if set(vocab) != {"draft_ids"}:
+                    raise HeadFormatError(f"{d / DRAFT_VOCAB_NAME} must hold exactly 'draft_ids', has {sorted(vocab)}")
+                draft_ids = vocab["draft_ids"]
+                _check_draft_ids(draft_ids, config.n_draft, config.vocab_size, str(d / DRAFT_VOCAB_NAME))
+        except (OSError, SafetensorError) as err:
+            raise HeadFormatError(f"cannot read the weights in {d}: {err}") from err
+        head = cls(config, arch, draft_ids=draft_ids, target=target)
+        expected = head.state_dict()
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        bad = sorted(k for k in set(expected) & set(state) if expected[k].shape != state[k].shape)
+        if missing or unexpected or bad:
+            raise HeadFormatError(
+                f"{d / WEIGHTS_NAME} does not match its config: missing={missing} unexpected={unexpected} "
+                f"wrong_shape={bad}. Re-export the head with save_pretrained."
+            )
+        head.load_state_dict(state, strict=True)
+        return head

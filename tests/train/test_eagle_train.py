@@ -1,0 +1,168 @@
+"""train/eagle.py + losses.eagle_loss: the token/feature/mask shift, packing, the loss, and a tiny run with resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from selfspec.heads.eagle import EagleConfig, EagleHead
+from selfspec.train import eagle as recipe
+from selfspec.train.config import TrainConfig
+from selfspec.train.eagle import FeatureStore, collate, pack_rows, shift_pairs
+from selfspec.train.losses import eagle_loss
+from tests.conftest import tiny_llama
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_shift_on_hand_made_sequence():
+    """8 tokens: a 3-token prompt, a 2-token answer, 1 template token, a 2-token answer.
+
+    Pair t = (f_t, x_{t+1}) predicts f_{t+1}, which drafts x_{t+2}: scored iff x_{t+2} is an assistant token.
+    """
+    ids = torch.tensor([10, 11, 12, 13, 14, 15, 16, 17])
+    mask = torch.tensor([0, 0, 0, 1, 1, 0, 1, 1], dtype=torch.bool)
+    feats = torch.arange(8, dtype=torch.float32).unsqueeze(1).repeat(1, 4)  # f_t = t
+    tok, f_in, f_out, scored = shift_pairs(ids, feats, mask)
+    assert tok.tolist() == [11, 12, 13, 14, 15, 16, 17]  # x_{t+1}
+    assert f_in[:, 0].tolist() == [0, 1, 2, 3, 4, 5, 6]  # f_t
+    assert f_out[:, 0].tolist() == [1, 2, 3, 4, 5, 6, 7]  # f_{t+1}
+    assert scored.tolist() == [False, True, True, False, True, True, False]
+    # Spelled out: the scored pairs draft exactly the assistant tokens x_3, x_4, x_6, x_7 ...
+    drafted = [int(ids[t + 2]) for t in range(7) if scored[t]]
+    assert drafted == ids[mask].tolist()
+    # ... and the known bug (mask shifted like the labels only once) would score other pairs.
+    assert scored.tolist() != mask[1:].tolist()
+    with pytest.raises(ValueError):
+        shift_pairs(ids[:1], feats[:1], mask[:1])
+
+
+def test_pack_rows():
+    assert pack_rows([5, 3, 4, 9, 1], 8) == [[0, 1], [2], [3], [4]]
+    assert pack_rows([2, 2, 2], 8) == [[0, 1, 2]]
+
+
+def _store(lengths, D=32, V=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ex = [{"input_ids": torch.randint(0, V, (n,), generator=g), "loss_mask": torch.rand(n, generator=g) > 0.3}
+          for n in lengths]
+    feats = [torch.randn(n, D, generator=g) for n in lengths]
+    return FeatureStore.from_examples(ex, feats, D)
+
+
+def test_packed_batch_equals_separate_sequences():
+    target = tiny_llama()
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig(hidden_size=32, vocab_size=96), target.config, target=target).eval()
+    store = _store([6, 9, 4])
+    b = collate(store, [[0, 1], [2]])
+    assert b["positions"][0].tolist() == list(range(5)) + list(range(8))
+    assert b["valid"][1].tolist() == [True] * 3 + [False] * 10
+    with torch.no_grad():
+        packed = head(b["features"], b["tokens"], b["positions"], b["mask"])
+        for row, seqs in enumerate([[0, 1], [2]]):
+            o = 0
+            for i in seqs:
+                tok, f_in, _, _ = store.pairs(i)
+                n = tok.numel()
+                alone = head(f_in.unsqueeze(0), tok.unsqueeze(0), torch.arange(n).unsqueeze(0))
+                torch.testing.assert_close(packed[row, o : o + n], alone[0], rtol=1e-5, atol=1e-5)
+                o += n
+
+
+def test_eagle_loss_hand_built():
+    pred = torch.tensor([[0.0, 2.0], [1.0, 1.0]])
+    tgt = torch.tensor([[0.5, 0.0], [1.0, 1.0]])
+    # SmoothL1 (beta 1): |0.5| -> 0.125, |2| -> 1.5, zeros -> 0; mean over 4 elements
+    logits_t = torch.tensor([[0.0, 0.0, 0.0], [2.0, 0.0, 0.0]])
+    logits_d = torch.tensor([[1.0, 0.0, 0.0], [2.0, 0.0, 0.0]])
+    loss, feat, ce = eagle_loss(pred, tgt, logits_d, logits_t, ce_weight=0.1)
+    assert feat.item() == pytest.approx((0.125 + 1.5) / 4)
+    p = torch.softmax(logits_t, -1)
+    want_ce = -(p * torch.log_softmax(logits_d, -1)).sum(-1).mean()
+    assert ce.item() == pytest.approx(want_ce.item())
+    assert loss.item() == pytest.approx(feat.item() + 0.1 * ce.item())
+    # identical logits: the CE is the target's entropy (its minimum)
+    _, _, ce_same = eagle_loss(pred, tgt, logits_t, logits_t)
+    assert ce_same.item() == pytest.approx(-(p * p.log()).sum(-1).mean().item())
+    # no scored position: zero, still differentiable
+    z = torch.zeros(0, 2, requires_grad=True)
+    loss0, _, _ = eagle_loss(z, z.detach(), torch.zeros(0, 3, requires_grad=True), torch.zeros(0, 3))
+    loss0.backward()
+    assert loss0.item() == 0.0
+    with pytest.raises(ValueError):
+        eagle_loss(pred, tgt[:1], logits_d, logits_t)
+
+
+def _distilled_store(target, n: int, seed: int) -> FeatureStore:
+    """The tiny target's own greedy answers to random prompts (a self-distilled set), with its features."""
+    from selfspec.train.features import hidden_features
+
+    g = torch.Generator().manual_seed(seed)
+    examples = []
+    for _ in range(n):
+        prompt = torch.randint(3, 96, (6,), generator=g)
+        out = target.generate(prompt.unsqueeze(0), do_sample=False, max_new_tokens=18, min_new_tokens=18, pad_token_id=0)
+        ids = out[0]
+        mask = torch.zeros(ids.numel(), dtype=torch.bool)
+        mask[6:] = True
+        examples.append({"input_ids": ids, "loss_mask": mask})
+    return FeatureStore.from_examples(examples, hidden_features(target, examples, disable_progress=True), 32)
+
+
+def _run(cfg: TrainConfig, target):
+    from accelerate import Accelerator
+
+    return recipe.train_eagle(cfg, Accelerator(cpu=True), target, None, [], [])
+
+
+def test_tiny_training_run_learns_saves_and_resumes_exactly(tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    from selfspec.heads import load_heads
+
+    monkeypatch.setitem(recipe.EAGLE_DEFAULTS, "batch_tokens", 64)  # 2 rows of 32 pairs per step
+    target = tiny_llama()
+    train, held = _distilled_store(target, 64, seed=0), _distilled_store(target, 6, seed=1)
+    run_a = tmp_path / "a"
+    (run_a / "features").mkdir(parents=True)
+    save_file({**train.tensors(), **held.tensors("eval_")}, str(run_a / "features" / "eagle-rank0-of1.safetensors"))
+    base = dict(head="eagle", target="tiny", max_length=32, draft_vocab_size=80, lr=3e-3, warmup_steps=2,
+                grad_clip=0.5, epochs=100, eval_every=1000, eval_topk=3, seed=0)
+
+    # A quick run must learn: held-out top-1 well above the untrained head's.
+    learn = tmp_path / "learn"
+    shutil.copytree(run_a, learn)
+    heads_dir = _run(TrainConfig(**base, max_steps=200, save_every=1000, output_dir=str(learn)), target)
+    summary = json.loads((learn / "train_summary.json").read_text())
+    assert summary["train_tokens_per_s"] > 0 and summary["step"] == 200
+    untrained = recipe.summarise_eval(recipe.evaluate(
+        EagleHead(EagleConfig(hidden_size=32, vocab_size=96), target.config, target=target), held, target.lm_head.weight, 3))
+    assert summary["heldout"]["top1"] > max(0.1, 5 * untrained["top1"]), (summary["heldout"], untrained)
+    assert summary["heldout"]["feature_loss"] < 0.8 * untrained["feature_loss"], (summary["heldout"], untrained)
+    head = load_heads(heads_dir, target=target)
+    assert head.config.heldout_top1 == summary["heldout"]["top1"] and head.config.n_draft == 80
+
+    # Resume: a run checkpointed at step 3 and restarted ends with the same weights as an unbroken run.
+    cfg_a = TrainConfig(**base, max_steps=6, save_every=3, output_dir=str(run_a))
+    _run(cfg_a, target)
+    run_b = tmp_path / "b"
+    shutil.copytree(run_a, run_b)
+    shutil.rmtree(run_b / "heads")
+    assert json.loads((run_b / "checkpoint" / "trainer_state.json").read_text())["step"] == 3
+    _run(TrainConfig(**base, max_steps=6, save_every=3, output_dir=str(run_b)), target)
+    wa, wb = load_file(str(run_a / "heads" / "model.safetensors")), load_file(str(run_b / "heads" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)
+    fresh = EagleHead(head.config, target.config, draft_ids=head.draft_ids, target=target)
+    assert not torch.allclose(fresh.fc.weight, wa["fc.weight"])  # it did train
