@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from selfspec.decode.drafters import DraftTree
+from selfspec.decode.kv import crop_cache
 from selfspec.decode.sampling import SamplingConfig
 
 # Sized for a 2-core CPU: verifying ~13 nodes costs about 1.5 single-token target steps (DESIGN.md 6).
@@ -55,21 +56,12 @@ def select_nodes(scores: torch.Tensor, parents: torch.Tensor, budget: int) -> to
     return torch.sort(order).values
 
 
-def _truncate(cache, length: int) -> None:
-    """Keep the first ``length`` entries of every layer of a ``DynamicCache`` (slicing, like
-    :func:`selfspec.decode.kv.compact_cache`; ``DynamicCache.crop``'s argument changed meaning across versions)."""
-    for layer in cache.layers:
-        if getattr(layer, "keys", None) is not None and layer.keys.numel():
-            layer.keys = layer.keys[:, :, :length]
-            layer.values = layer.values[:, :, :length]
-
-
 class EagleDrafter:
     """EAGLE-2 dynamic-tree drafter on an EAGLE-1 head (the Drafter protocol of :mod:`selfspec.decode.drafters`).
 
     Args:
-        head: an :class:`~selfspec.heads.eagle.EagleHead` (attached to ``target`` here if needed), on the
-            target's device and dtype.
+        head: an :class:`~selfspec.heads.eagle.EagleHead` on the target's device and dtype (attached to
+            ``target`` here).
         target: the frozen target.
         depth: maximum draft depth d (tokens beyond the root); one head forward per level.
         top_k: candidates per expansion and nodes expanded per level; ``top_k=1`` drafts a chain.
@@ -94,8 +86,7 @@ class EagleDrafter:
             raise ValueError("depth, top_k and total_tokens must be >= 1")
         if top_k > head.config.n_draft:
             raise ValueError(f"top_k={top_k} exceeds the draft vocabulary ({head.config.n_draft})")
-        if head._target is None:
-            head.attach_target(target)
+        head.attach_target(target)  # always this target: a head may still reference the one it was trained with
         self.head = head
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self._cache = None
@@ -204,7 +195,7 @@ class EagleDrafter:
             frontier_feat = out[0][best // k]
             n_cand += scores.numel()
 
-        _truncate(cache, self._stable)  # draft KV came from predicted features: drop it all
+        crop_cache(cache, self._stable)  # draft KV came from predicted features: drop it all
         scores = torch.cat(cand_score)
         parents = torch.cat(cand_par)
         keep = select_nodes(scores.cpu(), parents.cpu(), self.total_tokens).to(device)

@@ -58,3 +58,14 @@ def draft_vocab_from_counts(counts: torch.Tensor, size: int) -> torch.Tensor:
     # Stable ordering: count descending, id ascending on ties, so the map is reproducible.
     order = torch.argsort(-counts.to(torch.float64), stable=True)
     return torch.sort(order[:size]).values
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Load every tensor of a safetensors file, turning a missing or corrupt file into :class:`HeadFormatError`."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (OSError, SafetensorError) as err:
+        raise HeadFormatError(f"cannot read {path}: {err}; re-export the heads with save_pretrained") from err

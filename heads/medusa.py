@@ -73,17 +73,19 @@ class MedusaConfig:
         return self.draft_vocab_size or self.vocab_size
 
 
-class ResBlock(nn.Module):
-    """``x + SiLU(W x + b)`` with W zero-initialised (identity at start). Shapes: ``[..., D] -> [..., D]``."""
+class ResBlock(nn.Linear):
+    """``x + SiLU(W x + b)`` with W and b zero-initialised (identity at start). Shapes: ``[..., D] -> [..., D]``.
+
+    A subclass of ``nn.Linear`` so its tensors are named ``weight`` / ``bias`` as vLLM's Medusa expects.
+    """
 
     def __init__(self, hidden_size: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(hidden_size, hidden_size)
-        nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
+        super().__init__(hidden_size, hidden_size)
+        nn.init.zeros_(self.weight)
+        nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + nn.functional.silu(self.linear(x))
+        return x + nn.functional.silu(super().forward(x))
 
 
 class _Blocks(nn.Module):
@@ -208,8 +210,7 @@ class MedusaHeads(nn.Module):
                 wrong shapes, or heads trained on another target. Nothing is half-loaded: the module is
                 only returned when every tensor matched.
         """
-        from safetensors import SafetensorsError
-        from safetensors.torch import load_file
+        from selfspec.heads.config import read_safetensors
 
         d = Path(directory)
         raw = read_json(d / CONFIG_NAME)
@@ -221,10 +222,7 @@ class MedusaHeads(nn.Module):
                 f"heads in {d} were trained on target {config.target!r} (fingerprint {config.target_fingerprint}), "
                 f"not on the target given (fingerprint {target_fingerprint}); load them with their own target."
             )
-        try:
-            state = load_file(str(d / WEIGHTS_NAME))
-        except (OSError, SafetensorsError) as err:
-            raise HeadFormatError(f"cannot read {d / WEIGHTS_NAME}: {err}") from err
+        state = read_safetensors(d / WEIGHTS_NAME)
         heads = cls(config, draft_ids=state.get("draft_ids"))
         expected = heads.state_dict()
         missing = sorted(set(expected) - set(state))

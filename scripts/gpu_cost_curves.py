@@ -107,14 +107,6 @@ def median_ms(fn, device: torch.device, repeats: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def truncate_cache(cache, length: int) -> None:
-    """Drop every cached position from ``length`` on (``DynamicCache.crop``'s argument changed meaning
-    across transformers 5.x; this slices the layers as ``decode.kv.compact_cache`` does)."""
-    for layer in cache.layers:
-        layer.keys = layer.keys[:, :, :length]
-        layer.values = layer.values[:, :, :length]
-
-
 def tree_parents(num_nodes: int) -> torch.Tensor:
     """Parents ``[N]`` of a Medusa-style static tree of ``num_nodes`` nodes (root included)."""
     if num_nodes == 1:
@@ -140,7 +132,7 @@ def cost_curve(model, nodes: list[int], prefix_tokens: int, repeats: int, warmup
             def step() -> None:
                 h = kv.forward_tree(model, tokens, parents, cache, prefix_tokens)
                 kv.lm_logits(model, h)
-                truncate_cache(cache, prefix_tokens)
+                kv.crop_cache(cache, prefix_tokens)
 
             row[f"{shape}_ms"] = median_ms(step, device, repeats, warmup)
         cpu_parents = tree_parents(n)

@@ -178,7 +178,8 @@ def make_drafter(
         if tree is None:
             acc = heads.config.head_topk_accuracy
             n = tree_nodes or DEFAULT_TREE_NODES
-            tree = greedy_tree_from_accuracy(acc, n) if acc else DEFAULT_MEDUSA_PATHS[: n - 1]
+            usable = [p for p in DEFAULT_MEDUSA_PATHS if len(p) <= heads.config.num_heads]
+            tree = greedy_tree_from_accuracy(acc, n) if acc else usable[: n - 1]
         return MedusaDrafter(heads, static_tree(tree))
     from selfspec.decode.eagle import EagleDrafter
 

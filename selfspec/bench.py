@@ -44,7 +44,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -920,7 +920,7 @@ def markdown_report(report: dict) -> str:
         "# selfspec bench",
         "",
         f"Target `{s['target']}` ({s['dtype']}, {s['device']}, {s['threads']} threads), {mode}, "
-        f"max {s['max_new_tokens']} new tokens, prompts `{s['prompts_source']}` "
+        f"max {s['max_new_tokens']} new tokens, prompts `{s['prompts_source'] or 'given in code'}` "
         f"({len(report['samples'])} prompt turns), reference `{s['reference']}`. Speedup: median over prompt "
         "turns of tokens/s divided by the reference's tokens/s on the same turn, same run.",
         "",

@@ -100,13 +100,14 @@ def bench_run(tmp_path_factory):
     with torch.no_grad():  # random, non-identity heads: drafts get rejected as well as accepted
         for p in heads.blocks.parameters():
             p.normal_(0.0, 0.5)
+    heads_dir = heads.save_pretrained(tmp / "medusa-tiny" / "heads")  # loaded back the way --heads DIR is
     settings = BenchSettings(max_new_tokens=12, warmup=1, eos_token_ids=(), prompts_source=str(prompt_file))
     methods = build_methods(
         target,
         tokenizer,
         settings,
         methods=["baseline", "hf_prompt_lookup", "prompt_lookup"],
-        heads={"medusa": heads},
+        heads={"medusa": heads_dir},
         tree_nodes=6,
     )
     recorder = Recorder(methods["baseline"].run)
@@ -362,6 +363,16 @@ def test_cli_end_to_end(tmp_path, monkeypatch, capsys):
     assert {p.name for p in out.iterdir()} == {
         "report.json", "report.md", "speedup.png", "accepted_tokens_hist.png", "acceptance_by_depth.png"
     }
+
+
+def test_draft_model_method_runs():
+    target, tokenizer = tiny_llama(), CharTokenizer()
+    # sampling, so that drafts get rejected and the draft model's cache is cut back
+    settings = BenchSettings(max_new_tokens=12, temperature=1.0, warmup=0, eos_token_ids=())
+    methods = build_methods(target, tokenizer, settings, methods=["draft_model"], draft_model=tiny_llama(seed=7, layers=1))
+    report = run_bench(target, tokenizer, methods, [BenchPrompt("a", "x", ("hello there",))], settings)
+    validate_report(report)
+    assert report["summary"]["draft_model"]["overall"]["tau"] >= 1.0
 
 
 def test_cli_rejects_draft_model_method_without_model(tmp_path, monkeypatch):

