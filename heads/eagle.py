@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from selfspec.heads.config import HeadFormatError, config_from_dict, read_json
+from selfspec.heads.config import HeadFormatError, config_from_dict, read_json, read_safetensors
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -117,7 +117,9 @@ def decoder_layer_class(arch_config, target=None) -> type[nn.Module]:
 
 def _check_draft_ids(draft_ids: torch.Tensor, n: int, vocab_size: int, where: str) -> None:
     if draft_ids.dtype != torch.long or draft_ids.shape != (n,):
-        raise HeadFormatError(f"{where}: draft_ids must be int64 of shape [{n}], got {draft_ids.dtype} {tuple(draft_ids.shape)}")
+        raise HeadFormatError(
+            f"{where}: draft_ids must be int64 of shape [{n}], got {draft_ids.dtype} {tuple(draft_ids.shape)}"
+        )
     if n and (int(draft_ids.min()) < 0 or int(draft_ids.max()) >= vocab_size):
         raise HeadFormatError(f"{where}: draft_ids must lie in [0, {vocab_size})")
     if torch.unique(draft_ids).numel() != n:
@@ -164,7 +166,8 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * D, D, bias=config.fc_bias)
         layer = decoder_layer_class(self.arch_config, target)(self.arch_config, layer_idx=0)
         if init_from_target_layer and target is not None:
-            src = {k: v for k, v in target.base_model.layers[-1].state_dict().items() if not k.startswith("input_layernorm.")}
+            src = target.base_model.layers[-1].state_dict()
+            src = {k: v for k, v in src.items() if not k.startswith("input_layernorm.")}
             layer.load_state_dict(src, strict=False)
         # EAGLE-1: the first (here: only) layer has no input norm; fc's output enters attention directly.
         layer.input_layernorm = nn.Identity()
@@ -296,8 +299,6 @@ class EagleHead(nn.Module):
                 one layer, missing or unexpected tensors, wrong shapes or dtypes of ``draft_ids``, or a head
                 trained on another target. Nothing is half-loaded.
         """
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
         from transformers import AutoConfig
 
         d = Path(directory)
@@ -322,17 +323,14 @@ class EagleHead(nn.Module):
             raise HeadFormatError(f"{d / CONFIG_NAME}: not a transformers config ({err})") from err
         if target is not None and target.config.model_type != arch.model_type:
             raise HeadFormatError(f"head is a {arch.model_type!r} layer, the target a {target.config.model_type!r} model")
-        try:
-            state = load_file(str(d / WEIGHTS_NAME))
-            draft_ids = None
-            if config.draft_vocab_size is not None:
-                vocab = load_file(str(d / DRAFT_VOCAB_NAME))
-                if set(vocab) != {"draft_ids"}:
-                    raise HeadFormatError(f"{d / DRAFT_VOCAB_NAME} must hold exactly 'draft_ids', has {sorted(vocab)}")
-                draft_ids = vocab["draft_ids"]
-                _check_draft_ids(draft_ids, config.n_draft, config.vocab_size, str(d / DRAFT_VOCAB_NAME))
-        except (OSError, SafetensorError) as err:
-            raise HeadFormatError(f"cannot read the weights in {d}: {err}") from err
+        state = read_safetensors(d / WEIGHTS_NAME)
+        draft_ids = None
+        if config.draft_vocab_size is not None:
+            vocab = read_safetensors(d / DRAFT_VOCAB_NAME)
+            if set(vocab) != {"draft_ids"}:
+                raise HeadFormatError(f"{d / DRAFT_VOCAB_NAME} must hold exactly 'draft_ids', has {sorted(vocab)}")
+            draft_ids = vocab["draft_ids"]
+            _check_draft_ids(draft_ids, config.n_draft, config.vocab_size, str(d / DRAFT_VOCAB_NAME))
         head = cls(config, arch, draft_ids=draft_ids, target=target)
         expected = head.state_dict()
         missing = sorted(set(expected) - set(state))

@@ -40,6 +40,9 @@ class TrainConfig:
         output_dir: checkpoints, features and the final ``heads/`` directory go here.
         seed: all randomness.
         threads: torch intra-op threads (None: torch's default).
+        eagle_*: EAGLE-1 recipe knobs: CE weight against the target distribution (0.1), SmoothL1 feature
+            weight (1.0), half-width of the uniform noise on input features (0.1), head positions per
+            optimiser step, fc bias, and whether the decoder layer starts from the target's last layer.
     """
 
     head: str = "medusa"
@@ -73,6 +76,12 @@ class TrainConfig:
     output_dir: str = "runs/medusa-smollm2"
     seed: int = 0
     threads: int | None = None
+    eagle_ce_weight: float = 0.1
+    eagle_feature_weight: float = 1.0
+    eagle_noise: float = 0.1
+    eagle_batch_tokens: int = 2048
+    eagle_fc_bias: bool = True
+    eagle_init_from_target_layer: bool = False
 
     def __post_init__(self) -> None:
         if self.head not in ("medusa", "eagle"):

