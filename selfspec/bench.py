@@ -369,9 +369,28 @@ def load_sharegpt_heldout() -> list[BenchPrompt]:
     return prompts
 
 
-def load_prompts(source: str, num_prompts: int | None = None) -> list[BenchPrompt]:
-    """Prompts from a JSONL path or ``"sharegpt-heldout"``; the first ``num_prompts`` (None = all)."""
+def load_prompts(
+    source: str, num_prompts: int | None = None, max_turns: int | None = None, per_category: int | None = None
+) -> list[BenchPrompt]:
+    """Prompts from a JSONL path or ``"sharegpt-heldout"``.
+
+    Args:
+        source: the file or ``"sharegpt-heldout"``.
+        num_prompts: keep the first N after the other filters (None = all).
+        max_turns: keep only the first ``max_turns`` turns of each question (1 = first turns only).
+        per_category: keep the first N questions of each category, in file order.
+    """
     prompts = load_sharegpt_heldout() if source == SHAREGPT_HELDOUT else load_jsonl_prompts(source)
+    if max_turns is not None:
+        prompts = [dataclasses.replace(p, turns=p.turns[:max_turns]) for p in prompts]
+    if per_category is not None:
+        seen: dict[str, int] = {}
+        kept = []
+        for prompt in prompts:
+            seen[prompt.category] = seen.get(prompt.category, 0) + 1
+            if seen[prompt.category] <= per_category:
+                kept.append(prompt)
+        prompts = kept
     return prompts[:num_prompts] if num_prompts is not None else prompts
 
 
@@ -1092,6 +1111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--num-prompts", type=int, default=None, help="first N questions (default: all)")
+    p.add_argument("--max-turns", type=int, default=None, help="answer only the first N turns (1: first turns)")
+    p.add_argument("--per-category", type=int, default=None, help="first N questions of each category")
     p.add_argument("--max-prompt-tokens", type=int, default=2048, help="skip longer prompt turns")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="prompts run untimed by every method first")
@@ -1130,7 +1151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     methods = args.methods or list(DEFAULT_METHODS) + (["draft_model"] if args.draft_model else [])
-    prompts = load_prompts(args.prompts, args.num_prompts)
+    prompts = load_prompts(args.prompts, args.num_prompts, args.max_turns, args.per_category)
     target, tokenizer = load_target(args.target, args.dtype, args.device)
     draft = load_target(args.draft_model, args.dtype, args.device)[0] if args.draft_model else None
     try:

@@ -48,7 +48,7 @@ def run(cfg: TrainConfig) -> Path:
         rank, world = accelerator.process_index, accelerator.num_processes
         mine = train_convs[: cfg.distill_conversations][rank::world]
         mine_eval = eval_convs[:n_eval][rank::world]
-        shard_dir = out_dir / "distill"
+        shard_dir = Path(cfg.distill_dir) if cfg.distill_dir else out_dir / "distill"
         distilled = self_distill(target, tokenizer, mine, shard_dir / f"train-rank{rank}-of{world}.jsonl",
                                  cfg.distill_max_new_tokens, cfg.distill_batch_size,
                                  max_prompt_tokens=cfg.max_length - cfg.distill_max_new_tokens,

@@ -28,6 +28,8 @@ class TrainConfig:
         self_distill: regenerate the assistant answers with the target (greedy) before training.
         distill_conversations: how many training conversations to regenerate.
         distill_max_new_tokens / distill_batch_size: generation budget for self-distillation.
+        distill_dir: where regenerated answers are cached (JSONL per rank); default ``<output_dir>/distill``.
+            Point several runs at one directory to train different heads on the same answers.
         dtype: target compute dtype for features and distillation (``"bfloat16"`` or ``"float32"``).
         num_heads / num_layers / own_lm_head / draft_vocab_size: Medusa head shape (see MedusaConfig).
         lr, weight_decay, betas, warmup_steps, grad_clip: AdamW + linear warmup + cosine decay.
@@ -55,6 +57,7 @@ class TrainConfig:
     distill_conversations: int = 320
     distill_max_new_tokens: int = 160
     distill_batch_size: int = 16
+    distill_dir: str | None = None
     dtype: str = "float32"
     num_heads: int = 4
     num_layers: int = 1

@@ -130,14 +130,14 @@ def test_tiny_training_run_learns_saves_and_resumes_exactly(tmp_path, monkeypatc
 
     from selfspec.heads import load_heads
 
-    monkeypatch.setitem(recipe.EAGLE_DEFAULTS, "batch_tokens", 64)  # 2 rows of 32 pairs per step
     target = tiny_llama()
     train, held = _distilled_store(target, 64, seed=0), _distilled_store(target, 6, seed=1)
     run_a = tmp_path / "a"
     (run_a / "features").mkdir(parents=True)
     save_file({**train.tensors(), **held.tensors("eval_")}, str(run_a / "features" / "eagle-rank0-of1.safetensors"))
     base = dict(head="eagle", target="tiny", max_length=32, draft_vocab_size=80, lr=3e-3, warmup_steps=2,
-                grad_clip=0.5, epochs=100, eval_every=1000, eval_topk=3, seed=0)
+                grad_clip=0.5, epochs=100, eval_every=1000, eval_topk=3, seed=0,
+                eagle_batch_tokens=64)  # 2 rows of 32 pairs per step
 
     # A quick run must learn: held-out top-1 well above the untrained head's.
     learn = tmp_path / "learn"
