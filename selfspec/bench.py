@@ -244,6 +244,17 @@ def resolve_eos(target, tokenizer, settings: BenchSettings) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
+def _eagle_kwargs(head: Any, options: Mapping[str, int] | None) -> dict[str, int]:
+    """EAGLE drafter options, only for heads whose type is EAGLE."""
+    if not options:
+        return {}
+    head_type = getattr(getattr(head, "config", None), "head_type", None)
+    if isinstance(head, (str, Path)):
+        config = Path(head) / "config.json"
+        head_type = json.loads(config.read_text()).get("head_type") if config.is_file() else None
+    return {k: v for k, v in options.items() if v is not None} if head_type == "eagle" else {}
+
+
 def build_methods(
     target,
     tokenizer,
@@ -254,6 +265,7 @@ def build_methods(
     draft_model=None,
     tree_nodes: int | None = None,
     extra_methods: Mapping[str, MethodFn | BenchMethod] | None = None,
+    eagle_options: Mapping[str, int] | None = None,
 ) -> dict[str, BenchMethod]:
     """The methods to compare, all sharing ``target``.
 
@@ -266,6 +278,7 @@ def build_methods(
         draft_model: a loaded small causal LM (same tokenizer) for the ``draft_model`` method.
         tree_nodes: tree size for Medusa heads without an explicit tree (None = selfspec's default).
         extra_methods: more methods by name (callables or :class:`BenchMethod`), e.g. for tests.
+        eagle_options: ``depth`` / ``top_k`` / ``total_tokens`` for EAGLE heads (None: defaults).
 
     Returns:
         Ordered name -> :class:`BenchMethod`, the reference first.
@@ -307,7 +320,7 @@ def build_methods(
     for name, head in (heads or {}).items():
         if name in out:
             raise ValueError(f"head method name {name!r} is taken; pass it as NAME=DIR with another name")
-        drafter = make_drafter(target, heads=head, tree_nodes=tree_nodes)
+        drafter = make_drafter(target, heads=head, tree_nodes=tree_nodes, **_eagle_kwargs(head, eagle_options))
         method = selfspec_method(SpeculativeModel(target, tokenizer, drafter), settings, eos)
         source = f" from {head}" if isinstance(head, (str, Path)) else ""
         out[name] = dataclasses.replace(method, description=method.description + source)
@@ -1103,6 +1116,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"built-in methods (default: {' '.join(DEFAULT_METHODS)}, plus draft_model with --draft-model); "
                    "baseline always runs")
     p.add_argument("--draft-model", default=None, help="small causal LM with the target's tokenizer (draft_model method)")
+    p.add_argument("--eagle-depth", type=int, default=None, help="EAGLE-2 tree depth")
+    p.add_argument("--eagle-top-k", type=int, default=None, help="EAGLE-2 expansions per node")
+    p.add_argument("--eagle-total-tokens", type=int, default=None, help="EAGLE-2 draft tokens kept per step")
     p.add_argument("--tree-nodes", type=int, default=None, help="tree size for Medusa heads")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -1156,7 +1172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     draft = load_target(args.draft_model, args.dtype, args.device)[0] if args.draft_model else None
     try:
         bench_methods = build_methods(
-            target, tokenizer, settings, methods=methods, heads=heads, draft_model=draft, tree_nodes=args.tree_nodes
+            target, tokenizer, settings, methods=methods, heads=heads, draft_model=draft, tree_nodes=args.tree_nodes,
+            eagle_options={"depth": args.eagle_depth, "top_k": args.eagle_top_k, "total_tokens": args.eagle_total_tokens}
         )
     except ValueError as err:
         parser.error(str(err))
