@@ -16,3 +16,7 @@ selfspec bench --prompts "$EVAL/gsm8k/question.jsonl" --num-prompts 5 --heads $H
     --methods baseline prompt_lookup $COMMON --out runs/bench/gsm8k-greedy
 selfspec bench --prompts sharegpt-heldout --num-prompts 8 --heads $HEADS \
     --methods baseline $COMMON --out runs/bench/sharegpt-heldout-greedy
+for set in humaneval gsm8k; do
+    selfspec bench --prompts "$EVAL/$set/question.jsonl" --num-prompts 5 --heads $HEADS \
+        --methods baseline $COMMON --temperature 0.7 --seed 0 --out runs/bench/$set-t0.7
+done
