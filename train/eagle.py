@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from selfspec.train.config import TrainConfig
 from selfspec.train.losses import eagle_loss
-from selfspec.train.medusa import _lr_lambda, _save_atomic
+from selfspec.train.medusa import _save_atomic, prepare_and_resume
 
 logger = logging.getLogger(__name__)
 
@@ -343,21 +343,9 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
     row_len = cfg.max_length
     rows_per_step = max(1, int(eagle_option(cfg, "batch_tokens")) // row_len)
     n_rows = len(epoch_rows(train, row_len, 0))
-    local_steps = torch.tensor([max(1, n_rows // rows_per_step)], device=accelerator.device)
-    steps_per_epoch = int(accelerator.gather(local_steps).min())
-    total = steps_per_epoch * cfg.epochs
-    if cfg.max_steps:
-        total = min(total, cfg.max_steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, _lr_lambda(cfg, total))
-    model, optim, sched = accelerator.prepare(head, optim, sched)
-    core = accelerator.unwrap_model(model)
-
-    ckpt = out_dir / "checkpoint"
-    step = 0
-    if (ckpt / "trainer_state.json").exists():
-        accelerator.load_state(str(ckpt))
-        step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
-        logger.info("resumed from %s at step %d", ckpt, step)
+    model, optim, sched, core, steps_per_epoch, total, step, ckpt = prepare_and_resume(
+        cfg, accelerator, head, optim, n_rows // rows_per_step, out_dir
+    )
 
     ce_w, feat_w = float(eagle_option(cfg, "ce_weight")), float(eagle_option(cfg, "feature_weight"))
     noise = float(eagle_option(cfg, "noise"))

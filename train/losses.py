@@ -52,7 +52,6 @@ def topk_hits(logits: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch
         ``(hits, counts)``: ``hits[h, j]`` = positions where head h's label is within its top-(j+1)
         (LongTensor ``[K, k]``); ``counts[h]`` = scored positions (LongTensor ``[K]``).
     """
-    K = logits.shape[0]
     top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices  # [K, P, k]
     lab = labels.T.unsqueeze(-1)  # [K, P, 1]
     match = (top == lab).long()

@@ -95,6 +95,31 @@ def _save_atomic(accelerator, out: Path, step: int) -> None:
     accelerator.wait_for_everyone()
 
 
+def prepare_and_resume(cfg: TrainConfig, accelerator, module, optim, local_steps_per_epoch: int, out_dir: Path):
+    """Shared recipe plumbing: schedule length, ``accelerate`` wrapping, and resume from the last checkpoint.
+
+    Every process runs the same number of steps per epoch (the minimum over processes, as DDP needs).
+
+    Returns:
+        ``(model, optim, sched, core, steps_per_epoch, total_steps, start_step, checkpoint_dir)``;
+        ``core`` is the unwrapped module.
+    """
+    local = torch.tensor([max(1, local_steps_per_epoch)], device=accelerator.device)
+    steps_per_epoch = int(accelerator.gather(local).min())
+    total = steps_per_epoch * cfg.epochs
+    if cfg.max_steps:
+        total = min(total, cfg.max_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, _lr_lambda(cfg, total))
+    model, optim, sched = accelerator.prepare(module, optim, sched)
+    ckpt = out_dir / "checkpoint"
+    step = 0
+    if (ckpt / "trainer_state.json").exists():
+        accelerator.load_state(str(ckpt))
+        step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
+        logger.info("resumed from %s at step %d", ckpt, step)
+    return model, optim, sched, accelerator.unwrap_model(model), steps_per_epoch, total, step, ckpt
+
+
 def evaluate(heads, hidden: torch.Tensor, labels_draft: torch.Tensor, k: int, batch: int = 1024) -> list[list[float]]:
     """Held-out cumulative top-1..top-k accuracy per head (out-of-vocabulary labels count as misses)."""
     K = labels_draft.shape[1]
@@ -177,22 +202,9 @@ def train_medusa(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: 
     params = [p for p in heads.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
-    n_local = torch.tensor([H.shape[0]], device=accelerator.device)
-    n_min = int(accelerator.gather(n_local).min())
-    steps_per_epoch = max(1, n_min // cfg.batch_positions)
-    total = steps_per_epoch * cfg.epochs
-    if cfg.max_steps:
-        total = min(total, cfg.max_steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, _lr_lambda(cfg, total))
-    heads, optim, sched = accelerator.prepare(heads, optim, sched)
-    core = accelerator.unwrap_model(heads)
-
-    ckpt = out_dir / "checkpoint"
-    step = 0
-    if (ckpt / "trainer_state.json").exists():
-        accelerator.load_state(str(ckpt))
-        step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
-        logger.info("resumed from %s at step %d", ckpt, step)
+    heads, optim, sched, core, steps_per_epoch, total, step, ckpt = prepare_and_resume(
+        cfg, accelerator, heads, optim, H.shape[0] // cfg.batch_positions, out_dir
+    )
 
     hist: list[dict] = []
     t_start = time.perf_counter()
