@@ -134,6 +134,7 @@ def target_distributions(
     generated_before_root: int,
     min_new_tokens: int,
     eos_ids: Sequence[int],
+    depths: torch.Tensor,
 ) -> torch.Tensor:
     """Process the target logits at every tree node exactly as plain ``generate`` would at that position.
 
@@ -143,12 +144,13 @@ def target_distributions(
         tree: the draft tree.
         generated_before_root: new tokens emitted before the root... i.e. ``len(output)`` (root included).
         min_new_tokens: EOS is masked while fewer than this many tokens have been generated.
+        depths: LongTensor ``[N]`` node depths (computed once per step by the caller).
 
     Returns:
         ``[N, V]`` float32 processed logits (-inf = disallowed).
     """
     needs_context = sampling.repetition_penalty != 1.0 or bool(logits_processor)
-    depths = tree_depths(tree.parents.cpu()).to(logits.device)
+    depths = depths.to(logits.device)
     if needs_context:
         out = torch.empty_like(logits)
         for nodes, ctx in _node_contexts(context, tree, depths):
@@ -224,7 +226,8 @@ def speculative_generate(
     hidden = kv.prefill(model, input_ids, cache)
     root_tree = DraftTree(tokens=input_ids[-1:], parents=torch.tensor([-1]))
     p0 = target_distributions(
-        kv.lm_logits(model, hidden[-1:]), input_ids, root_tree, sampling, logits_processor, 0, min_new_tokens, eos_ids
+        kv.lm_logits(model, hidden[-1:]), input_ids, root_tree, sampling, logits_processor, 0, min_new_tokens, eos_ids,
+        torch.zeros(1, dtype=torch.long),
     )
     first = int(sample(probs_from_logits(p0), generator)[0]) if sampling.do_sample else int(p0[0].argmax())
     drafter.begin(input_ids, hidden)
@@ -242,7 +245,10 @@ def speculative_generate(
         t2 = time.perf_counter()
         h = kv.forward_tree(model, tree.tokens, tree.parents, cache, past)
         logits = kv.lm_logits(model, h)
-        p = target_distributions(logits, context, tree, sampling, logits_processor, len(out), min_new_tokens, eos_ids)
+        depths = tree_depths(tree.parents.cpu())  # once per step: processing and statistics share it
+        p = target_distributions(
+            logits, context, tree, sampling, logits_processor, len(out), min_new_tokens, eos_ids, depths
+        )
         result = _verify(p, tree, sampling, generator, acceptance)
         kv.compact_cache(cache, past, result.accepted_nodes)
         t3 = time.perf_counter()
@@ -254,7 +260,7 @@ def speculative_generate(
         stats.steps += 1
         stats.tree_nodes += tree.tokens.numel()
         stats.accepted_per_step.append(len(new))
-        _count_depths(stats, tree, len(acc) - 1)
+        _count_depths(stats, int(depths.max()), len(acc) - 1)
         before = len(out)
         reason = stopper.push(out, new)
         if streamer and len(out) > before:
@@ -277,8 +283,7 @@ def _verify(p: torch.Tensor, tree: DraftTree, sampling: SamplingConfig, generato
     return verify_tree_sampling(probs_from_logits(p), tree.tokens, tree.parents, tree.q, generator)
 
 
-def _count_depths(stats: GenerationStats, tree: DraftTree, accepted_depth: int) -> None:
-    max_depth = int(tree_depths(tree.parents.cpu()).max()) if tree.tokens.numel() > 1 else 0
+def _count_depths(stats: GenerationStats, max_depth: int, accepted_depth: int) -> None:
     while len(stats.drafted_by_depth) < max_depth:
         stats.drafted_by_depth.append(0)
         stats.accepted_by_depth.append(0)

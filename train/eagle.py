@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from selfspec.train.config import TrainConfig
 from selfspec.train.losses import eagle_loss
-from selfspec.train.medusa import _save_atomic, prepare_and_resume
+from selfspec.train.medusa import _save_atomic, optimizer_step, prepare_and_resume
 
 logger = logging.getLogger(__name__)
 
@@ -373,12 +373,7 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
         with torch.no_grad():
             tl = tf @ lm32.T
         loss, fl, cl = eagle_loss(pf, tf, pf @ lm32.T, tl, ce_weight=ce_w, feature_weight=feat_w)
-        accelerator.backward(loss)
-        if cfg.grad_clip:
-            accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optim.step()
-        sched.step()
-        optim.zero_grad(set_to_none=True)
+        optimizer_step(accelerator, model, optim, sched, loss, cfg.grad_clip)
         step += 1
         pairs_seen += int(b["valid"].sum())
         scored_seen += int(sel.sum())

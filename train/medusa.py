@@ -120,6 +120,16 @@ def prepare_and_resume(cfg: TrainConfig, accelerator, module, optim, local_steps
     return model, optim, sched, accelerator.unwrap_model(model), steps_per_epoch, total, step, ckpt
 
 
+def optimizer_step(accelerator, model, optim, sched, loss: torch.Tensor, grad_clip: float) -> None:
+    """Backward, optional gradient-norm clipping, optimiser and scheduler step, zero the gradients."""
+    accelerator.backward(loss)
+    if grad_clip:
+        accelerator.clip_grad_norm_(model.parameters(), grad_clip)
+    optim.step()
+    sched.step()
+    optim.zero_grad(set_to_none=True)
+
+
 def evaluate(heads, hidden: torch.Tensor, labels_draft: torch.Tensor, k: int, batch: int = 1024) -> list[list[float]]:
     """Held-out cumulative top-1..top-k accuracy per head (out-of-vocabulary labels count as misses)."""
     K = labels_draft.shape[1]
@@ -220,12 +230,7 @@ def train_medusa(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: 
         y = Yd_train[idx].to(accelerator.device)
         logits = heads(h)
         loss, per_head = medusa_loss(logits, y, cfg.head_decay)
-        accelerator.backward(loss)
-        if cfg.grad_clip:
-            accelerator.clip_grad_norm_(heads.parameters(), cfg.grad_clip)
-        optim.step()
-        sched.step()
-        optim.zero_grad(set_to_none=True)
+        optimizer_step(accelerator, heads, optim, sched, loss, cfg.grad_clip)
         step += 1
         pos_seen += idx.numel()
         bar.update(1)
