@@ -23,11 +23,16 @@ target's own features (as EAGLE's reference code does), which is what the head w
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from selfspec.decode.drafters import DraftTree
 from selfspec.decode.kv import crop_cache
 from selfspec.decode.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from selfspec.decode.budget import TreeBudget
 
 # Sized for a 2-core CPU: verifying ~13 nodes costs about 1.5 single-token target steps (DESIGN.md 6).
 DEFAULT_DEPTH = 5
@@ -66,7 +71,8 @@ class EagleDrafter:
         depth: maximum draft depth d (tokens beyond the root); one head forward per level.
         top_k: candidates per expansion and nodes expanded per level; ``top_k=1`` drafts a chain.
         total_tokens: draft tokens kept after reranking (the root excluded), so a tree has at most
-            ``total_tokens + 1`` nodes (EAGLE-2's ``total_token``).
+            ``total_tokens + 1`` nodes (EAGLE-2's ``total_token``). :func:`selfspec.api.make_drafter` can
+            size depth and total_tokens to the machine (:mod:`selfspec.decode.budget`).
 
     Raises:
         ValueError: non-positive sizes, or ``top_k`` larger than the draft vocabulary.
@@ -95,6 +101,10 @@ class EagleDrafter:
         self._tokens: torch.Tensor | None = None  # [m] tokens paired with all but the last pending feature
         # Diagnostics of the last propose(): every candidate (creation order) and which were kept.
         self.last_candidates: dict[str, torch.Tensor] | None = None
+        # How depth / total_tokens were set: "given" (here), "default" or "auto" (by selfspec.api.make_drafter,
+        # which then also sets ``budget``, a selfspec.decode.budget.TreeBudget with the expected gain).
+        self.budget_source = "given"
+        self.budget: TreeBudget | None = None
 
     def _new_cache(self):
         from transformers import DynamicCache

@@ -183,6 +183,7 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     acceptance: str = "exact",
     streamer: Callable[[list[int]], None] | None = None,
+    step_callback: Callable[[DraftTree, VerifyResult], None] | None = None,
 ) -> GenerationOutput:
     """Generate with draft-and-verify; output equals the target's own (see module docstring).
 
@@ -199,6 +200,10 @@ def speculative_generate(
         generator: ``torch.Generator`` for every random draw (drafts, acceptance, residual, bonus).
         acceptance: ``"exact"`` (lossless) or ``"typical"`` (Medusa typical acceptance: LOSSY, flagged in stats).
         streamer: called with each step's new tokens.
+        step_callback: called after each verification with the step's draft tree and its
+            :class:`~selfspec.decode.verify.VerifyResult`, before the drafter is told what was accepted
+            (so drafter diagnostics such as ``last_candidates`` still describe this tree). For measurements
+            (:func:`selfspec.decode.budget.calibrate_acceptance`); it must not modify its arguments.
 
     Returns:
         :class:`GenerationOutput`.
@@ -253,6 +258,8 @@ def speculative_generate(
         kv.compact_cache(cache, past, result.accepted_nodes)
         t3 = time.perf_counter()
         acc = result.accepted_nodes
+        if step_callback is not None:
+            step_callback(tree, result)
         new = tree.tokens[acc[1:]].tolist() + [result.next_token]
         drafter.accept(tree.tokens[acc], h[acc])
         stats.draft_s += t2 - t1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -15,6 +16,8 @@ from selfspec.decode.tree import greedy_tree_from_accuracy, static_tree
 # A small tree for heads without measured accuracy: 10 nodes suit a CPU (verify cost grows with nodes).
 DEFAULT_MEDUSA_PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]
 DEFAULT_TREE_NODES = 10
+
+logger = logging.getLogger(__name__)
 
 
 class SpeculativeModel:
@@ -152,9 +155,18 @@ def make_drafter(
 ):
     """Build the drafter for a target from exactly one of ``heads``, ``draft_model`` or ``prompt_lookup``.
 
+    EAGLE heads take ``depth``, ``top_k`` and ``total_tokens`` as ``eagle_options``. ``depth`` and
+    ``total_tokens`` default to ``"auto"``: when the head carries an acceptance profile
+    (``<head_dir>/acceptance_profile.json`` written by ``selfspec tune-tree``, or an ``acceptance_profile``
+    attribute on a head module) they are chosen for this machine by :func:`selfspec.decode.budget.tune_tree_budget`
+    (verification and drafting costs measured once and cached); without one they are the defaults of
+    :mod:`selfspec.decode.eagle`. Integers always win; giving one of the two fixes it and chooses the other.
+
     Raises:
-        ValueError: none or several drafting methods given.
-        HeadFormatError: the heads do not load (see :func:`selfspec.heads.load_heads`).
+        ValueError: none or several drafting methods given, or an EAGLE option that is neither an integer
+            nor ``"auto"``.
+        HeadFormatError: the heads do not load (see :func:`selfspec.heads.load_heads`), or their acceptance
+            profile is malformed.
     """
     chosen = [heads is not None, draft_model is not None, bool(prompt_lookup)]
     if sum(chosen) != 1:
@@ -169,7 +181,9 @@ def make_drafter(
         return DraftModelDrafter(draft_model, num_tokens=draft_tokens)
     from selfspec.heads import load_heads
 
+    head_dir = None
     if isinstance(heads, (str, Path)):
+        head_dir = Path(heads)
         heads = load_heads(heads, target=target)
     dtype = next(target.parameters()).dtype
     heads = heads.to(device=next(target.parameters()).device, dtype=dtype).eval()
@@ -181,9 +195,59 @@ def make_drafter(
             usable = [p for p in DEFAULT_MEDUSA_PATHS if len(p) <= heads.config.num_heads]
             tree = greedy_tree_from_accuracy(acc, n) if acc else usable[: n - 1]
         return MedusaDrafter(heads, static_tree(tree))
-    from selfspec.decode.eagle import EagleDrafter
+    return _eagle_drafter(target, heads, head_dir, **eagle_options)
 
-    return EagleDrafter(heads, target, **eagle_options)
+
+def _eagle_drafter(
+    target,
+    head,
+    head_dir: Path | None,
+    depth: int | str = "auto",
+    top_k: int | None = None,
+    total_tokens: int | str = "auto",
+):
+    """An :class:`~selfspec.decode.eagle.EagleDrafter` whose ``"auto"`` depth / total_tokens are sized to the
+    machine from the head's acceptance profile (see :func:`make_drafter`)."""
+    from selfspec.decode import budget as tree_budget
+    from selfspec.decode.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, EagleDrafter
+
+    for name, value in (("depth", depth), ("total_tokens", total_tokens)):
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"EAGLE {name} must be an integer or 'auto', got {value!r}")
+    if depth != "auto" and total_tokens != "auto":
+        return EagleDrafter(head, target, depth, DEFAULT_TOP_K if top_k is None else top_k, total_tokens)
+    if head_dir is not None:
+        profile = tree_budget.load_acceptance_profile(head_dir, target=target)
+    else:
+        profile = getattr(head, "acceptance_profile", None)
+    fixed_depth = None if depth == "auto" else depth
+    fixed_total = None if total_tokens == "auto" else total_tokens
+    budget, why = None, "it has no acceptance profile (run `selfspec tune-tree` to make one)"
+    if profile is not None and top_k is not None and top_k != profile.top_k:
+        why = f"its acceptance profile was measured with top_k={profile.top_k}, not {top_k}"
+    elif profile is not None:
+        drafter = EagleDrafter(head, target, 1, profile.top_k, 1)
+        try:
+            budget = tree_budget.tune_tree_budget(target, drafter, profile, depth=fixed_depth, total_tokens=fixed_total)
+        except ValueError as err:
+            why = f"its acceptance profile does not cover the budget asked for ({err})"
+    if budget is None:
+        drafter = EagleDrafter(
+            head, target, fixed_depth or DEFAULT_DEPTH, DEFAULT_TOP_K if top_k is None else top_k,
+            fixed_total or DEFAULT_TOTAL_TOKENS,
+        )
+        drafter.budget_source = "default"
+        log = logger.info if profile is None else logger.warning  # a profile that cannot serve is worth a warning
+        log("EAGLE tree budget: depth %d, total_tokens %d (defaults): the head %s", drafter.depth, drafter.total_tokens, why)
+        return drafter
+    drafter.depth, drafter.total_tokens = budget.depth, budget.total_tokens
+    drafter.budget_source, drafter.budget = "auto", budget
+    logger.info(
+        "EAGLE tree budget sized to this machine: depth %d, total_tokens %d, top_k %d (expected tau %.2f, "
+        "%.1f ms a step, %.2fx plain decoding)", budget.depth, budget.total_tokens, budget.top_k,
+        budget.expected_tau, budget.expected_cycle_ms, budget.expected_speedup,
+    )
+    return drafter
 
 
 def load(
@@ -206,7 +270,8 @@ def load(
         tokenizer: needed for text prompts when ``target`` is a module.
         threads: ``torch.set_num_threads`` value.
         drafter_options: ``tree``, ``tree_nodes``, ``draft_model``, ``draft_tokens``, ``prompt_lookup``,
-            and EAGLE options (``depth``, ``top_k``, ``total_tokens``).
+            and EAGLE options (``depth``, ``top_k``, ``total_tokens``; ``"auto"`` = sized to this machine
+            when the head has an acceptance profile, see :func:`make_drafter`).
 
     Returns:
         :class:`SpeculativeModel`.

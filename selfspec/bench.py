@@ -54,7 +54,7 @@ from selfspec.decode.generate import GenerationStats
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: methods[name].tree_budget
 REFERENCE = "baseline"
 BUILTIN_METHODS = ("baseline", "hf_prompt_lookup", "prompt_lookup", "draft_model")
 DEFAULT_METHODS = ("baseline", "hf_prompt_lookup", "prompt_lookup")
@@ -145,11 +145,13 @@ int) and a :class:`GenerationStats` (None for methods without speculation statis
 
 @dataclass(frozen=True)
 class BenchMethod:
-    """A named way of generating. ``kind``: ``"hf"``, ``"selfspec"`` or ``"custom"``."""
+    """A named way of generating. ``kind``: ``"hf"``, ``"selfspec"`` or ``"custom"``; ``tree_budget``: the EAGLE
+    tree budget in use (:func:`tree_budget_record`), None for other methods."""
 
     run: MethodFn
     kind: str = "custom"
     description: str = ""
+    tree_budget: dict | None = None
 
 
 def hf_generate_kwargs(settings: BenchSettings, eos_token_ids: Sequence[int], pad_token_id: int | None) -> dict:
@@ -244,7 +246,26 @@ def resolve_eos(target, tokenizer, settings: BenchSettings) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
-def _eagle_kwargs(head: Any, options: Mapping[str, int] | None) -> dict[str, int]:
+def tree_budget_record(drafter) -> dict | None:
+    """What the report records of an EAGLE drafter's tree budget (None for other drafters): its ``depth``,
+    ``top_k``, ``total_tokens``, how they were set (``chosen_by``: ``"given"``, ``"default"`` or ``"auto"``)
+    and, when sized to the machine, the expected tau and speedup."""
+    from selfspec.decode.eagle import EagleDrafter
+
+    if not isinstance(drafter, EagleDrafter):
+        return None
+    budget = drafter.budget
+    return {
+        "depth": drafter.depth,
+        "top_k": drafter.top_k,
+        "total_tokens": drafter.total_tokens,
+        "chosen_by": drafter.budget_source,
+        "expected_tau": budget.expected_tau if budget is not None else None,
+        "expected_speedup": budget.expected_speedup if budget is not None else None,
+    }
+
+
+def _eagle_kwargs(head: Any, options: Mapping[str, int | str] | None) -> dict[str, int | str]:
     """EAGLE drafter options, only for heads whose type is EAGLE."""
     if not options:
         return {}
@@ -265,7 +286,7 @@ def build_methods(
     draft_model=None,
     tree_nodes: int | None = None,
     extra_methods: Mapping[str, MethodFn | BenchMethod] | None = None,
-    eagle_options: Mapping[str, int] | None = None,
+    eagle_options: Mapping[str, int | str] | None = None,
 ) -> dict[str, BenchMethod]:
     """The methods to compare, all sharing ``target``.
 
@@ -278,7 +299,9 @@ def build_methods(
         draft_model: a loaded small causal LM (same tokenizer) for the ``draft_model`` method.
         tree_nodes: tree size for Medusa heads without an explicit tree (None = selfspec's default).
         extra_methods: more methods by name (callables or :class:`BenchMethod`), e.g. for tests.
-        eagle_options: ``depth`` / ``top_k`` / ``total_tokens`` for EAGLE heads (None: defaults).
+        eagle_options: ``depth`` / ``top_k`` / ``total_tokens`` for EAGLE heads: integers, ``"auto"`` (sized
+            to this machine from the head's acceptance profile) or None (= ``"auto"`` for depth and
+            total_tokens, which falls back to the defaults without a profile).
 
     Returns:
         Ordered name -> :class:`BenchMethod`, the reference first.
@@ -323,7 +346,8 @@ def build_methods(
         drafter = make_drafter(target, heads=head, tree_nodes=tree_nodes, **_eagle_kwargs(head, eagle_options))
         method = selfspec_method(SpeculativeModel(target, tokenizer, drafter), settings, eos)
         source = f" from {head}" if isinstance(head, (str, Path)) else ""
-        out[name] = dataclasses.replace(method, description=method.description + source)
+        out[name] = dataclasses.replace(method, description=method.description + source,
+                                        tree_budget=tree_budget_record(drafter))
     for name, fn in (extra_methods or {}).items():
         if name in out:
             raise ValueError(f"extra method name {name!r} is taken")
@@ -577,7 +601,8 @@ def run_bench(
         "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "settings": _settings_record(settings, target, device, eos),
         "environment": _environment(device),
-        "methods": {n: {"kind": m.kind, "description": m.description} for n, m in methods.items()},
+        "methods": {n: {"kind": m.kind, "description": m.description, "tree_budget": m.tree_budget}
+                    for n, m in methods.items()},
         "categories": categories,
         "samples": samples,
         "skipped": skipped,
@@ -752,6 +777,21 @@ _AGGREGATE = _object(
     mismatches=_doc(_INT_OR_NULL, "greedy: prompt turns whose output differs from the reference; null under sampling"),
 )
 
+_TREE_BUDGET = {
+    **_object(
+        "EAGLE heads: the dynamic-tree budget decoded with; null for other methods.",
+        depth=_doc(_INT, "draft depth"),
+        top_k=_doc(_INT, "candidates per expansion"),
+        total_tokens=_doc(_INT, "draft tokens kept per step (tree nodes - 1)"),
+        chosen_by=_doc("string", "'given' (explicit values), 'default' (no acceptance profile) or 'auto' "
+                       "(sized to this machine from the head's acceptance profile and measured costs)",
+                       enum=["given", "default", "auto"]),
+        expected_tau=_doc(_NUM_OR_NULL, "'auto': tau the acceptance profile predicts for this budget"),
+        expected_speedup=_doc(_NUM_OR_NULL, "'auto': speedup over plain decoding the cost model predicts"),
+    ),
+    "type": ["object", "null"],
+}
+
 SCHEMA: dict = _object(
     "selfspec bench report (report.json). A JSON-Schema subset: every listed property is required, no other "
     "property is allowed, 'additionalProperties' gives the value layout of maps keyed by method or category.",
@@ -793,6 +833,7 @@ SCHEMA: dict = _object(
             "",
             kind=_doc("string", "'hf', 'selfspec' or 'custom'", enum=["hf", "selfspec", "custom"]),
             description=_doc("string", ""),
+            tree_budget=_TREE_BUDGET,
         ),
     ),
     categories=_array("array", "categories present, sorted", _doc("string", "")),
@@ -944,6 +985,16 @@ def _row(agg: dict) -> str:
     )
 
 
+def _budget_text(budget: dict | None) -> str:
+    if budget is None:
+        return ""
+    text = (f"; EAGLE tree depth {budget['depth']}, top_k {budget['top_k']}, total_tokens {budget['total_tokens']} "
+            f"({budget['chosen_by']}")
+    if budget["expected_tau"] is not None:
+        text += f": expected tau {budget['expected_tau']:.2f}, expected speedup {_fmt(budget['expected_speedup'], '.2f', 'x')}"
+    return text + ")"
+
+
 def markdown_report(report: dict) -> str:
     """``report.md``: settings, a table by method x category, an overall table, and the greedy mismatches."""
     s = report["settings"]
@@ -968,7 +1019,8 @@ def markdown_report(report: dict) -> str:
     for name, summ in report["summary"].items():
         lines.append(f"| {name} | {_row(summ['overall'])} |")
     lines += ["", "## Methods", ""]
-    lines += [f"- `{n}` ({m['kind']}): {m['description']}" for n, m in report["methods"].items()]
+    lines += [f"- `{n}` ({m['kind']}): {m['description']}{_budget_text(m['tree_budget'])}"
+              for n, m in report["methods"].items()]
     if not s["do_sample"]:
         lines += ["", "## Outputs differing from the reference (greedy)", ""]
         if report["mismatches"]:
@@ -1103,6 +1155,15 @@ def _parse_heads(items: Sequence[str]) -> dict[str, str]:
     return heads
 
 
+def _int_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="selfspec bench",
@@ -1116,9 +1177,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"built-in methods (default: {' '.join(DEFAULT_METHODS)}, plus draft_model with --draft-model); "
                    "baseline always runs")
     p.add_argument("--draft-model", default=None, help="small causal LM with the target's tokenizer (draft_model method)")
-    p.add_argument("--eagle-depth", type=int, default=None, help="EAGLE-2 tree depth")
+    p.add_argument("--eagle-depth", type=_int_or_auto, default=None,
+                   help="EAGLE-2 tree depth, or 'auto' (default): sized to this machine when the head has an "
+                   "acceptance profile (selfspec tune-tree), else selfspec's default")
     p.add_argument("--eagle-top-k", type=int, default=None, help="EAGLE-2 expansions per node")
-    p.add_argument("--eagle-total-tokens", type=int, default=None, help="EAGLE-2 draft tokens kept per step")
+    p.add_argument("--eagle-total-tokens", type=_int_or_auto, default=None,
+                   help="EAGLE-2 draft tokens kept per step, or 'auto' (default; see --eagle-depth)")
     p.add_argument("--tree-nodes", type=int, default=None, help="tree size for Medusa heads")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

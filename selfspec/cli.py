@@ -1,4 +1,4 @@
-"""The ``selfspec`` command: ``train``, ``bench``, ``quickstart``."""
+"""The ``selfspec`` command: ``train``, ``bench``, ``tune-tree``, ``quickstart``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "train": "train heads on a frozen target (same as: accelerate launch -m selfspec.train CONFIG [k=v ...])",
         "bench": "speedup and tau against plain transformers generate, in one run",
+        "tune-tree": "size an EAGLE head's tree budget to this machine (writes <heads>/acceptance_profile.json)",
         "quickstart": "the embedded default: SmolLM2 target, ShareGPT data, train heads, then bench",
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
@@ -29,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         from selfspec.bench import main as bench_main
 
         return bench_main(rest)
+    if command == "tune-tree":
+        from selfspec.tune import main as tune_main
+
+        return tune_main(rest)
     from selfspec.quickstart import main as quickstart_main
 
     return quickstart_main(rest)

@@ -38,6 +38,10 @@ def target():
 
 @pytest.fixture(scope="module")
 def oracle():
+    return build_oracle()
+
+
+def build_oracle():
     """A one-layer target whose embeddings all have RMS 1, and a head that nearly reproduces it.
 
     ``input_layernorm(e) = e * w`` for every embedding row e, so ``fc = [diag(w), 0]`` followed by a

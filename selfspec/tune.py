@@ -1,0 +1,131 @@
+"""``selfspec tune-tree``: size an EAGLE head's dynamic tree to this machine.
+
+1. Calibrate: decode a few prompts greedily with the largest budget (``--depth-max``,
+   ``--total-tokens-max``) and derive the mean tokens per step of every smaller budget
+   (:func:`selfspec.decode.budget.calibrate_acceptance`); written to ``<heads>/acceptance_profile.json``.
+2. Measure (or read from the cache) the target's verification cost by tree size and the head's
+   drafting cost by depth on this device / dtype / thread count.
+3. Print the budget with the highest expected tokens per second, and the tables it was chosen from.
+
+Afterwards ``selfspec.load(target, heads)`` and ``selfspec bench --heads DIR`` use the chosen budget on
+their own (``depth`` / ``total_tokens`` default to ``"auto"``); explicit values still win.
+
+Usage::
+
+    selfspec tune-tree --target smollm2-135m-instruct --heads runs/eagle-smollm2/heads --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from selfspec.decode.eagle import DEFAULT_TOP_K
+
+    p = argparse.ArgumentParser(
+        prog="selfspec tune-tree",
+        description="Measure an EAGLE head's acceptance for every tree budget and this machine's verification "
+        "cost, write <heads>/acceptance_profile.json and print the fastest budget.",
+    )
+    p.add_argument("--target", default="smollm2-135m-instruct", help="target name, directory or Hub id")
+    p.add_argument("--heads", required=True, metavar="DIR", help="EAGLE head directory (save_pretrained output)")
+    p.add_argument("--prompts", default="sharegpt-heldout",
+                   help="MT-bench/Spec-Bench JSONL file (first turns are used), or 'sharegpt-heldout'")
+    p.add_argument("--n-prompts", type=int, default=8, help="prompts to decode")
+    p.add_argument("--skip-prompts", type=int, default=0,
+                   help="skip the first N prompts (e.g. those a later bench measures)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt")
+    p.add_argument("--depth-max", type=int, default=6, help="largest draft depth in the table")
+    p.add_argument("--total-tokens-max", type=int, default=48, help="largest total_tokens in the table")
+    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="EAGLE-2 expansions per node (profiled as given)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (use what decoding will use)")
+    p.add_argument("--refresh-cost", action="store_true", help="measure the costs again even if cached")
+    return p
+
+
+def load_target(name: str, dtype: str, device: str):
+    """:func:`selfspec.target.load_target` (a seam the CLI tests replace)."""
+    from selfspec.target import load_target as _load
+
+    return _load(name, dtype=dtype, device=device)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``selfspec tune-tree ...``: returns 0 on success, 2 on bad arguments."""
+    from pathlib import Path
+
+    from selfspec.bench import encode_messages, load_prompts
+    from selfspec.decode import budget as tree_budget
+    from selfspec.decode.eagle import EagleDrafter
+    from selfspec.heads import load_heads
+    from selfspec.heads.config import HeadFormatError, read_json
+
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if min(args.n_prompts, args.max_new_tokens, args.depth_max, args.total_tokens_max, args.top_k) < 1:
+        parser.error("--n-prompts, --max-new-tokens, --depth-max, --total-tokens-max and --top-k must be >= 1")
+    if args.max_new_tokens < 2:
+        parser.error("--max-new-tokens must be >= 2 (the first token comes from prefill, not from a draft)")
+    heads_dir = Path(args.heads)
+    try:
+        head_type = read_json(heads_dir / "config.json").get("head_type")
+    except HeadFormatError as err:
+        parser.error(str(err))
+    if head_type != "eagle":
+        parser.error(f"{heads_dir} holds {head_type!r} heads; tune-tree sizes EAGLE dynamic trees")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = load_prompts(args.prompts)[args.skip_prompts : args.skip_prompts + args.n_prompts]
+    if not prompts:
+        parser.error(f"no prompts left in {args.prompts} after skipping {args.skip_prompts}")
+    target, tokenizer = load_target(args.target, args.dtype, args.device)
+    device = next(target.parameters()).device
+    head = load_heads(heads_dir, target=target).to(device=device, dtype=next(target.parameters()).dtype).eval()
+    try:
+        drafter = EagleDrafter(head, target, args.depth_max, args.top_k, args.total_tokens_max)
+    except ValueError as err:
+        parser.error(str(err))
+    ids = [encode_messages(tokenizer, [*p.preamble, {"role": "user", "content": p.turns[0]}]).to(device) for p in prompts]
+    eos = getattr(target.generation_config, "eos_token_id", None)
+    logger.info("calibrating on %d prompts, %d new tokens each, budget up to depth %d / total_tokens %d ...",
+                len(ids), args.max_new_tokens, args.depth_max, args.total_tokens_max)
+    profile = tree_budget.calibrate_acceptance(
+        target, drafter, ids, max_new_tokens=args.max_new_tokens, total_tokens_max=args.total_tokens_max,
+        depth_max=args.depth_max, eos_token_id=eos,
+    )
+    path = tree_budget.save_acceptance_profile(profile, heads_dir)
+    cost = tree_budget.get_cost_profile(target, refresh=args.refresh_cost)
+    draft = tree_budget.get_draft_cost(drafter, target, range(1, args.depth_max + 1), refresh=args.refresh_cost)
+    budget = tree_budget.choose_tree_budget(cost, profile, draft)
+    print(f"acceptance profile: {path} ({profile.steps} steps over {profile.prompts} prompts, top_k {profile.top_k})")
+    inexact = sum(map(sum, profile.inexact_steps))
+    if inexact:
+        print(f"  {inexact} (budget, step) cells are lower bounds: their trees keep candidates the big tree dropped")
+    print(f"verification cost ({cost.device}, {cost.dtype}, {cost.threads} threads; cached in "
+          f"{tree_budget.cost_profile_path(target)}):")
+    print("  nodes " + " ".join(f"{n:>7}" for n in cost.node_counts))
+    print("  ms    " + " ".join(f"{v:>7.1f}" for v in cost.verify_ms))
+    print("draft cost by depth (ms): " + ", ".join(f"{d}: {v:.1f}" for d, v in sorted(draft.items())))
+    print()
+    print(tree_budget.budget_table_text(budget))
+    print(f"chosen: depth {budget.depth}, total_tokens {budget.total_tokens}, top_k {budget.top_k}: expected tau "
+          f"{budget.expected_tau:.2f}, {budget.expected_cycle_ms:.1f} ms a step vs {budget.plain_step_ms:.1f} ms a plain "
+          f"step, expected speedup {budget.expected_speedup:.2f}x")
+    if budget.expected_speedup < 1.0:
+        print("note: no tree budget is expected to beat plain decoding on this machine with this head")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,409 @@
+"""decode/budget.py: the budget choice on hand-made profiles, acceptance calibration checked against real
+smaller-budget runs, cost/acceptance profile files and caching, and make_drafter's "auto" budget."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from selfspec.api import make_drafter
+from selfspec.decode import budget as tb
+from selfspec.decode.budget import AcceptanceProfile, CostProfile, choose_tree_budget
+from selfspec.decode.eagle import DEFAULT_DEPTH, DEFAULT_TOTAL_TOKENS, EagleDrafter
+from selfspec.decode.generate import speculative_generate
+from selfspec.decode.kv import crop_cache, forward_tree, lm_logits, new_cache, prefill
+from selfspec.decode.sampling import SamplingConfig
+from selfspec.decode.verify import verify_greedy
+from selfspec.heads import load_heads
+from selfspec.heads.config import HeadFormatError
+from tests.decode.test_eagle_decode import SecondBestHead, build_oracle, prompts, random_head, reference
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """A tiny target with an EAGLE head that nearly reproduces it (high acceptance; see test_eagle_decode)."""
+    return build_oracle()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Profiles go to a per-test cache, never to ~/.cache."""
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+
+
+def cost(node_counts, verify_ms, **key) -> CostProfile:
+    fields = dict(target_fingerprint="f" * 16, device="cpu test", dtype="float32", threads=1, torch=torch.__version__)
+    fields.update(key)
+    return CostProfile(**fields, context_length=128, node_counts=tuple(node_counts), verify_ms=tuple(verify_ms))
+
+
+def acceptance(tau, top_k=2) -> AcceptanceProfile:
+    tau = tuple(tuple(float(x) for x in row) for row in tau)
+    return AcceptanceProfile(top_k=top_k, tau=tau, inexact_steps=tuple(tuple(0 for _ in r) for r in tau), steps=10,
+                             prompts=2, max_new_tokens=16)
+
+
+# top_k 2: depth 1 creates 2 candidates, depth 2 six, depth 3 ten; the table stops at N = 6.
+TAU = [
+    [1.5, 1.6, 1.6, 1.6, 1.6, 1.6],
+    [1.5, 1.9, 2.0, 2.1, 2.1, 2.2],
+    [1.5, 1.9, 2.3, 2.4, 2.5, 2.6],
+]
+FLAT_DRAFT = {1: 0.0, 2: 0.0, 3: 0.0}
+
+
+# ------------------------------------------------------------------------------------------------ choice
+
+
+def test_interpolation_exact_at_and_between_measured_points():
+    c = cost([1, 2, 4, 8], [10.0, 12.0, 16.0, 24.0])
+    assert [c.verify_cost_ms(n) for n in (1, 2, 4, 8)] == [10.0, 12.0, 16.0, 24.0]
+    assert c.verify_cost_ms(3) == 14.0 and c.verify_cost_ms(6) == 20.0 and c.verify_cost_ms(1.5) == 11.0
+    assert c.verify_cost_ms(12) == 32.0  # beyond: the last segment's slope (2 ms a node)
+    assert c.verify_cost_ms(0.5) == 10.0
+    # noisy medians that dip are fitted non-decreasing (pool adjacent violators), not followed
+    dip = cost([1, 2, 3], [10.0, 9.0, 12.0])
+    assert [dip.verify_cost_ms(n) for n in (1, 2, 3)] == [9.5, 9.5, 12.0]
+
+
+def test_flat_cost_picks_the_biggest_budget():
+    b = choose_tree_budget(cost([1, 8], [10.0, 10.0]), acceptance(TAU), FLAT_DRAFT)
+    assert (b.depth, b.total_tokens) == (3, 6)
+    assert b.expected_tau == 2.6 and b.expected_cycle_ms == 10.0 and b.expected_speedup == pytest.approx(2.6)
+    # every listed budget: N never above what the depth creates (2 at depth 1), nor the table's 6
+    assert sorted((o.depth, o.total_tokens) for o in b.table) == (
+        [(1, 1), (1, 2)] + [(2, n) for n in range(1, 7)] + [(3, n) for n in range(1, 7)]
+    )
+
+
+def test_steep_cost_picks_a_small_budget():
+    # verify_ms(n) = 10 n: the (1, 1) tree (2 nodes, 20 ms) gives 1.5 / 20 = 0.075 tokens/ms; (2, 2) gives
+    # 1.9 / 30 = 0.063, (3, 3) 2.3 / 40 = 0.058; and plain decoding 1 / 10 = 0.1 beats them all.
+    b = choose_tree_budget(cost([1, 8], [10.0, 80.0]), acceptance(TAU), FLAT_DRAFT)
+    assert (b.depth, b.total_tokens) == (1, 1)
+    assert b.expected_cycle_ms == 20.0 and b.expected_speedup == pytest.approx(0.75)
+    assert b.plain_step_ms == 10.0
+
+
+def test_draft_cost_and_overrides_shift_the_choice():
+    flat = cost([1, 8], [10.0, 10.0])
+    # depth 3 costs 10 ms more to draft: 2.6 / 20 < 2.2 / 10, depth 2 wins
+    b = choose_tree_budget(flat, acceptance(TAU), {1: 0.0, 2: 0.0, 3: 10.0})
+    assert (b.depth, b.total_tokens) == (2, 6)
+    b = choose_tree_budget(flat, acceptance(TAU), FLAT_DRAFT, depth=1)
+    assert (b.depth, b.total_tokens) == (1, 2)
+    b = choose_tree_budget(flat, acceptance(TAU), FLAT_DRAFT, total_tokens=3)
+    assert (b.depth, b.total_tokens) == (3, 3)
+    # N = 40 keeps every candidate of depths 1 and 2 (2 and 6, within the table); depth 3's 10 are not measured
+    b = choose_tree_budget(flat, acceptance(TAU), FLAT_DRAFT, total_tokens=40)
+    assert (b.depth, b.total_tokens, b.expected_tau, b.expected_cycle_ms) == (2, 40, 2.2, 10.0)
+    assert {o.depth for o in b.table} == {1, 2}
+    # ties go to the smaller tree
+    b = choose_tree_budget(cost([1, 8], [10.0, 10.0]), acceptance([[1.5, 1.5, 1.5, 1.5]], top_k=4), {1: 0.0})
+    assert (b.depth, b.total_tokens) == (1, 1)
+    with pytest.raises(ValueError, match="outside"):
+        choose_tree_budget(flat, acceptance(TAU), FLAT_DRAFT, depth=4)
+    with pytest.raises(ValueError, match="draft cost"):
+        choose_tree_budget(flat, acceptance(TAU), {1: 0.0})
+
+
+def test_table_text_marks_the_choice():
+    b = choose_tree_budget(cost([1, 8], [10.0, 10.0]), acceptance(TAU), FLAT_DRAFT)
+    text = tb.budget_table_text(b, columns=(1, 2, 4))
+    assert "2.60*" in text and "2.60x*" in text and "6" in text.splitlines()[1]
+
+
+# ------------------------------------------------------------------------------------------------ calibration
+
+
+def first_step_tokens(target, head, ids, depth, top_k, total) -> int:
+    """Tokens of the first verification step with a real drafter of that budget."""
+    out = speculative_generate(target, EagleDrafter(head, target, depth, top_k, total), ids, max_new_tokens=2)
+    assert out.stats.steps == 1
+    return out.stats.accepted_per_step[0]
+
+
+def test_calibration_predicts_smaller_budgets_exactly(oracle):
+    """One step per prompt (max_new_tokens=2: prefill gives the first token): the table's tau[d][N] from
+    one big-budget run equals the mean tokens of real runs with each smaller budget on the same contexts."""
+    t, head = oracle
+    ids = prompts(8, seed=11)
+    top_k, depth_max, n_max = 3, 4, 14
+    profile = tb.calibrate_acceptance(t, EagleDrafter(head, t, 2, top_k, 5), ids, max_new_tokens=2,
+                                      total_tokens_max=n_max, depth_max=depth_max)
+    assert (profile.steps, profile.prompts, profile.depth_max, profile.total_tokens_max) == (8, 8, depth_max, n_max)
+    assert profile.tau[-1][-1] > 2.0  # the oracle's drafts are accepted: the table is not all ones
+    checked_inexact = 0
+    for d in range(1, depth_max + 1):
+        for n in range(1, min(n_max, tb.num_candidates(top_k, d)) + 1):
+            real = [first_step_tokens(t, head, x, d, top_k, n) for x in ids]
+            if profile.inexact_steps[d - 1][n - 1] == 0:
+                assert profile.tau_at(d, n) == pytest.approx(sum(real) / len(real), abs=1e-12), (d, n)
+            else:
+                checked_inexact += 1
+                assert profile.tau_at(d, n) <= sum(real) / len(real) + 1e-12
+    assert profile.inexact_steps[depth_max - 1] == (0,) * n_max  # the deepest row never keeps a dropped node
+
+
+@pytest.mark.parametrize(
+    "second_best, n_max, n_prompts, dropped_hits",
+    [
+        (False, 8, 1, False),
+        (True, 8, 1, False),  # the right token is never the first branch: acceptance depends on the ranks
+        (False, 4, 4, True),  # a small big budget: some smaller-depth budget keeps a node the big tree dropped
+    ],
+)
+def test_step_acceptance_equals_real_verification_step_by_step(oracle, second_best, n_max, n_prompts, dropped_hits):
+    """Multi-step: at every step of a big-budget greedy run, a fresh drafter of each smaller budget begun on
+    the same context drafts a tree whose greedy verification accepts what step_acceptance predicted."""
+    t, head = oracle
+    if second_best:
+        base = head
+        head = SecondBestHead(base.config, t.config, target=t).eval()
+        head.load_state_dict(base.state_dict())
+    top_k, depth_max = 2, 4
+    big = EagleDrafter(head, t, depth_max, top_k, n_max)
+    steps = []
+
+    class Recorder:
+        name = "recorder"
+
+        def begin(self, prompt_ids, hidden):
+            big.begin(prompt_ids, hidden)
+
+        def propose(self, context, sampling, generator):
+            self.context = context.clone()
+            return big.propose(context, sampling, generator)
+
+        def accept(self, tokens, hidden):
+            big.accept(tokens, hidden)
+
+    rec = Recorder()
+
+    def on_step(tree, result):
+        predicted, inexact = tb.step_acceptance(big.last_candidates, result.accepted_nodes, result.next_token,
+                                                depth_max, n_max)
+        steps.append((rec.context, predicted, inexact, result.num_accepted))
+
+    for ids in prompts(n_prompts, seed=12):
+        first = len(steps)
+        out = speculative_generate(t, rec, ids, max_new_tokens=24, step_callback=on_step)
+        assert out.tokens == reference(t, ids, 24)
+        # the callback sees every step
+        assert [s[3] for s in steps[first:]] == [a - 1 for a in out.stats.accepted_per_step]
+    assert sum(s[3] for s in steps) >= len(steps)  # drafts are accepted: > 1 token a step on average
+    # whether some budget accepts more than the big tree did (it keeps the next right token the big tree dropped)
+    assert any(bool((s[1] > s[3]).any()) for s in steps) == dropped_hits
+    for context, predicted, inexact, big_accepted in steps:
+        assert int(predicted[depth_max - 1, n_max - 1]) == big_accepted
+        cache = new_cache(t)
+        hidden = prefill(t, context[:-1], cache)
+        for d in range(1, depth_max + 1):
+            for n in range(1, min(n_max, tb.num_candidates(top_k, d)) + 1):
+                drafter = EagleDrafter(head, t, d, top_k, n)
+                drafter.begin(context[:-1], hidden)
+                tree = drafter.propose(context, SamplingConfig(), None)
+                logits = lm_logits(t, forward_tree(t, tree.tokens, tree.parents, cache, context.numel() - 1))
+                crop_cache(cache, context.numel() - 1)
+                real = verify_greedy(logits, tree.tokens, tree.parents).num_accepted
+                if inexact[d - 1, n - 1]:
+                    assert real >= int(predicted[d - 1, n - 1])
+                else:
+                    assert real == int(predicted[d - 1, n - 1]), (d, n)
+
+
+def test_step_acceptance_hand_built():
+    """Candidates (creation order) with cumulative scores; children never score above their parent.
+
+        0 (tok 10, -0.1) -> 2 (tok 12, -0.2) -> 4 (tok 14, -0.3) -> 5 (tok 15, -0.4)
+        1 (tok 11, -0.5) -> 3 (tok 13, -0.6)
+
+    The big budget (depth 4, N 4) keeps 0, 2, 4, 5 (tree nodes 1..4).
+    """
+    cand = {
+        "tokens": torch.tensor([10, 11, 12, 13, 14, 15]),
+        "parents": torch.tensor([-1, -1, 0, 1, 2, 4]),
+        "scores": torch.tensor([-0.1, -0.5, -0.2, -0.6, -0.3, -0.4]),
+        "kept": torch.tensor([0, 2, 4, 5]),
+    }
+    # the target continues 10 12 14 15: every budget accepts its part of the path
+    acc, inexact = tb.step_acceptance(cand, torch.tensor([0, 1, 2, 3, 4]), 99, 4, 4)
+    assert acc.tolist() == [[1, 1, 1, 1], [1, 2, 2, 2], [1, 2, 3, 3], [1, 2, 3, 4]] and not inexact.any()
+    # 10 12 then 16, which no candidate has
+    acc, inexact = tb.step_acceptance(cand, torch.tensor([0, 1, 2]), 16, 4, 4)
+    assert acc.tolist() == [[1, 1, 1, 1], [1, 2, 2, 2], [1, 2, 2, 2], [1, 2, 2, 2]] and not inexact.any()
+    # the target wants 11 first: the big tree dropped candidate 1, budgets that keep it accept it. Ranks of 1:
+    # among depth <= 1: 1 (kept from N = 2); depth <= 2: 2 (N >= 3), and its child 3 ranks 3, so at N = 4 the
+    # target's choice after 11 is unknown: a lower bound; depth <= 3: rank 3 (N = 4), child beyond N; depth 4: 4.
+    acc, inexact = tb.step_acceptance(cand, torch.tensor([0]), 11, 4, 4)
+    assert acc.tolist() == [[0, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0]]
+    assert inexact.nonzero().tolist() == [[1, 3]]
+
+
+def test_calibration_restores_the_drafter_and_refuses_empty_runs(oracle):
+    t, head = oracle
+    drafter = EagleDrafter(head, t, 2, 2, 3)
+    tb.calibrate_acceptance(t, drafter, prompts(1), max_new_tokens=4, total_tokens_max=6, depth_max=3)
+    assert (drafter.depth, drafter.total_tokens) == (2, 3)
+    with pytest.raises(ValueError, match="no verification step"):
+        tb.calibrate_acceptance(t, drafter, prompts(1), max_new_tokens=1)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        tb.calibrate_acceptance(t, drafter, [])
+
+
+# ------------------------------------------------------------------------------------------------ files
+
+
+def test_cost_profile_json_round_trip(tmp_path):
+    c = cost([1, 2, 4], [10.0, 11.5, 13.25])
+    path = tb.save_cost_profile(c, tmp_path / "p.json")
+    assert tb.load_cost_profile(path) == c
+    data = json.loads(path.read_text())
+    for broken in ({**data, "verify_ms": [1.0, 2.0]}, {**data, "node_counts": [2, 1, 4]}, {**data, "extra": 1},
+                   {**data, "threads": "1"}, {**data, "version": 99}, [1, 2]):
+        with pytest.raises(ValueError):
+            CostProfile.from_dict(broken)
+
+
+def test_cost_profile_is_cached_and_remeasured_on_mismatch_or_corruption(oracle, monkeypatch, caplog):
+    t, _ = oracle
+    sizes = (1, 2, 3, 5)
+    first = tb.get_cost_profile(t, node_counts=sizes, context_length=16)
+    path = tb.cost_profile_path(t)
+    assert path.is_file() and path.parent == tb.profiles_dir() and first.node_counts == sizes
+    assert first.key == tb.cost_key(t) and all(v > 0 for v in first.verify_ms)
+    measured = []
+    real_measure = tb.measure_cost_profile
+
+    def counting(*args, **kwargs):
+        measured.append(1)
+        return real_measure(*args, **kwargs)
+
+    monkeypatch.setattr(tb, "measure_cost_profile", counting)
+    assert tb.get_cost_profile(t, node_counts=sizes, context_length=16) == first and not measured
+    # a cached file measured elsewhere (here: another torch version) is never used
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "torch": "0.0.1"}))
+    with caplog.at_level(logging.WARNING, logger="selfspec.decode.budget"):
+        again = tb.get_cost_profile(t, node_counts=sizes, context_length=16)
+    assert len(measured) == 1 and again.torch == torch.__version__ and "measuring it again" in caplog.text
+    caplog.clear()
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="selfspec.decode.budget"):
+        tb.get_cost_profile(t, node_counts=sizes, context_length=16)
+    assert len(measured) == 2 and "unreadable" in caplog.text
+    assert tb.load_cost_profile(path).key == tb.cost_key(t)  # rewritten
+    # another thread count is another machine setting: its own file
+    torch.set_num_threads(2)
+    try:
+        assert tb.cost_profile_path(t) != path
+    finally:
+        torch.set_num_threads(1)
+    # refresh measures even with a good file
+    tb.get_cost_profile(t, refresh=True, node_counts=sizes, context_length=16)
+    assert len(measured) == 3
+
+
+def test_draft_cost_measured_per_depth_and_cached(oracle):
+    t, head = oracle
+    drafter = EagleDrafter(head, t, 3, 2, 5)
+    ms = tb.get_draft_cost(drafter, t, [1, 2, 3])
+    assert set(ms) == {1, 2, 3} and all(v > 0 for v in ms.values()) and drafter.depth == 3
+    assert tb.draft_cost_path(drafter, t).is_file()
+    assert tb.get_draft_cost(drafter, t, [2]) == {2: ms[2]}
+    tb.draft_cost_path(drafter, t).write_text("[]")
+    assert set(tb.get_draft_cost(drafter, t, [1])) == {1}  # corrupt: re-measured, no crash
+
+
+@pytest.fixture
+def head_dir(oracle, tmp_path):
+    t, head = oracle
+    d = head.save_pretrained(tmp_path / "heads")
+    profile = tb.calibrate_acceptance(t, EagleDrafter(head, t, 1, 2, 1), prompts(3, seed=13), max_new_tokens=8,
+                                      total_tokens_max=10, depth_max=4)
+    tb.save_acceptance_profile(profile, d)
+    return d
+
+
+def test_acceptance_profile_round_trip_and_heads_still_load(oracle, head_dir):
+    t, head = oracle
+    profile = tb.load_acceptance_profile(head_dir, target=t)
+    assert profile is not None and profile.head_digest == tb.head_files_digest(head_dir)
+    assert AcceptanceProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
+    loaded = load_heads(head_dir, target=t)  # the extra file does not disturb the head loader
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), head.state_dict().values()))
+    assert tb.load_acceptance_profile(head_dir.parent) is None  # no file: no profile
+
+
+def test_bad_acceptance_profile_raises_head_format_error(head_dir):
+    path = head_dir / tb.ACCEPTANCE_PROFILE_NAME
+    good = json.loads(path.read_text())
+    shrunk = {**good, "tau": good["tau"][:-1]}
+    decreasing = {**good, "tau": [row[::-1] if i == 3 else row for i, row in enumerate(good["tau"])]}
+    for broken in ("{truncated", json.dumps({**good, "surprise": 1}), json.dumps(shrunk), json.dumps(decreasing),
+                   json.dumps({**good, "steps": 0}), json.dumps({**good, "tau": [[0.5] * 10] * 4})):
+        path.write_text(broken)
+        with pytest.raises(HeadFormatError, match="selfspec tune-tree"):
+            tb.load_acceptance_profile(head_dir)
+
+
+def test_profile_of_other_weights_is_ignored(oracle, head_dir, caplog):
+    t, head = oracle
+    head.save_pretrained(head_dir)  # same weights: same digest
+    assert tb.load_acceptance_profile(head_dir) is not None
+    random_head(t).save_pretrained(head_dir)  # "retrained"
+    with caplog.at_level(logging.WARNING, logger="selfspec.decode.budget"):
+        assert tb.load_acceptance_profile(head_dir) is None
+    assert "other head weights" in caplog.text
+    assert make_drafter(t, head_dir).budget_source == "default"
+
+
+# ------------------------------------------------------------------------------------------------ wiring
+
+
+def test_make_drafter_auto_budget_keeps_greedy_exact(oracle, head_dir):
+    t, _ = oracle
+    drafter = make_drafter(t, head_dir)  # depth / total_tokens default to "auto"
+    assert drafter.budget_source == "auto" and drafter.budget is not None
+    b = drafter.budget
+    assert (drafter.depth, drafter.total_tokens, drafter.top_k) == (b.depth, b.total_tokens, 2)
+    assert 1 <= b.depth <= 4 and 1 <= b.total_tokens <= 10 and b.expected_tau >= 1.0
+    assert (b.depth, b.total_tokens) in {(o.depth, o.total_tokens) for o in b.table}
+    assert tb.cost_profile_path(t).is_file()  # measured once, cached
+    for ids in prompts(2, seed=14):
+        assert speculative_generate(t, drafter, ids, max_new_tokens=20).tokens == reference(t, ids, 20)
+    again = make_drafter(t, head_dir, depth="auto", total_tokens="auto")
+    assert again.budget == b  # from the cached profiles
+
+
+def test_make_drafter_overrides_and_fallbacks(oracle, head_dir):
+    t, head = oracle
+    fixed = make_drafter(t, head_dir, depth=3, total_tokens=5)
+    assert (fixed.depth, fixed.total_tokens, fixed.budget_source, fixed.budget) == (3, 5, "given", None)
+    half = make_drafter(t, head_dir, total_tokens=4)
+    assert half.total_tokens == 4 and half.budget_source == "auto" and half.budget.total_tokens == 4
+    other_k = make_drafter(t, head_dir, top_k=3)  # the profile holds for top_k 2 only
+    assert (other_k.depth, other_k.total_tokens, other_k.top_k, other_k.budget_source) == (
+        DEFAULT_DEPTH, DEFAULT_TOTAL_TOKENS, 3, "default")
+    too_deep = make_drafter(t, head_dir, depth=9)
+    assert (too_deep.depth, too_deep.total_tokens, too_deep.budget_source) == (9, DEFAULT_TOTAL_TOKENS, "default")
+    # a module: defaults, unless it carries a profile
+    assert make_drafter(t, head).budget_source == "default"
+    head.acceptance_profile = tb.load_acceptance_profile(head_dir)
+    try:
+        assert make_drafter(t, head).budget_source == "auto"
+    finally:
+        del head.acceptance_profile
+    with pytest.raises(ValueError, match="integer or 'auto'"):
+        make_drafter(t, head_dir, depth="deep")
