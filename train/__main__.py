@@ -58,7 +58,11 @@ def run(cfg: TrainConfig) -> Path:
                                       max_prompt_tokens=cfg.max_length - cfg.distill_max_new_tokens,
                                       disable_progress=not accelerator.is_local_main_process)
         logger.info("self-distillation done in %.1fs", time.perf_counter() - t1)
-        train_convs, eval_convs = distilled, distilled_eval
+        start = cfg.distill_conversations
+        written = train_convs[start : start + cfg.original_conversations][rank::world]
+        if written:
+            logger.info("adding %d conversations as written (not regenerated)", len(written))
+        train_convs, eval_convs = distilled + written, distilled_eval
     else:
         # Recipes receive this process's shard only.
         rank, world = accelerator.process_index, accelerator.num_processes

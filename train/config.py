@@ -28,6 +28,9 @@ class TrainConfig:
         self_distill: regenerate the assistant answers with the target (greedy) before training.
         distill_conversations: how many training conversations to regenerate.
         distill_max_new_tokens / distill_batch_size: generation budget for self-distillation.
+        original_conversations: with ``self_distill``, also train on this many further training
+            conversations as written (not regenerated; they come after the distilled ones). Target features
+            of written text cost about a fifth of a regenerated token each, so they stretch a time budget.
         distill_dir: where regenerated answers are cached (JSONL per rank); default ``<output_dir>/distill``.
             Point several runs at one directory to train different heads on the same answers.
         dtype: target compute dtype for features and distillation (``"bfloat16"`` or ``"float32"``).
@@ -42,9 +45,15 @@ class TrainConfig:
         output_dir: checkpoints, features and the final ``heads/`` directory go here.
         seed: all randomness.
         threads: torch intra-op threads (None: torch's default).
+        calibrate_prompts / calibrate_max_new_tokens: after training an EAGLE head, decode this many
+            held-out prompts (the last ones of the held-out split) greedily with a large draft tree and save
+            the acceptance profile next to the head, from which decoding sizes its tree to the machine
+            (:mod:`selfspec.decode.budget`); 0 prompts skips it.
         eagle_*: EAGLE-1 recipe knobs: CE weight against the target distribution (0.1), SmoothL1 feature
             weight (1.0), half-width of the uniform noise on input features (0.1), head positions per
-            optimiser step, fc bias, and whether the decoder layer starts from the target's last layer.
+            optimiser step, fc bias, whether the decoder layer starts from the target's last layer, the
+            training-time-test depth (unrolled steps on the head's own features, 1 = plain EAGLE-1) and
+            its per-step loss decay, and whether pairs that draft prompt tokens are scored too.
     """
 
     head: str = "medusa"
@@ -58,6 +67,7 @@ class TrainConfig:
     distill_max_new_tokens: int = 160
     distill_batch_size: int = 16
     distill_dir: str | None = None
+    original_conversations: int = 0
     dtype: str = "float32"
     num_heads: int = 4
     num_layers: int = 1
@@ -85,6 +95,11 @@ class TrainConfig:
     eagle_batch_tokens: int = 2048
     eagle_fc_bias: bool = True
     eagle_init_from_target_layer: bool = False
+    eagle_ttt_steps: int = 1
+    eagle_ttt_decay: float = 0.8
+    eagle_score_prompt: bool = False
+    calibrate_prompts: int = 8
+    calibrate_max_new_tokens: int = 48
 
     def __post_init__(self) -> None:
         if self.head not in ("medusa", "eagle"):

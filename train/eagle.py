@@ -50,6 +50,9 @@ EAGLE_DEFAULTS: dict[str, Any] = {
     "batch_tokens": 2048,  # head positions (pairs) per optimiser step, packed in rows of max_length
     "fc_bias": True,
     "init_from_target_layer": False,  # start layers.0 from the target's last layer instead of random
+    "ttt_steps": 1,  # training-time test: unrolled drafting steps per position (1 = plain EAGLE-1)
+    "ttt_decay": 0.8,  # loss weight of unrolled step j is ttt_decay ** j
+    "score_prompt": False,  # also score pairs whose drafted token is a prompt token (more data, same cost)
 }
 
 
@@ -153,7 +156,8 @@ def collate(store: FeatureStore, rows: list[list[int]], dtype: torch.dtype = tor
     Returns:
         ``tokens`` ``[B, S]``, ``features`` / ``targets`` ``[B, S, D]`` (``dtype``), ``scored`` Bool ``[B, S]``,
         ``positions`` ``[B, S]`` (restarting at 0 per sequence), ``mask`` additive ``[B, 1, S, S]``,
-        ``valid`` Bool ``[B, S]`` (False on padding).
+        ``valid`` Bool ``[B, S]`` (False on padding), ``segment`` Long ``[B, S]`` (sequence index within its
+        row, -1 on padding).
     """
     parts = [[store.pairs(i) for i in row] for row in rows]
     S = max(sum(p[0].numel() for p in row) for row in parts)
@@ -181,7 +185,7 @@ def collate(store: FeatureStore, rows: list[list[int]], dtype: torch.dtype = tor
     allowed |= torch.eye(S, dtype=torch.bool).unsqueeze(0)  # padding rows see themselves (no empty softmax)
     mask = torch.zeros(B, 1, S, S, dtype=dtype).masked_fill_(~allowed.unsqueeze(1), torch.finfo(dtype).min)
     return {"tokens": tokens, "features": feats, "targets": targets, "scored": scored, "positions": positions,
-            "mask": mask, "valid": valid}
+            "mask": mask, "valid": valid, "segment": segment}
 
 
 def epoch_rows(store: FeatureStore, row_len: int, seed: int) -> list[list[int]]:
@@ -192,31 +196,133 @@ def epoch_rows(store: FeatureStore, row_len: int, seed: int) -> list[list[int]]:
     return [[order[j] for j in row] for row in pack_rows(lengths, row_len)]
 
 
+# ------------------------------------------------------------------------------------------ training-time test
+def unrolled_mask(segment: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """Attention mask of unrolled step ``step`` over the keys of steps ``0 .. step`` (concatenated).
+
+    Query i at step j stands for a depth-(j+1) draft node whose chain starts at pair ``i - j``: exactly
+    what it would see while drafting, it sees the step-0 keys (target features) of pairs ``<= i - j`` and
+    the step-s key of pair ``i - j + s`` for s = 1 .. j (its draft ancestors, then itself), all within its
+    own sequence. Queries without ``j`` earlier pairs in their sequence see only their own key.
+
+    Args:
+        segment: Long ``[B, S]`` sequence index per packed position (-1 on padding), from :func:`collate`.
+        step: j >= 0.
+        dtype: float dtype of the additive mask.
+
+    Returns:
+        Additive mask ``[B, 1, S, (step + 1) * S]`` (0 attend, dtype-min blocked).
+    """
+    B, S = segment.shape
+    same = segment.unsqueeze(2) == segment.unsqueeze(1)  # [B, S, S]
+    i = torch.arange(S, device=segment.device).view(1, S, 1)
+    k = torch.arange(S, device=segment.device).view(1, 1, S)
+    blocks = [same & (k <= i - step)]
+    for s in range(1, step + 1):
+        blocks.append(same & (k == i - step + s))
+    allowed = torch.cat(blocks, dim=-1)
+    allowed[:, :, step * S :] |= torch.eye(S, dtype=torch.bool, device=segment.device)  # own key, always
+    return torch.zeros(B, 1, S, (step + 1) * S, dtype=dtype, device=segment.device).masked_fill_(
+        ~allowed.unsqueeze(1), torch.finfo(dtype).min
+    )
+
+
+class UnrolledEagle(torch.nn.Module):
+    """Training-time test for an EAGLE-1 head (as in EAGLE-3, Li et al. 2025, arXiv:2503.01840, and HASS):
+    the head is run ``steps`` times, step j feeding on its own predicted features of step j-1, so it learns
+    to draft at depth > 1 from features it predicted itself rather than only from the target's.
+
+    Step 0 is the plain teacher-forced forward. At step j >= 1, pair i's input feature is the step-(j-1)
+    prediction at pair i-1 (a prediction of ``f_i``), its token stays ``x_{i+1}``, its target stays
+    ``f_{i+1}``, and its attention follows :func:`unrolled_mask` through one growing KV cache, so every
+    query sees exactly the keys its draft-tree node would see at decoding time.
+
+    The wrapper exists so ``accelerate`` / DDP sees one forward per optimiser step.
+    """
+
+    def __init__(self, head) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(
+        self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, segment: torch.Tensor, steps: int
+    ) -> list[torch.Tensor]:
+        """Args: ``features`` ``[B, S, D]``, ``tokens`` / ``positions`` / ``segment`` Long ``[B, S]`` (from
+        :func:`collate`), ``steps`` >= 1. Returns ``steps`` predictions ``[B, S, D]``; in step j only
+        positions with ``positions >= j`` are meaningful."""
+        from transformers import DynamicCache
+
+        dtype = self.head.fc.weight.dtype
+        cache = DynamicCache(config=self.head.arch_config)
+        outs: list[torch.Tensor] = []
+        x = features
+        for j in range(steps):
+            pred = self.head(x, tokens, positions, unrolled_mask(segment, j, dtype), cache)
+            outs.append(pred)
+            if j + 1 < steps:
+                x = torch.cat([features[:, :1], pred[:, :-1]], dim=1)
+        return outs
+
+
+def chain_hits(correct: list[torch.Tensor], usable: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """Greedy chain acceptance from per-step correctness of an unrolled forward.
+
+    Args:
+        correct: per step j, Bool ``[B, S]``: the step-j draft at pair i equals the target's greedy token.
+        usable: per step j, Bool ``[B, S]``: that comparison is defined (scored, enough history).
+
+    Returns:
+        ``(hits, counts)`` per depth d = 1 .. len(correct): over chain starts t where pairs
+        ``t .. t+d-1`` are usable at steps ``0 .. d-1``, how many have all d drafts correct.
+    """
+    hits, counts = [], []
+    B, S = correct[0].shape
+    all_ok = torch.ones(B, S, dtype=torch.bool, device=correct[0].device)
+    all_use = torch.ones_like(all_ok)
+    for j, (c, u) in enumerate(zip(correct, usable)):
+        shifted_c = torch.zeros_like(all_ok)
+        shifted_u = torch.zeros_like(all_ok)
+        shifted_c[:, : S - j] = c[:, j:]
+        shifted_u[:, : S - j] = u[:, j:]
+        all_ok = all_ok & shifted_c
+        all_use = all_use & shifted_u
+        hits.append(int((all_ok & all_use).sum()))
+        counts.append(int(all_use.sum()))
+    return hits, counts
+
+
 # ------------------------------------------------------------------------------------------ evaluation
 @torch.no_grad()
 def evaluate(
-    head, store: FeatureStore, target_lm_head: torch.Tensor, k: int = 4, row_len: int = 512, rows_per_batch: int = 4
+    head, store: FeatureStore, target_lm_head: torch.Tensor, k: int = 4, row_len: int = 512, rows_per_batch: int = 4,
+    depth: int = 3,
 ) -> dict[str, Any]:
-    """Held-out teacher-forced next-token agreement with the target, at scored positions.
+    """Held-out agreement with the target at scored positions, teacher-forced and unrolled.
 
-    For pair t the draft's top-k over the draft vocabulary (mapped to target ids) is compared with the
-    target's greedy token ``argmax(lm_head(f_{t+1}))`` over the full vocabulary: top-1 is the depth-1
-    chain acceptance under greedy decoding.
+    Step 0 (teacher-forced): for pair t the draft's top-k over the draft vocabulary (mapped to target ids)
+    is compared with the target's greedy token ``argmax(lm_head(f_{t+1}))`` over the full vocabulary;
+    top-1 is the depth-1 acceptance under greedy decoding. With ``depth`` > 1 the head is also unrolled on
+    its own predicted features (:class:`UnrolledEagle`), which is how it drafts a chain: ``chain[d-1]`` is
+    the share of chain starts whose first d drafts all match the target's greedy tokens, and
+    ``1 + sum(chain)`` estimates the greedy chain tau (the bonus token included).
 
     Args:
         head: an attached :class:`~selfspec.heads.eagle.EagleHead` (unwrapped).
         store: held-out examples.
         target_lm_head: ``[V, D]`` full target lm_head.
         k: largest rank reported.
+        depth: unrolled chain depth evaluated (>= 1).
 
     Returns:
-        ``{"positions", "top1", "topk": [top-1 .. top-k], "feature_loss", "target_in_draft_vocab"}``
-        (counts are raw sums; see :func:`summarise_eval`).
+        Raw sums ``{"positions", "hits" [k], "in_vocab", "feature_loss_sum", "chain_hits" [depth],
+        "chain_counts" [depth]}`` (see :func:`summarise_eval`).
     """
     was_training = head.training
     head.eval()
+    unrolled = UnrolledEagle(head)
     dtype = head.fc.weight.dtype
     hits = torch.zeros(k, dtype=torch.long)
+    c_hits, c_counts = [0] * depth, [0] * depth
     n = in_vocab = 0
     feat_loss = 0.0
     t2d = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
@@ -226,11 +332,23 @@ def evaluate(
     lm = target_lm_head.to(device=dev, dtype=dtype)
     for s in range(0, len(rows), rows_per_batch):
         b = {key: v.to(dev) for key, v in collate(store, rows[s : s + rows_per_batch], dtype).items()}
-        pred = head(b["features"], b["tokens"], b["positions"], b["mask"])[b["scored"]]
-        if pred.shape[0] == 0:
+        preds = unrolled(b["features"], b["tokens"], b["positions"], b["segment"], depth)
+        sel = b["scored"]
+        if not bool(sel.any()):
             continue
-        tf = b["targets"][b["scored"]]
-        greedy = (tf @ lm.T).argmax(-1)
+        greedy_all = torch.full(sel.shape, -1, dtype=torch.long, device=dev)
+        greedy_all[sel] = (b["targets"][sel] @ lm.T).argmax(-1)
+        correct, usable = [], []
+        for j, pred in enumerate(preds):
+            use = sel & (b["positions"] >= j)
+            draft = torch.full(sel.shape, -2, dtype=torch.long, device=dev)
+            draft[use] = head.draft_ids[head.draft_logits(pred[use]).argmax(-1)]
+            correct.append((draft == greedy_all) & use)
+            usable.append(use)
+        h, c = chain_hits(correct, usable)
+        c_hits = [a + x for a, x in zip(c_hits, h)]
+        c_counts = [a + x for a, x in zip(c_counts, c)]
+        pred, tf, greedy = preds[0][sel], b["targets"][sel], greedy_all[sel]
         top = head.draft_logits(pred).topk(min(k, head.config.n_draft), dim=-1).indices
         match = (head.draft_ids[top] == greedy.unsqueeze(1)).cpu()
         match = torch.nn.functional.pad(match.long(), (0, k - match.shape[1]))
@@ -239,44 +357,72 @@ def evaluate(
         in_vocab += int((t2d[greedy.cpu()] >= 0).sum())
         feat_loss += float(torch.nn.functional.smooth_l1_loss(pred.float(), tf.float(), reduction="sum")) / tf.shape[1]
     head.train(was_training)
-    return {"positions": n, "hits": hits.tolist(), "in_vocab": in_vocab, "feature_loss_sum": feat_loss}
+    return {"positions": n, "hits": hits.tolist(), "in_vocab": in_vocab, "feature_loss_sum": feat_loss,
+            "chain_hits": c_hits, "chain_counts": c_counts}
 
 
 def summarise_eval(raw: dict[str, Any]) -> dict[str, Any]:
-    """Turn :func:`evaluate`'s sums (possibly reduced over processes) into rates."""
+    """Turn :func:`evaluate`'s sums (possibly reduced over processes) into rates; ``chain_tau`` is
+    ``1 + sum(chain)``, the greedy chain tau estimate at the evaluated depth."""
     n = max(1, raw["positions"])
     topk = [round(h / n, 4) for h in raw["hits"]]
+    chain = [round(h / max(1, c), 4) for h, c in zip(raw["chain_hits"], raw["chain_counts"])]
     return {"positions": raw["positions"], "top1": topk[0], "topk": topk,
-            "feature_loss": round(raw["feature_loss_sum"] / n, 5), "target_in_draft_vocab": round(raw["in_vocab"] / n, 4)}
+            "feature_loss": round(raw["feature_loss_sum"] / n, 5), "target_in_draft_vocab": round(raw["in_vocab"] / n, 4),
+            "chain": chain, "chain_tau": round(1 + sum(chain), 4)}
 
 
 def _reduce_eval(accelerator, raw: dict[str, Any]) -> dict[str, Any]:
     if accelerator.num_processes == 1:
         return raw
-    v = torch.tensor([raw["positions"], raw["in_vocab"], raw["feature_loss_sum"], *raw["hits"]],
-                     dtype=torch.float64, device=accelerator.device)
+    d, k = len(raw["chain_hits"]), len(raw["hits"])
+    v = torch.tensor([raw["positions"], raw["in_vocab"], raw["feature_loss_sum"], *raw["hits"], *raw["chain_hits"],
+                      *raw["chain_counts"]], dtype=torch.float64, device=accelerator.device)
     v = accelerator.reduce(v, reduction="sum").cpu()
     return {"positions": int(v[0]), "in_vocab": int(v[1]), "feature_loss_sum": float(v[2]),
-            "hits": [int(x) for x in v[3:]]}
+            "hits": [int(x) for x in v[3 : 3 + k]], "chain_hits": [int(x) for x in v[3 + k : 3 + k + d]],
+            "chain_counts": [int(x) for x in v[3 + k + d :]]}
 
 
 # ------------------------------------------------------------------------------------------ recipe
+def feature_signature(cfg: TrainConfig, target, train_convs: list[dict], eval_convs: list[dict]) -> str:
+    """What a feature cache was computed from (target fingerprint, ``max_length``, every conversation's
+    ids and text), as 16 hex digits stored in the cache file's metadata; a cache with another signature is
+    recomputed, never reused."""
+    import hashlib
+
+    from selfspec.target import target_fingerprint
+
+    h = hashlib.sha256(f"{target_fingerprint(target)}|{cfg.max_length}".encode())
+    for conv in [*train_convs, None, *eval_convs]:
+        h.update(b"\0" if conv is None else json.dumps(conv, sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
 def _features(
     cfg: TrainConfig, accelerator, target, tokenizer, train_convs, eval_convs
 ) -> tuple[FeatureStore, FeatureStore]:
     """Target features for this process's shard, computed once and cached in ``features/rank{r}-of{w}.safetensors``."""
     from safetensors.torch import load_file, save_file
 
+    from safetensors import safe_open
+
     from selfspec.train.data import build_training_examples
     from selfspec.train.features import hidden_features
 
     rank, world = accelerator.process_index, accelerator.num_processes
     feat_file = Path(cfg.output_dir) / "features" / f"eagle-rank{rank}-of{world}.safetensors"
+    signature = feature_signature(cfg, target, train_convs, eval_convs)
     if feat_file.exists():
-        t = load_file(str(feat_file))
-        train, held = FeatureStore.from_tensors(t), FeatureStore.from_tensors(t, "eval_")
-        logger.info("loaded cached features %s (%d train / %d held-out sequences)", feat_file, len(train), len(held))
-        return train, held
+        with safe_open(str(feat_file), "pt") as fh:
+            cached_sig = (fh.metadata() or {}).get("signature")
+        if cached_sig == signature:
+            t = load_file(str(feat_file))
+            train, held = FeatureStore.from_tensors(t), FeatureStore.from_tensors(t, "eval_")
+            logger.info("loaded cached features %s (%d train / %d held-out sequences)", feat_file, len(train), len(held))
+            return train, held
+        logger.warning("cached features %s were computed from other data (signature %s, now %s): recomputing",
+                       feat_file, cached_sig, signature)
     quiet = not accelerator.is_local_main_process
     t0 = time.perf_counter()
     D = target.config.hidden_size
@@ -289,9 +435,48 @@ def _features(
     logger.info("target features: %d tokens in %.1fs (%.0f tokens/s)", n_tok, dt, n_tok / max(dt, 1e-9))
     feat_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = feat_file.with_suffix(".tmp")
-    save_file({**train.tensors(), **held.tensors("eval_")}, str(tmp))
+    save_file({**train.tensors(), **held.tensors("eval_")}, str(tmp), metadata={"signature": signature})
     os.replace(tmp, feat_file)
     return train, held
+
+
+CALIBRATION_DEPTH_MAX = 6
+CALIBRATION_TOTAL_TOKENS_MAX = 32
+CALIBRATION_TOP_K = 4
+
+
+def _calibrate(cfg: TrainConfig, head, target, tokenizer, eval_convs: list[dict], head_dir: Path) -> dict[str, Any]:
+    """Greedy acceptance profile of the saved head on the last ``cfg.calibrate_prompts`` held-out prompts
+    (:func:`selfspec.decode.budget.calibrate_acceptance`), written to ``<head_dir>/acceptance_profile.json``.
+    Returns a summary (prompts, steps, seconds, tau at a few budgets)."""
+    from selfspec.decode import budget
+    from selfspec.decode.eagle import EagleDrafter
+    from selfspec.train.data import prompt_messages
+
+    t0 = time.perf_counter()
+    convs = [c for c in eval_convs if prompt_messages(c)][-cfg.calibrate_prompts :]
+    if not convs:
+        logger.warning("no held-out prompt to calibrate the tree budget on; decoding will use default budgets")
+        return {"prompts": 0}
+    ids = []
+    for conv in convs:
+        enc = tokenizer.apply_chat_template(prompt_messages(conv), add_generation_prompt=True, return_dict=True)
+        ids.append(torch.tensor(list(enc["input_ids"]), dtype=torch.long))
+    was_training = head.training
+    head.eval()
+    drafter = EagleDrafter(head, target, depth=CALIBRATION_DEPTH_MAX, top_k=CALIBRATION_TOP_K,
+                           total_tokens=CALIBRATION_TOTAL_TOKENS_MAX)
+    eos = target.generation_config.eos_token_id
+    profile = budget.calibrate_acceptance(
+        target, drafter, ids, max_new_tokens=cfg.calibrate_max_new_tokens,
+        total_tokens_max=CALIBRATION_TOTAL_TOKENS_MAX, depth_max=CALIBRATION_DEPTH_MAX, eos_token_id=eos,
+    )
+    budget.save_acceptance_profile(profile, head_dir)
+    head.train(was_training)
+    out = {"prompts": len(ids), "seconds": round(time.perf_counter() - t0, 1),
+           "tau": {f"d{d}_n{n}": round(profile.tau_at(d, n), 3) for d, n in ((1, 1), (3, 4), (4, 8), (6, 16), (6, 32))}}
+    logger.info("acceptance profile on %d held-out prompts in %.0fs: %s", len(ids), out["seconds"], out["tau"])
+    return out
 
 
 def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: list[dict], eval_convs: list[dict]) -> Path:
@@ -335,6 +520,13 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
     torch.manual_seed(cfg.seed)
     head = EagleHead(hcfg, target.config, draft_ids=draft_ids, target=target,
                      init_from_target_layer=bool(eagle_option(cfg, "init_from_target_layer"))).float()
+    ttt_steps, ttt_decay = int(eagle_option(cfg, "ttt_steps")), float(eagle_option(cfg, "ttt_decay"))
+    score_prompt = bool(eagle_option(cfg, "score_prompt"))
+    if ttt_steps < 1:
+        raise ValueError(f"eagle_ttt_steps must be >= 1, got {ttt_steps}")
+    if score_prompt:
+        n_scored = int(train.lengths.sum()) - len(train)
+    unrolled = UnrolledEagle(head)
     params = [p for p in head.parameters() if p.requires_grad]
     # fused AdamW: one kernel instead of ~10 elementwise passes per step (+20 % tokens/s on 2 CPU cores)
     fused = accelerator.device.type in ("cpu", "cuda")
@@ -343,9 +535,10 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
     row_len = cfg.max_length
     rows_per_step = max(1, int(eagle_option(cfg, "batch_tokens")) // row_len)
     n_rows = len(epoch_rows(train, row_len, 0))
-    model, optim, sched, core, steps_per_epoch, total, step, ckpt = prepare_and_resume(
-        cfg, accelerator, head, optim, n_rows // rows_per_step, out_dir
+    model, optim, sched, wrapper, steps_per_epoch, total, step, ckpt = prepare_and_resume(
+        cfg, accelerator, unrolled, optim, n_rows // rows_per_step, out_dir
     )
+    core = wrapper.head
 
     ce_w, feat_w = float(eagle_option(cfg, "ce_weight")), float(eagle_option(cfg, "feature_weight"))
     noise = float(eagle_option(cfg, "noise"))
@@ -367,12 +560,24 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
         if noise:
             feats = feats + (torch.rand(feats.shape, generator=g) * 2 - 1) * noise
         dev = accelerator.device
-        pred = model(feats.to(dev), b["tokens"].to(dev), b["positions"].to(dev), b["mask"].to(dev))
-        sel = b["scored"].to(dev)
-        pf, tf = pred[sel], b["targets"].to(dev)[sel]
-        with torch.no_grad():
-            tl = tf @ lm32.T
-        loss, fl, cl = eagle_loss(pf, tf, pf @ lm32.T, tl, ce_weight=ce_w, feature_weight=feat_w)
+        preds = model(feats.to(dev), b["tokens"].to(dev), b["positions"].to(dev), b["segment"].to(dev), ttt_steps)
+        base = (b["valid"] if score_prompt else b["scored"]).to(dev)
+        targets, positions = b["targets"].to(dev), b["positions"].to(dev)
+        loss = fl = cl = None
+        wsum = 0.0
+        for j, pred in enumerate(preds):
+            sel = base & (positions >= j)
+            pf, tf = pred[sel], targets[sel]
+            with torch.no_grad():
+                tl = tf @ lm32.T
+            lj, fj, cj = eagle_loss(pf, tf, pf @ lm32.T, tl, ce_weight=ce_w, feature_weight=feat_w)
+            w = ttt_decay**j
+            loss = w * lj if loss is None else loss + w * lj
+            if j == 0:
+                fl, cl = fj, cj
+            wsum += w
+        loss = loss / wsum
+        sel = base
         optimizer_step(accelerator, model, optim, sched, loss, cfg.grad_clip)
         step += 1
         pairs_seen += int(b["valid"].sum())
@@ -382,11 +587,12 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
         if step % cfg.eval_every == 0 or step == total:
             ev = summarise_eval(_reduce_eval(accelerator, evaluate(core, held, lm_full, cfg.eval_topk, row_len)))
             rec = {"step": step, "loss": round(loss.item(), 4), "feature_loss": round(fl.item(), 4),
-                   "ce_loss": round(cl.item(), 4), "heldout_top1": ev["top1"], "lr": sched.get_last_lr()[0]}
+                   "ce_loss": round(cl.item(), 4), "heldout_top1": ev["top1"], "heldout_chain": ev["chain"],
+                   "heldout_chain_tau": ev["chain_tau"], "lr": sched.get_last_lr()[0]}
             hist.append(rec)
             if accelerator.is_main_process:
-                logger.info("step %d loss %.4f (feature %.4f, ce %.3f) held-out top-1 %.3f", step, rec["loss"],
-                            rec["feature_loss"], rec["ce_loss"], ev["top1"])
+                logger.info("step %d loss %.4f (feature %.4f, ce %.3f) held-out top-1 %.3f, chain %s (tau %.3f)", step,
+                            rec["loss"], rec["feature_loss"], rec["ce_loss"], ev["top1"], ev["chain"], ev["chain_tau"])
         if step % cfg.save_every == 0 and step < total:
             _save_atomic(accelerator, ckpt, step)
         if cfg.max_train_minutes and (time.perf_counter() - t_start) / 60 > cfg.max_train_minutes:
@@ -412,6 +618,8 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
             "options": {k: eagle_option(cfg, k) for k in EAGLE_DEFAULTS},
             "history": hist,
         }
+        if cfg.calibrate_prompts > 0:
+            summary["acceptance_profile"] = _calibrate(cfg, core, target, tokenizer, eval_convs, final_dir)
         (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
         logger.info("saved EAGLE head to %s; held-out top-1 %.3f (top-%d %.3f); %.0f train tokens/s", final_dir,
                     ev["top1"], len(ev["topk"]), ev["topk"][-1], summary["train_tokens_per_s"])

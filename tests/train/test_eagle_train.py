@@ -134,10 +134,13 @@ def test_tiny_training_run_learns_saves_and_resumes_exactly(tmp_path, monkeypatc
     train, held = _distilled_store(target, 64, seed=0), _distilled_store(target, 6, seed=1)
     run_a = tmp_path / "a"
     (run_a / "features").mkdir(parents=True)
-    save_file({**train.tensors(), **held.tensors("eval_")}, str(run_a / "features" / "eagle-rank0-of1.safetensors"))
     base = dict(head="eagle", target="tiny", max_length=32, draft_vocab_size=80, lr=3e-3, warmup_steps=2,
                 grad_clip=0.5, epochs=100, eval_every=1000, eval_topk=3, seed=0,
                 eagle_batch_tokens=64)  # 2 rows of 32 pairs per step
+    # Cached features carry the signature of the data they came from (here: no conversations).
+    signature = recipe.feature_signature(TrainConfig(**base), target, [], [])
+    save_file({**train.tensors(), **held.tensors("eval_")}, str(run_a / "features" / "eagle-rank0-of1.safetensors"),
+              metadata={"signature": signature})
 
     # A quick run must learn: held-out top-1 well above the untrained head's.
     learn = tmp_path / "learn"
@@ -166,3 +169,84 @@ def test_tiny_training_run_learns_saves_and_resumes_exactly(tmp_path, monkeypatc
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)
     fresh = EagleHead(head.config, target.config, draft_ids=head.draft_ids, target=target)
     assert not torch.allclose(fresh.fc.weight, wa["fc.weight"])  # it did train
+
+
+def test_unrolled_steps_equal_chain_drafting():
+    """Training-time test: step j at pair i must equal drafting depth j+1 from the chain that starts at pair
+    i-j (target features up to there, then the head's own predicted features), with one KV cache, exactly as
+    decoding does it. Two sequences packed in one row, three steps."""
+    from transformers import DynamicCache
+
+    target = tiny_llama()
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig(hidden_size=32, vocab_size=96), target.config, target=target).eval()
+    store = _store([7, 6])
+    b = collate(store, [[0, 1]])
+    steps = 3
+    with torch.no_grad():
+        preds = recipe.UnrolledEagle(head)(b["features"], b["tokens"], b["positions"], b["segment"], steps)
+        o = 0
+        checked = 0
+        for i in range(2):
+            tok, f_in, _, _ = store.pairs(i)
+            n = tok.numel()
+            for t in range(n):
+                cache = DynamicCache(config=head.arch_config)
+                out = head(f_in[: t + 1].unsqueeze(0), tok[: t + 1].unsqueeze(0), torch.arange(t + 1).unsqueeze(0),
+                           None, cache)
+                torch.testing.assert_close(preds[0][0, o + t], out[0, -1], rtol=1e-5, atol=1e-5)
+                feat = out[0, -1:]
+                for j in range(1, steps):
+                    if t + j >= n:
+                        break
+                    past = t + j
+                    mask = torch.zeros(1, 1, 1, past + 1)
+                    out = head(feat.unsqueeze(0), tok[t + j : t + j + 1].unsqueeze(0), torch.tensor([[t + j]]), mask, cache)
+                    torch.testing.assert_close(preds[j][0, o + t + j], out[0, -1], rtol=1e-5, atol=1e-5)
+                    feat = out[0, -1:]
+                    checked += 1
+            o += n
+    assert checked == (5 + 4) + (4 + 3)  # 6 and 5 pairs: every (chain start, depth >= 2) inside its own sequence
+
+
+def test_chain_hits_hand_made():
+    c0 = torch.tensor([[True, True, False, True]])
+    c1 = torch.tensor([[False, True, True, True]])
+    u0 = torch.ones(1, 4, dtype=torch.bool)
+    u1 = torch.tensor([[False, True, True, True]])  # step 1 needs one earlier pair
+    hits, counts = recipe.chain_hits([c0, c1], [u0, u1])
+    # depth 1: 3 of 4 starts correct; depth 2: starts 0..2 usable, (c0[0]&c1[1]) and (c0[1]&c1[2]) hold
+    assert hits == [3, 2] and counts == [4, 3]
+
+
+def test_feature_signature_tracks_the_data():
+    target = tiny_llama()
+    cfg = TrainConfig(head="eagle", max_length=32)
+    a = [{"id": "1", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    b = [{"id": "1", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo!"}]}]
+    s = recipe.feature_signature(cfg, target, a, [])
+    assert s == recipe.feature_signature(cfg, target, a, [])
+    assert len({s, recipe.feature_signature(cfg, target, b, []), recipe.feature_signature(cfg, target, [], a),
+                recipe.feature_signature(TrainConfig(head="eagle", max_length=64), target, a, [])}) == 4
+
+
+def test_training_time_test_and_prompt_scoring_learn(tmp_path):
+    from safetensors.torch import save_file
+
+    target = tiny_llama()
+    train, held = _distilled_store(target, 32, seed=0), _distilled_store(target, 6, seed=1)
+    base = dict(head="eagle", target="tiny", max_length=32, draft_vocab_size=80, lr=3e-3, warmup_steps=2,
+                grad_clip=0.5, epochs=100, eval_every=1000, eval_topk=3, seed=0, eagle_batch_tokens=64,
+                eagle_ttt_steps=3, eagle_score_prompt=True, max_steps=120, save_every=1000, output_dir=str(tmp_path))
+    (tmp_path / "features").mkdir()
+    save_file({**train.tensors(), **held.tensors("eval_")}, str(tmp_path / "features" / "eagle-rank0-of1.safetensors"),
+              metadata={"signature": recipe.feature_signature(TrainConfig(**base), target, [], [])})
+    _run(TrainConfig(**base), target)
+    summary = json.loads((tmp_path / "train_summary.json").read_text())
+    untrained = recipe.summarise_eval(recipe.evaluate(
+        EagleHead(EagleConfig(hidden_size=32, vocab_size=96), target.config, target=target), held, target.lm_head.weight, 3))
+    assert summary["options"]["ttt_steps"] == 3 and summary["options"]["score_prompt"] is True
+    # every pair is scored with prompt scoring: 18 + 6 - 1 pairs per example
+    assert summary["scored_positions_per_epoch"] == 32 * 23
+    assert summary["heldout"]["chain_tau"] > untrained["chain_tau"] + 0.2, (summary["heldout"], untrained)
+    assert summary["heldout"]["chain"][1] > max(0.03, 5 * untrained["chain"][1]), (summary["heldout"], untrained)
