@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from selfspec.train.config import TrainConfig
 from selfspec.train.losses import eagle_loss
-from selfspec.train.medusa import _save_atomic, optimizer_step, prepare_and_resume
+from selfspec.train.medusa import _save_atomic, lr_factor, optimizer_step, prepare_and_resume, resumed_elapsed
 
 logger = logging.getLogger(__name__)
 
@@ -545,7 +545,8 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
     lm32 = core.lm_weight(torch.float32)  # [N, D] frozen
     lm_full = target.get_output_embeddings().weight.detach()
     hist: list[dict] = []
-    t_start = time.perf_counter()
+    before = resumed_elapsed(ckpt) if step else 0.0  # optimisation time of the run this one resumes
+    t_start = time.perf_counter() - before
     pairs_seen = scored_seen = 0
     cached_epoch, rows = -1, []
     bar = tqdm(total=total, initial=step, desc="train eagle", disable=quiet)
@@ -578,6 +579,10 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
             wsum += w
         loss = loss / wsum
         sel = base
+        if cfg.max_train_minutes:  # anneal by time when the time budget, not the step count, ends the run
+            factor = lr_factor(cfg, step, total, time.perf_counter() - t_start)
+            for group in optim.param_groups:
+                group["lr"] = cfg.lr * factor
         optimizer_step(accelerator, model, optim, sched, loss, cfg.grad_clip)
         step += 1
         pairs_seen += int(b["valid"].sum())
@@ -588,18 +593,18 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
             ev = summarise_eval(_reduce_eval(accelerator, evaluate(core, held, lm_full, cfg.eval_topk, row_len)))
             rec = {"step": step, "loss": round(loss.item(), 4), "feature_loss": round(fl.item(), 4),
                    "ce_loss": round(cl.item(), 4), "heldout_top1": ev["top1"], "heldout_chain": ev["chain"],
-                   "heldout_chain_tau": ev["chain_tau"], "lr": sched.get_last_lr()[0]}
+                   "heldout_chain_tau": ev["chain_tau"], "lr": optim.param_groups[0]["lr"]}
             hist.append(rec)
             if accelerator.is_main_process:
                 logger.info("step %d loss %.4f (feature %.4f, ce %.3f) held-out top-1 %.3f, chain %s (tau %.3f)", step,
                             rec["loss"], rec["feature_loss"], rec["ce_loss"], ev["top1"], ev["chain"], ev["chain_tau"])
         if step % cfg.save_every == 0 and step < total:
-            _save_atomic(accelerator, ckpt, step)
+            _save_atomic(accelerator, ckpt, step, time.perf_counter() - t_start)
         if cfg.max_train_minutes and (time.perf_counter() - t_start) / 60 > cfg.max_train_minutes:
             logger.info("max_train_minutes reached at step %d", step)
             break
     bar.close()
-    elapsed = time.perf_counter() - t_start
+    elapsed = time.perf_counter() - t_start - before  # this session's optimisation time
     ev = summarise_eval(_reduce_eval(accelerator, evaluate(core, held, lm_full, cfg.eval_topk, row_len)))
     final_dir = out_dir / "heads"
     if accelerator.is_main_process:

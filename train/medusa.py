@@ -77,7 +77,26 @@ def _lr_lambda(cfg: TrainConfig, total_steps: int):
     return f
 
 
-def _save_atomic(accelerator, out: Path, step: int) -> None:
+def lr_factor(cfg: TrainConfig, step: int, total_steps: int, elapsed_s: float) -> float:
+    """Learning-rate multiplier: linear warmup, then cosine decay over whichever runs out first, the steps
+    (``total_steps``) or the time (``cfg.max_train_minutes``, by ``elapsed_s`` of optimisation), so a run
+    stopped by its time budget still ends with an annealed rate on any machine."""
+    f = _lr_lambda(cfg, total_steps)(step)
+    if cfg.max_train_minutes and step >= cfg.warmup_steps:
+        by_time = elapsed_s / (cfg.max_train_minutes * 60.0)
+        by_step = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        if by_time > by_step:
+            f = 0.5 * (1.0 + math.cos(math.pi * min(1.0, by_time)))
+    return f
+
+
+def resumed_elapsed(checkpoint: Path) -> float:
+    """Optimisation seconds recorded in a checkpoint's ``trainer_state.json`` (0 when absent)."""
+    state = checkpoint / "trainer_state.json"
+    return float(json.loads(state.read_text()).get("train_elapsed_s", 0.0)) if state.exists() else 0.0
+
+
+def _save_atomic(accelerator, out: Path, step: int, elapsed_s: float | None = None) -> None:
     tmp = out.with_name(out.name + ".tmp")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -85,7 +104,8 @@ def _save_atomic(accelerator, out: Path, step: int) -> None:
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
+        state = {"step": step} if elapsed_s is None else {"step": step, "train_elapsed_s": round(elapsed_s, 3)}
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
         old = out.with_name(out.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         if out.exists():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -250,3 +251,17 @@ def test_training_time_test_and_prompt_scoring_learn(tmp_path):
     assert summary["scored_positions_per_epoch"] == 32 * 23
     assert summary["heldout"]["chain_tau"] > untrained["chain_tau"] + 0.2, (summary["heldout"], untrained)
     assert summary["heldout"]["chain"][1] > max(0.03, 5 * untrained["chain"][1]), (summary["heldout"], untrained)
+
+
+def test_lr_factor_anneals_by_time_or_steps():
+    from selfspec.train.medusa import lr_factor
+
+    cfg = TrainConfig(warmup_steps=10, max_train_minutes=1.0)
+    assert lr_factor(cfg, 4, 1010, 0.0) == pytest.approx(0.5)  # warmup: (4 + 1) / 10
+    # the step count is the further along: 500 of 1000 decay steps -> cos at 0.5
+    assert lr_factor(cfg, 510, 1010, 6.0) == pytest.approx(0.5)
+    # the clock is the further along: 45 of 60 s -> 0.5 (1 + cos(0.75 pi))
+    assert lr_factor(cfg, 20, 1010, 45.0) == pytest.approx(0.5 * (1 + math.cos(0.75 * math.pi)))
+    assert lr_factor(cfg, 20, 1010, 90.0) == pytest.approx(0.0, abs=1e-12)
+    no_limit = TrainConfig(warmup_steps=10)
+    assert lr_factor(no_limit, 20, 1010, 1e9) == pytest.approx(0.5 * (1 + math.cos(math.pi * 10 / 1000)))
