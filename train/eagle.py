@@ -566,11 +566,13 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
         targets, positions = b["targets"].to(dev), b["positions"].to(dev)
         loss = fl = cl = None
         wsum = 0.0
+        with torch.no_grad():  # every step has the same targets f_{i+1}: their logits are computed once
+            tf_all = targets[base]
+            tl_all = tf_all @ lm32.T
         for j, pred in enumerate(preds):
-            sel = base & (positions >= j)
-            pf, tf = pred[sel], targets[sel]
-            with torch.no_grad():
-                tl = tf @ lm32.T
+            keep = (positions >= j)[base]
+            pf = pred[base & (positions >= j)]
+            tf, tl = tf_all[keep], tl_all[keep]
             lj, fj, cj = eagle_loss(pf, tf, pf @ lm32.T, tl, ce_weight=ce_w, feature_weight=feat_w)
             w = ttt_decay**j
             loss = w * lj if loss is None else loss + w * lj
