@@ -52,3 +52,59 @@ def test_eos_and_text(smollm2):
     out = spec.generate([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=40)
     assert out.stats.finish_reason == "stop" and out.tokens[-1] == tok.convert_tokens_to_ids("<|im_end|>")
     assert "Paris" in out.text
+
+
+def memorising_eagle_head(model, sequences, steps: int = 120):
+    """An EAGLE head fitted for a few seconds to the target's own features on ``sequences`` (LongTensors),
+    so that decoding those prompts accepts long paths and exercises deep tree verification."""
+    from selfspec.heads.config import draft_vocab_from_counts
+    from selfspec.heads.eagle import EagleConfig, EagleHead
+    from selfspec.train.eagle import FeatureStore, UnrolledEagle, collate, pack_rows
+    from selfspec.train.features import hidden_features
+    from selfspec.train.losses import eagle_loss
+
+    V, D = model.config.vocab_size, model.config.hidden_size
+    examples = [{"input_ids": s, "loss_mask": torch.ones(s.numel(), dtype=torch.bool)} for s in sequences]
+    store = FeatureStore.from_examples(examples, hidden_features(model, examples, disable_progress=True), D)
+    draft_ids = draft_vocab_from_counts(torch.bincount(store.tokens, minlength=V).float() + 1e-3, 4096)
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig(hidden_size=D, vocab_size=V, draft_vocab_size=4096), model.config,
+                     draft_ids=draft_ids, target=model)
+    unrolled = UnrolledEagle(head)
+    optim = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    b = collate(store, pack_rows([int(n) - 1 for n in store.lengths], 4096))
+    lm = head.lm_weight(torch.float32)
+    for _ in range(steps):
+        preds = unrolled(b["features"], b["tokens"], b["positions"], b["segment"], 2)
+        loss = 0.0
+        for j, pred in enumerate(preds):
+            sel = b["valid"] & (b["positions"] >= j)
+            tf = b["targets"][sel]
+            loss = loss + eagle_loss(pred[sel], tf, pred[sel] @ lm.T, tf @ lm.T, ce_weight=1.0)[0]
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    return head.eval()
+
+
+def test_eagle_greedy_matches_plain_generate(smollm2):
+    """EAGLE-2 dynamic trees on the real target: several (depth, top_k, total_tokens), output identical to
+    plain greedy generate, with a head that accepts deep paths (tau well above 1)."""
+    model, tok = smollm2
+    spec0 = selfspec.load(model, tokenizer=tok, prompt_lookup=True)
+    refs, seqs = [], []
+    for text in PROMPTS:
+        ids = spec0.encode([{"role": "user", "content": text}])
+        ref = model.generate(ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=48,
+                             do_sample=False, eos_token_id=None, top_k=None)[0]
+        refs.append((ids, ref[ids.numel():].tolist()))
+        seqs.append(ref)
+    head = memorising_eagle_head(model, seqs)
+    taus = []
+    for depth, top_k, total in ((1, 1, 1), (3, 2, 4), (5, 4, 12), (6, 3, 24)):
+        spec = selfspec.load(model, head, tokenizer=tok, depth=depth, top_k=top_k, total_tokens=total)
+        for ids, ref in refs:
+            out = spec.generate(ids, max_new_tokens=48, eos_token_id=[])
+            assert out.tokens == ref, (depth, top_k, total)
+            taus.append((depth, out.stats.mean_accepted_tokens))
+    assert min(t for d, t in taus if d >= 3) > 2.0, taus  # deep paths were accepted and verified
