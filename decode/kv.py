@@ -91,9 +91,17 @@ def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     machine (the lm_head is a fifth of a 135M target's weights). Same math, another summation order.
     """
     head = model.get_output_embeddings()
-    if hidden.dim() == 2 and 2 <= hidden.shape[0] <= 32 and hidden.device.type == "cpu" and head.bias is None:
-        return torch.mm(head.weight, hidden.T).T.float()
+    if head.bias is None:
+        return project(hidden, head.weight).float()
     return head(hidden).float()
+
+
+def project(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden @ weight.T`` (``[..., D] x [N, D] -> [..., N]``, in ``hidden``'s dtype), taken as
+    ``W @ h^T`` for 2..32 rows on a CPU (see :func:`lm_logits`): same math, another summation order."""
+    if hidden.dim() == 2 and 2 <= hidden.shape[0] <= 32 and hidden.device.type == "cpu":
+        return torch.mm(weight, hidden.T).T
+    return hidden @ weight.T
 
 
 def compact_cache(cache, past_length: int, accepted_nodes: torch.Tensor) -> None:

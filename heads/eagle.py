@@ -253,15 +253,11 @@ class EagleHead(nn.Module):
 
     def draft_logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """``[..., D]`` predicted features -> ``[..., N]`` logits over the draft vocabulary (row i scores
-        target token ``draft_ids[i]``), in the features' dtype.
+        target token ``draft_ids[i]``), in the features' dtype (:func:`selfspec.decode.kv.project`: ``W @ h^T``
+        for 2..32 rows on a CPU)."""
+        from selfspec.decode.kv import project
 
-        For 2..32 rows on a CPU the product is taken as ``W @ h^T`` (as :func:`selfspec.decode.kv.lm_logits`
-        does for the target): BLAS then streams the ``[N, D]`` weight once instead of packing it.
-        """
-        w = self.lm_weight(predicted.dtype)
-        if predicted.dim() == 2 and 2 <= predicted.shape[0] <= 32 and predicted.device.type == "cpu":
-            return torch.mm(w, predicted.T).T
-        return predicted @ w.T
+        return project(predicted, self.lm_weight(predicted.dtype))
 
     # ---------------------------------------------------------------- files
     def save_pretrained(self, directory: str | Path) -> Path:

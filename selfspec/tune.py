@@ -53,17 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_target(name: str, dtype: str, device: str):
-    """:func:`selfspec.target.load_target` (a seam the CLI tests replace)."""
-    from selfspec.target import load_target as _load
-
-    return _load(name, dtype=dtype, device=device)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``selfspec tune-tree ...``: returns 0 on success, 2 on bad arguments."""
     from pathlib import Path
 
+    from selfspec import bench
     from selfspec.bench import encode_messages, load_prompts
     from selfspec.decode import budget as tree_budget
     from selfspec.decode.eagle import EagleDrafter
@@ -89,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = load_prompts(args.prompts)[args.skip_prompts : args.skip_prompts + args.n_prompts]
     if not prompts:
         parser.error(f"no prompts left in {args.prompts} after skipping {args.skip_prompts}")
-    target, tokenizer = load_target(args.target, args.dtype, args.device)
+    target, tokenizer = bench.load_target(args.target, args.dtype, args.device)
     device = next(target.parameters()).device
     head = load_heads(heads_dir, target=target).to(device=device, dtype=next(target.parameters()).dtype).eval()
     try:

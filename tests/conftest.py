@@ -55,3 +55,20 @@ def smollm2():
     from selfspec.target import load_target
 
     return load_target("smollm2-135m-instruct", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and 2 threads on a busy 2-core machine crawl."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """A tiny target with an EAGLE head that nearly reproduces it (high acceptance; see test_eagle_decode)."""
+    from tests.decode.test_eagle_decode import build_oracle
+
+    return build_oracle()

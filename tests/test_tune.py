@@ -12,29 +12,16 @@ from selfspec import bench, tune
 from selfspec.bench import BenchPrompt, BenchSettings, build_methods, run_bench, validate_report
 from selfspec.cli import main as cli_main
 from selfspec.decode import budget as tb
-from tests.decode.test_eagle_decode import build_oracle
 from tests.test_bench import QUESTIONS, CharTokenizer
 
 
-@pytest.fixture(scope="module")
-def oracle():
-    """A tiny target with an EAGLE head that nearly reproduces it (high acceptance; see test_eagle_decode)."""
-    return build_oracle()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture
 def setup(oracle, tmp_path, monkeypatch):
     t, head = oracle
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(tune, "load_target", lambda name, dtype, device: (t, CharTokenizer()))
     monkeypatch.setattr(bench, "load_target", lambda name, dtype, device: (t, CharTokenizer()))
     prompt_file = tmp_path / "q.jsonl"
     prompt_file.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")

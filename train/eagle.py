@@ -580,7 +580,6 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
                 fl, cl = fj, cj
             wsum += w
         loss = loss / wsum
-        sel = base
         if cfg.max_train_minutes:  # anneal by time when the time budget, not the step count, ends the run
             factor = lr_factor(cfg, step, total, time.perf_counter() - t_start)
             for group in optim.param_groups:
@@ -588,7 +587,7 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
         optimizer_step(accelerator, model, optim, sched, loss, cfg.grad_clip)
         step += 1
         pairs_seen += int(b["valid"].sum())
-        scored_seen += int(sel.sum())
+        scored_seen += int(base.sum())
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", feat=f"{fl.item():.3f}", ce=f"{cl.item():.2f}")
         if step % cfg.eval_every == 0 or step == total:

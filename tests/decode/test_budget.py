@@ -19,21 +19,10 @@ from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.verify import verify_greedy
 from selfspec.heads import load_heads
 from selfspec.heads.config import HeadFormatError
-from tests.decode.test_eagle_decode import SecondBestHead, build_oracle, prompts, random_head, reference
+from tests.decode.test_eagle_decode import SecondBestHead, prompts, random_head, reference
 
 
-@pytest.fixture(scope="module")
-def oracle():
-    """A tiny target with an EAGLE head that nearly reproduces it (high acceptance; see test_eagle_decode)."""
-    return build_oracle()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)

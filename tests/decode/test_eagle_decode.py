@@ -17,28 +17,17 @@ D, V = 32, 96
 SETTINGS = [(1, 1, 1), (4, 1, 4), (5, 4, 12), (3, 2, 6), (6, 8, 30)]  # (depth, top_k, total_tokens)
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 def random_head(target, seed: int = 1) -> EagleHead:
     torch.manual_seed(seed)
     return EagleHead(EagleConfig(hidden_size=D, vocab_size=V), target.config, target=target).eval()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and 2 threads on a busy 2-core machine crawl."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def target():
     return tiny_llama()
-
-
-@pytest.fixture(scope="module")
-def oracle():
-    return build_oracle()
 
 
 def build_oracle():

@@ -17,12 +17,7 @@ from selfspec.train.losses import eagle_loss
 from tests.conftest import tiny_llama
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_shift_on_hand_made_sequence():
