@@ -139,4 +139,41 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
     unknown = sorted(set(data) - valid)
     if unknown:
         raise ValueError(f"unknown config keys {unknown}; valid keys: {sorted(valid)}")
-    return TrainConfig(**data)
+    return TrainConfig(**{k: _coerce(k, v) for k, v in data.items()})
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """``value`` checked against the declared type of TrainConfig field ``key``.
+
+    YAML reads ``3e-4`` (no dot) as a string and ``1`` as an int: numbers written either way are accepted
+    for float fields and converted; anything else of the wrong kind raises.
+
+    Raises:
+        ValueError: the value cannot be the field's type (the message names the key and the type).
+    """
+    kind = str(_FIELD_TYPES[key])
+    optional = "None" in kind
+    if value is None:
+        if optional:
+            return None
+        raise ValueError(f"{key} cannot be empty (expected {kind})")
+    base = kind.replace(" | None", "")
+    if base == "float":
+        if isinstance(value, bool):
+            raise ValueError(f"{key} must be a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key} must be a number, got {value!r}") from None
+    if base == "int":
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+        return int(value)
+    if base == "bool" and not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    if base == "str" and not isinstance(value, str):
+        raise ValueError(f"{key} must be a string, got {value!r}")
+    return value
+
+
+_FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(TrainConfig)}

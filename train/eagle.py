@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from selfspec.train.config import TrainConfig
 from selfspec.train.losses import eagle_loss
-from selfspec.train.medusa import _save_atomic, lr_factor, optimizer_step, prepare_and_resume, resumed_elapsed
+from selfspec.train.medusa import _save_atomic, apply_lr, optimizer_step, prepare_and_resume, resumed_elapsed
 
 logger = logging.getLogger(__name__)
 
@@ -580,10 +580,8 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
                 fl, cl = fj, cj
             wsum += w
         loss = loss / wsum
-        if cfg.max_train_minutes:  # anneal by time when the time budget, not the step count, ends the run
-            factor = lr_factor(cfg, step, total, time.perf_counter() - t_start)
-            for group in optim.param_groups:
-                group["lr"] = cfg.lr * factor
+        # anneal by time when the time budget, not the step count, ends the run
+        used_lr = apply_lr(cfg, optim, step, total, time.perf_counter() - t_start)
         optimizer_step(accelerator, model, optim, sched, loss, cfg.grad_clip)
         step += 1
         pairs_seen += int(b["valid"].sum())
@@ -594,7 +592,7 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
             ev = summarise_eval(_reduce_eval(accelerator, evaluate(core, held, lm_full, cfg.eval_topk, row_len)))
             rec = {"step": step, "loss": round(loss.item(), 4), "feature_loss": round(fl.item(), 4),
                    "ce_loss": round(cl.item(), 4), "heldout_top1": ev["top1"], "heldout_chain": ev["chain"],
-                   "heldout_chain_tau": ev["chain_tau"], "lr": optim.param_groups[0]["lr"]}
+                   "heldout_chain_tau": ev["chain_tau"], "lr": used_lr}
             hist.append(rec)
             if accelerator.is_main_process:
                 logger.info("step %d loss %.4f (feature %.4f, ce %.3f) held-out top-1 %.3f, chain %s (tau %.3f)", step,

@@ -90,6 +90,17 @@ def lr_factor(cfg: TrainConfig, step: int, total_steps: int, elapsed_s: float) -
     return f
 
 
+def apply_lr(cfg: TrainConfig, optim, step: int, total_steps: int, elapsed_s: float) -> float:
+    """Set every param group's rate for the coming optimiser step and return it.
+
+    With ``cfg.max_train_minutes`` the rate is ``cfg.lr * lr_factor(...)`` (annealed by time or steps,
+    whichever ends first); otherwise the step scheduler's current rate is left as it is."""
+    if cfg.max_train_minutes:
+        for group in optim.param_groups:
+            group["lr"] = cfg.lr * lr_factor(cfg, step, total_steps, elapsed_s)
+    return float(optim.param_groups[0]["lr"])
+
+
 def resumed_elapsed(checkpoint: Path) -> float:
     """Optimisation seconds recorded in a checkpoint's ``trainer_state.json`` (0 when absent)."""
     state = checkpoint / "trainer_state.json"
@@ -237,7 +248,8 @@ def train_medusa(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: 
     )
 
     hist: list[dict] = []
-    t_start = time.perf_counter()
+    before = resumed_elapsed(ckpt) if step else 0.0  # optimisation time of the run this one resumes
+    t_start = time.perf_counter() - before
     pos_seen = 0
     bar = tqdm(total=total, initial=step, desc="train medusa", disable=quiet)
     heads.train()
@@ -250,6 +262,7 @@ def train_medusa(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: 
         y = Yd_train[idx].to(accelerator.device)
         logits = heads(h)
         loss, per_head = medusa_loss(logits, y, cfg.head_decay)
+        used_lr = apply_lr(cfg, optim, step, total, time.perf_counter() - t_start)
         optimizer_step(accelerator, heads, optim, sched, loss, cfg.grad_clip)
         step += 1
         pos_seen += idx.numel()
@@ -258,17 +271,17 @@ def train_medusa(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: 
         if step % cfg.eval_every == 0 or step == total:
             acc = evaluate(core, He, Yde, cfg.eval_topk)
             rec = {"step": step, "loss": round(loss.item(), 4), "per_head_loss": [round(float(x), 4) for x in per_head],
-                   "top1": [a[0] for a in acc], "lr": sched.get_last_lr()[0]}
+                   "top1": [a[0] for a in acc], "lr": used_lr}
             hist.append(rec)
             if accelerator.is_main_process:
                 logger.info("step %d loss %.4f top1 per head %s", step, rec["loss"], rec["top1"])
         if step % cfg.save_every == 0 and step < total:
-            _save_atomic(accelerator, ckpt, step)
+            _save_atomic(accelerator, ckpt, step, time.perf_counter() - t_start)
         if cfg.max_train_minutes and (time.perf_counter() - t_start) / 60 > cfg.max_train_minutes:
             logger.info("max_train_minutes reached at step %d", step)
             break
     bar.close()
-    elapsed = time.perf_counter() - t_start
+    elapsed = time.perf_counter() - t_start - before  # this session's optimisation time
     acc = evaluate(core, He, Yde, cfg.eval_topk)
     final_dir = out_dir / "heads"
     if accelerator.is_main_process:

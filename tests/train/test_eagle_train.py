@@ -260,3 +260,19 @@ def test_lr_factor_anneals_by_time_or_steps():
     assert lr_factor(cfg, 20, 1010, 90.0) == pytest.approx(0.0, abs=1e-12)
     no_limit = TrainConfig(warmup_steps=10)
     assert lr_factor(no_limit, 20, 1010, 1e9) == pytest.approx(0.5 * (1 + math.cos(math.pi * 10 / 1000)))
+
+
+def test_apply_lr_sets_the_annealed_rate_only_under_a_time_budget():
+    from selfspec.train.medusa import apply_lr
+
+    def optim(lr):
+        groups = [{"params": [torch.nn.Parameter(torch.zeros(2))]}, {"params": [torch.nn.Parameter(torch.zeros(1))]}]
+        return torch.optim.SGD(groups, lr=lr)
+
+    timed = TrainConfig(lr=2e-3, warmup_steps=10, max_train_minutes=1.0)
+    opt = optim(0.123)
+    used = apply_lr(timed, opt, 20, 1010, 45.0)
+    assert used == pytest.approx(2e-3 * 0.5 * (1 + math.cos(0.75 * math.pi)))
+    assert [g["lr"] for g in opt.param_groups] == [used, used]
+    opt = optim(0.123)  # no time budget: the step scheduler's rate stays
+    assert apply_lr(TrainConfig(lr=2e-3), opt, 20, 1010, 45.0) == 0.123

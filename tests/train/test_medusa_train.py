@@ -114,3 +114,19 @@ def test_config_rejects_unknown_keys_with_the_valid_list(tmp_path):
         load_config(path)
     cfg = load_config(None, ["lr=0.5", "betas=[0.8, 0.9]"])
     assert cfg.lr == 0.5 and cfg.betas == (0.8, 0.9)
+
+
+def test_config_values_are_checked_and_numbers_coerced(tmp_path):
+    # YAML reads "3e-4" (no dot) as a string; a float field must still get the float.
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 3e-4\nmax_train_minutes: 2\nepochs: 3\n")
+    cfg = load_config(path, ["eagle_noise=1e-1", "draft_vocab_size=", "warmup_steps=10.0"])
+    assert cfg.lr == pytest.approx(3e-4) and isinstance(cfg.lr, float)
+    assert cfg.max_train_minutes == 2.0 and isinstance(cfg.max_train_minutes, float)
+    assert cfg.eagle_noise == pytest.approx(0.1) and cfg.draft_vocab_size is None
+    assert cfg.epochs == 3 and cfg.warmup_steps == 10 and isinstance(cfg.warmup_steps, int)
+    for bad, message in [("lr=fast", "lr must be a number"), ("epochs=2.5", "epochs must be an integer"),
+                         ("self_distill=3", "self_distill must be true or false"), ("lr=", "lr cannot be empty"),
+                         ("output_dir=7", "output_dir must be a string")]:
+        with pytest.raises(ValueError, match=message):
+            load_config(None, [bad])
