@@ -23,12 +23,13 @@ from pathlib import Path
 
 
 def default_config(head: str = "eagle") -> Path:
-    """The shipped quickstart config of a head family (``configs/{head}-smollm2.yaml`` in a checkout)."""
+    """The shipped quickstart config of a head family: ``configs/{head}-smollm2.yaml`` of a checkout, else the
+    copy installed with the package (``selfspec.configs``)."""
     name = f"{head}-smollm2.yaml"
     here = Path(__file__).resolve().parent.parent / "configs" / name
     if here.is_file():
         return here
-    return Path(str(resources.files("selfspec") / "configs" / name))
+    return Path(str(resources.files("selfspec.configs") / name))
 
 
 def main(argv: list[str] | None = None) -> int:
