@@ -88,8 +88,8 @@ def test_killed_run_resumes_to_the_same_heads(tmp_path, tokenizer, monkeypatch):
     real_save = recipe._save_atomic
     calls = {"n": 0}
 
-    def save_then_die(accelerator, out, step):
-        real_save(accelerator, out, step)
+    def save_then_die(accelerator, out, step, elapsed_s=None):
+        real_save(accelerator, out, step, elapsed_s)
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt("simulated kill")
@@ -98,7 +98,7 @@ def test_killed_run_resumes_to_the_same_heads(tmp_path, tokenizer, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path, tokenizer, target, "killed")
     state = json.loads((tmp_path / "killed" / "checkpoint" / "trainer_state.json").read_text())
-    assert state["step"] == 8
+    assert state["step"] == 8 and state["train_elapsed_s"] > 0  # a time budget resumes where it stopped
     monkeypatch.setattr(recipe, "_save_atomic", real_save)
     resumed_dir, _ = run(tmp_path, tokenizer, target, "killed")
     a, b = load_heads(ref_dir), load_heads(resumed_dir)
