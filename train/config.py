@@ -120,10 +120,12 @@ def _parse_override(item: str) -> tuple[str, Any]:
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Read a YAML config and apply ``key=value`` overrides.
+    """Read a YAML config and apply ``key=value`` overrides; every value is checked against its field's type
+    (numbers are coerced for float fields, see :func:`_coerce`).
 
     Raises:
-        ValueError: unknown keys (message lists valid keys), malformed overrides, invalid values.
+        ValueError: unknown keys (message lists valid keys), malformed overrides, values of the wrong type,
+            invalid values.
         FileNotFoundError: ``path`` does not exist.
     """
     data: dict[str, Any] = {}
