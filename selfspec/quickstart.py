@@ -23,13 +23,9 @@ from pathlib import Path
 
 
 def default_config(head: str = "eagle") -> Path:
-    """The shipped quickstart config of a head family: ``configs/{head}-smollm2.yaml`` of a checkout, else the
-    copy installed with the package (``selfspec.configs``)."""
-    name = f"{head}-smollm2.yaml"
-    here = Path(__file__).resolve().parent.parent / "configs" / name
-    if here.is_file():
-        return here
-    return Path(str(resources.files("selfspec.configs") / name))
+    """The shipped quickstart config of a head family, ``configs/{head}-smollm2.yaml``, as installed with the
+    package (``selfspec.configs``; an editable install resolves to the checkout's file)."""
+    return Path(str(resources.files("selfspec.configs") / f"{head}-smollm2.yaml"))
 
 
 def main(argv: list[str] | None = None) -> int:

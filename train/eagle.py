@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from selfspec.train.config import TrainConfig
 from selfspec.train.losses import eagle_loss
-from selfspec.train.medusa import _save_atomic, apply_lr, optimizer_step, prepare_and_resume, resumed_elapsed
+from selfspec.train.medusa import TrainClock, _save_atomic, apply_lr, optimizer_step, prepare_and_resume
 
 logger = logging.getLogger(__name__)
 
@@ -545,8 +545,7 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
     lm32 = core.lm_weight(torch.float32)  # [N, D] frozen
     lm_full = target.get_output_embeddings().weight.detach()
     hist: list[dict] = []
-    before = resumed_elapsed(ckpt) if step else 0.0  # optimisation time of the run this one resumes
-    t_start = time.perf_counter() - before
+    clock = TrainClock(ckpt, resumed=step > 0)
     pairs_seen = scored_seen = 0
     cached_epoch, rows = -1, []
     bar = tqdm(total=total, initial=step, desc="train eagle", disable=quiet)
@@ -570,9 +569,9 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
             tf_all = targets[base]
             tl_all = tf_all @ lm32.T
         for j, pred in enumerate(preds):
-            keep = (positions >= j)[base]
-            pf = pred[base & (positions >= j)]
-            tf, tl = tf_all[keep], tl_all[keep]
+            later = positions >= j  # pairs with j earlier pairs in their sequence
+            pf = pred[base & later]
+            tf, tl = tf_all[later[base]], tl_all[later[base]]
             lj, fj, cj = eagle_loss(pf, tf, pf @ lm32.T, tl, ce_weight=ce_w, feature_weight=feat_w)
             w = ttt_decay**j
             loss = w * lj if loss is None else loss + w * lj
@@ -581,7 +580,7 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
             wsum += w
         loss = loss / wsum
         # anneal by time when the time budget, not the step count, ends the run
-        used_lr = apply_lr(cfg, optim, step, total, time.perf_counter() - t_start)
+        used_lr = apply_lr(cfg, optim, step, total, clock.elapsed())
         optimizer_step(accelerator, model, optim, sched, loss, cfg.grad_clip)
         step += 1
         pairs_seen += int(b["valid"].sum())
@@ -598,12 +597,12 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
                 logger.info("step %d loss %.4f (feature %.4f, ce %.3f) held-out top-1 %.3f, chain %s (tau %.3f)", step,
                             rec["loss"], rec["feature_loss"], rec["ce_loss"], ev["top1"], ev["chain"], ev["chain_tau"])
         if step % cfg.save_every == 0 and step < total:
-            _save_atomic(accelerator, ckpt, step, time.perf_counter() - t_start)
-        if cfg.max_train_minutes and (time.perf_counter() - t_start) / 60 > cfg.max_train_minutes:
+            _save_atomic(accelerator, ckpt, step, clock.elapsed())
+        if clock.out_of_time(cfg):
             logger.info("max_train_minutes reached at step %d", step)
             break
     bar.close()
-    elapsed = time.perf_counter() - t_start - before  # this session's optimisation time
+    elapsed = clock.session()
     ev = summarise_eval(_reduce_eval(accelerator, evaluate(core, held, lm_full, cfg.eval_topk, row_len)))
     final_dir = out_dir / "heads"
     if accelerator.is_main_process:

@@ -101,6 +101,32 @@ def apply_lr(cfg: TrainConfig, optim, step: int, total_steps: int, elapsed_s: fl
     return float(optim.param_groups[0]["lr"])
 
 
+class TrainClock:
+    """Optimisation time of a run in seconds, counting the time recorded by the checkpoint it resumes from
+    (so a time budget and a time-annealed LR carry over a kill and resume).
+
+    Args:
+        checkpoint: the run's checkpoint directory.
+        resumed: whether the run starts from that checkpoint (step > 0).
+    """
+
+    def __init__(self, checkpoint: Path, resumed: bool) -> None:
+        self.before = resumed_elapsed(checkpoint) if resumed else 0.0
+        self._t0 = time.perf_counter() - self.before
+
+    def elapsed(self) -> float:
+        """Seconds of optimisation so far, resumed runs included."""
+        return time.perf_counter() - self._t0
+
+    def session(self) -> float:
+        """Seconds of optimisation in this process only."""
+        return self.elapsed() - self.before
+
+    def out_of_time(self, cfg: TrainConfig) -> bool:
+        """Whether ``cfg.max_train_minutes`` (if set) has run out."""
+        return bool(cfg.max_train_minutes) and self.elapsed() / 60 > cfg.max_train_minutes
+
+
 def resumed_elapsed(checkpoint: Path) -> float:
     """Optimisation seconds recorded in a checkpoint's ``trainer_state.json`` (0 when absent)."""
     state = checkpoint / "trainer_state.json"
@@ -248,8 +274,7 @@ def train_medusa(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: 
     )
 
     hist: list[dict] = []
-    before = resumed_elapsed(ckpt) if step else 0.0  # optimisation time of the run this one resumes
-    t_start = time.perf_counter() - before
+    clock = TrainClock(ckpt, resumed=step > 0)
     pos_seen = 0
     bar = tqdm(total=total, initial=step, desc="train medusa", disable=quiet)
     heads.train()
@@ -262,7 +287,7 @@ def train_medusa(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: 
         y = Yd_train[idx].to(accelerator.device)
         logits = heads(h)
         loss, per_head = medusa_loss(logits, y, cfg.head_decay)
-        used_lr = apply_lr(cfg, optim, step, total, time.perf_counter() - t_start)
+        used_lr = apply_lr(cfg, optim, step, total, clock.elapsed())
         optimizer_step(accelerator, heads, optim, sched, loss, cfg.grad_clip)
         step += 1
         pos_seen += idx.numel()
@@ -276,12 +301,12 @@ def train_medusa(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: 
             if accelerator.is_main_process:
                 logger.info("step %d loss %.4f top1 per head %s", step, rec["loss"], rec["top1"])
         if step % cfg.save_every == 0 and step < total:
-            _save_atomic(accelerator, ckpt, step, time.perf_counter() - t_start)
-        if cfg.max_train_minutes and (time.perf_counter() - t_start) / 60 > cfg.max_train_minutes:
+            _save_atomic(accelerator, ckpt, step, clock.elapsed())
+        if clock.out_of_time(cfg):
             logger.info("max_train_minutes reached at step %d", step)
             break
     bar.close()
-    elapsed = time.perf_counter() - t_start - before  # this session's optimisation time
+    elapsed = clock.session()
     acc = evaluate(core, He, Yde, cfg.eval_topk)
     final_dir = out_dir / "heads"
     if accelerator.is_main_process:
