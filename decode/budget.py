@@ -12,7 +12,10 @@ draft tokens kept after reranking (the verified tree has N + 1 nodes with the ro
 
 * :class:`CostProfile`: median wall ms of one verification (``kv.forward_tree`` + ``kv.lm_logits``) by
   tree size, for this target on this device, dtype and thread count; cached as JSON under
-  ``$SELFSPEC_CACHE/profiles`` (see :func:`profiles_dir`).
+  ``$SELFSPEC_CACHE/profiles`` (see :func:`profiles_dir`). On a CPU each size from 2 to 32 nodes is
+  measured twice, with plain ``linear`` layers and with ``W @ x^T`` ones
+  (:func:`~selfspec.decode.kv.weight_first_linears`); the faster way is kept per size and installed on
+  the target, so decoding runs the way the cost was measured.
 * the drafting cost by depth (:func:`measure_draft_cost`): ``EagleDrafter.propose`` at each depth.
 * :class:`AcceptanceProfile`: ``tau[d][N]``, the mean tokens per step (accepted drafts + the bonus
   token) under greedy verification, for every d <= ``depth_max`` and N <= ``total_tokens_max``, from ONE
@@ -60,6 +63,7 @@ DEFAULT_NODE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 DEFAULT_CONTEXT_LENGTH = 128
 ACCEPTANCE_PROFILE_NAME = "acceptance_profile.json"
 PROFILE_VERSION = 1
+COST_PROFILE_VERSION = 2  # 2: verify_ms is the faster of plain and weight-first linears (kv.weight_first_linears)
 _COST_FORMAT = "selfspec-verify-cost"
 _DRAFT_FORMAT = "selfspec-draft-cost"
 _ACCEPTANCE_FORMAT = "selfspec-acceptance-profile"
@@ -153,22 +157,6 @@ def _interleaved_medians(fns: Mapping[Any, Callable[[], None]], repeats: Mapping
 # Verification cost
 
 
-def _isotonic(values: Sequence[float]) -> list[float]:
-    """Least-squares non-decreasing fit (pool adjacent violators): verifying more nodes never costs less,
-    so a dip in noisy medians is averaged with its neighbours instead of steering the choice."""
-    blocks: list[list[float]] = []  # [sum, count]
-    for v in values:
-        blocks.append([float(v), 1.0])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            s, c = blocks.pop()
-            blocks[-1][0] += s
-            blocks[-1][1] += c
-    out: list[float] = []
-    for s, c in blocks:
-        out += [s / c] * int(c)
-    return out
-
-
 @dataclass(frozen=True)
 class CostProfile:
     """Verification cost of one target on one machine, by tree size.
@@ -177,7 +165,11 @@ class CostProfile:
         target_fingerprint, device, dtype, threads, torch: the measurement's identity (:func:`cost_key`).
         context_length: tokens in the KV cache before the tree.
         node_counts: tree sizes N measured (root included), strictly increasing, >= 1.
-        verify_ms: median wall milliseconds of ``kv.forward_tree`` + ``kv.lm_logits`` at each size.
+        verify_ms: median wall milliseconds of ``kv.forward_tree`` + ``kv.lm_logits`` at each size, the
+            faster of the two ways of computing the linears (see ``weight_first``).
+        verify_ms_linear: the same with plain ``linear`` everywhere.
+        weight_first: the measured sizes at which ``W @ x^T`` linears (:func:`~selfspec.decode.kv.weight_first_linears`)
+            were faster; empty when they were not measured (not a CPU) or never won.
         created_utc: ISO 8601 time of the measurement.
     """
 
@@ -189,6 +181,8 @@ class CostProfile:
     context_length: int
     node_counts: tuple[int, ...]
     verify_ms: tuple[float, ...]
+    verify_ms_linear: tuple[float, ...] = ()
+    weight_first: tuple[int, ...] = ()
     created_utc: str = ""
 
     def __post_init__(self) -> None:
@@ -197,8 +191,28 @@ class CostProfile:
             raise ValueError("node_counts and verify_ms must be non-empty and of equal length")
         if any(not isinstance(x, int) or x < 1 for x in n) or any(a >= b for a, b in zip(n, n[1:])):
             raise ValueError(f"node_counts must be strictly increasing integers >= 1, got {list(n)}")
-        if any(not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0 for v in self.verify_ms):
-            raise ValueError("verify_ms must be finite positive numbers")
+        if not self.verify_ms_linear:
+            object.__setattr__(self, "verify_ms_linear", tuple(self.verify_ms))
+        for name in ("verify_ms", "verify_ms_linear"):
+            values = getattr(self, name)
+            if len(values) != len(n) or any(
+                not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0 for v in values
+            ):
+                raise ValueError(f"{name} must be finite positive numbers, one per node count")
+        if any(not isinstance(x, int) or x not in n for x in self.weight_first):
+            raise ValueError(f"weight_first must list measured node counts, got {list(self.weight_first)}")
+
+    def weight_first_sizes(self) -> frozenset[int]:
+        """Every tree size 2..``kv.WEIGHT_FIRST_MAX_ROWS`` that should verify with ``W @ x^T`` linears: a size
+        takes the choice measured at the largest measured size not above it."""
+        if not self.weight_first:
+            return frozenset()
+        out = set()
+        for size in range(2, kv.WEIGHT_FIRST_MAX_ROWS + 1):
+            below = [m for m in self.node_counts if m <= size]
+            if below and below[-1] in self.weight_first:
+                out.add(size)
+        return frozenset(out)
 
     @property
     def key(self) -> dict[str, Any]:
@@ -207,11 +221,13 @@ class CostProfile:
     def verify_cost_ms(self, num_nodes: float) -> float:
         """Expected ms to verify a tree of ``num_nodes`` nodes (root included).
 
-        Piecewise-linear interpolation between the measured sizes of a non-decreasing (isotonic) fit of
-        the medians, so it is exact at measured sizes whenever the medians are already non-decreasing.
-        Below the smallest size: that size's cost; above the largest: the last segment's slope.
+        Piecewise-linear interpolation between the measured medians, exact at measured sizes. Below the
+        smallest size: that size's cost; above the largest: the last segment's slope. The medians are not
+        forced to grow with the size: on CPUs they do not (BLAS picks kernels by shape; on the 2-core
+        development machine 3-node trees measured slower than 4-node ones in every profile), and a
+        monotone fit then makes the cheaper size look dearer than it is.
         """
-        xs, ys = self.node_counts, _isotonic(self.verify_ms)
+        xs, ys = self.node_counts, self.verify_ms
         if num_nodes <= xs[0] or len(xs) == 1:
             return ys[0] if num_nodes <= xs[0] else ys[-1]
         for i in range(1, len(xs)):
@@ -223,8 +239,10 @@ class CostProfile:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format": _COST_FORMAT, "version": PROFILE_VERSION, **self.key, "context_length": self.context_length,
-            "node_counts": list(self.node_counts), "verify_ms": list(self.verify_ms), "created_utc": self.created_utc,
+            "format": _COST_FORMAT, "version": COST_PROFILE_VERSION, **self.key, "context_length": self.context_length,
+            "node_counts": list(self.node_counts), "verify_ms": list(self.verify_ms),
+            "verify_ms_linear": list(self.verify_ms_linear), "weight_first": list(self.weight_first),
+            "created_utc": self.created_utc,
         }
 
     @classmethod
@@ -232,8 +250,8 @@ class CostProfile:
         """Parse :meth:`to_dict`'s layout. Raises ValueError on anything else."""
         if not isinstance(data, dict):
             raise ValueError("a cost profile is a JSON object")
-        if data.get("format") != _COST_FORMAT or data.get("version") != PROFILE_VERSION:
-            raise ValueError(f"not a version-{PROFILE_VERSION} {_COST_FORMAT} file")
+        if data.get("format") != _COST_FORMAT or data.get("version") != COST_PROFILE_VERSION:
+            raise ValueError(f"not a version-{COST_PROFILE_VERSION} {_COST_FORMAT} file")
         fields = dict(data)
         fields.pop("format")
         fields.pop("version")
@@ -246,10 +264,10 @@ class CostProfile:
         for name in ("threads", "context_length"):
             if not isinstance(fields[name], int) or isinstance(fields[name], bool) or fields[name] < 1:
                 raise ValueError(f"{name} must be a positive integer")
-        if not isinstance(fields["node_counts"], list) or not isinstance(fields["verify_ms"], list):
-            raise ValueError("node_counts and verify_ms must be lists")
-        fields["node_counts"] = tuple(fields["node_counts"])
-        fields["verify_ms"] = tuple(fields["verify_ms"])
+        for name in ("node_counts", "verify_ms", "verify_ms_linear", "weight_first"):
+            if not isinstance(fields[name], list):
+                raise ValueError(f"{name} must be a list")
+            fields[name] = tuple(fields[name])
         return cls(**fields)
 
 
@@ -260,7 +278,7 @@ def _profile_parents(num_nodes: int) -> torch.Tensor:
 
 
 def _default_repeats(num_nodes: int) -> int:
-    return 7 if num_nodes <= 8 else 5 if num_nodes <= 16 else 3
+    return 11 if num_nodes <= 8 else 5 if num_nodes <= 16 else 3
 
 
 @torch.inference_mode()
@@ -269,19 +287,25 @@ def measure_cost_profile(
     node_counts: Sequence[int] = DEFAULT_NODE_COUNTS,
     context_length: int = DEFAULT_CONTEXT_LENGTH,
     repeats: int | None = None,
+    weight_first: bool | None = None,
 ) -> CostProfile:
     """Measure the verification cost curve of ``target`` where it is (device, dtype, threads).
 
     For each size N: the median wall ms of ``kv.forward_tree`` over a tree of N nodes plus ``kv.lm_logits``
     over its N hidden states, on a ``DynamicCache`` prefilled with ``context_length`` random tokens (cropped
     back after every call); one untimed call per size first, sizes interleaved (CUDA synchronised around
-    each call). About 5 s for SmolLM2-135M on a 2-core CPU with the defaults.
+    each call). With ``weight_first``, sizes 2..``kv.WEIGHT_FIRST_MAX_ROWS`` are also measured with
+    ``W @ x^T`` linears (:func:`~selfspec.decode.kv.weight_first_linears`), interleaved with the plain
+    ones, and the faster way is kept per size. About 20 s for SmolLM2-135M on a 2-core CPU with the defaults.
+    The target's installed weight-first sizes are restored afterwards.
 
     Args:
         target: the frozen ``transformers`` causal LM.
         node_counts: tree sizes N (root included), e.g. ``(1, 2, 4, 8)``; sorted and deduplicated here.
         context_length: cached prefix length (tokens).
-        repeats: timed calls per size; None = 7 up to 8 nodes, 5 up to 16, 3 beyond.
+        repeats: timed calls per size; None = 11 up to 8 nodes, 5 up to 16, 3 beyond.
+        weight_first: also measure weight-first linears; None = when the target is on a CPU (elsewhere
+            they are never used).
 
     Returns:
         :class:`CostProfile`.
@@ -298,19 +322,38 @@ def measure_cost_profile(
     cache = kv.new_cache(target)
     kv.prefill(target, torch.randint(0, vocab, (context_length,), generator=gen).to(device), cache)
 
-    def verify(tokens: torch.Tensor, parents: torch.Tensor) -> Callable[[], None]:
+    if weight_first is None:
+        weight_first = device.type == "cpu"
+    installed = kv.weight_first_sizes(target)
+
+    def verify(tokens: torch.Tensor, parents: torch.Tensor, first: bool) -> Callable[[], None]:
+        plan = {tokens.numel()} if first else set()
+
         def step() -> None:
+            kv.set_weight_first_sizes(target, plan)
             h = kv.forward_tree(target, tokens, parents, cache, context_length)
             kv.lm_logits(target, h)
             kv.crop_cache(cache, context_length)
 
         return step
 
-    fns = {n: verify(torch.randint(0, vocab, (n,), generator=gen).to(device), _profile_parents(n).to(device)) for n in sizes}
-    medians = _interleaved_medians(fns, {n: repeats or _default_repeats(n) for n in sizes}, device)
+    fns, reps = {}, {}
+    for n in sizes:
+        tokens, parents = torch.randint(0, vocab, (n,), generator=gen).to(device), _profile_parents(n).to(device)
+        for first in (False, True) if weight_first and 2 <= n <= kv.WEIGHT_FIRST_MAX_ROWS else (False,):
+            fns[n, first] = verify(tokens, parents, first)
+            reps[n, first] = repeats or _default_repeats(n)
+    try:
+        medians = _interleaved_medians(fns, reps, device)
+    finally:
+        kv.set_weight_first_sizes(target, installed)
+    plain = [medians[n, False] for n in sizes]
+    wins = [n for n in sizes if (n, True) in medians and medians[n, True] < medians[n, False]]
+    best = [medians[n, True] if n in wins else medians[n, False] for n in sizes]
     key = cost_key(target)
     return CostProfile(**key, context_length=context_length, node_counts=tuple(sizes),
-                       verify_ms=tuple(round(medians[n], 4) for n in sizes), created_utc=_now_utc())
+                       verify_ms=tuple(round(v, 4) for v in best), verify_ms_linear=tuple(round(v, 4) for v in plain),
+                       weight_first=tuple(wins), created_utc=_now_utc())
 
 
 def cost_profile_path(target) -> Path:
@@ -962,7 +1005,9 @@ def tune_tree_budget(
     overhead_ms: float = 0.0,
 ) -> TreeBudget:
     """Choose the budget for ``drafter`` on ``target`` here: cached (or measured) verification and drafting
-    costs, then :func:`choose_tree_budget`. Does not change the drafter.
+    costs, then :func:`choose_tree_budget`. Does not change the drafter; installs the cost profile's
+    weight-first tree sizes on the target (:func:`~selfspec.decode.kv.set_weight_first_sizes`), so that
+    verification runs the way its cost was measured.
 
     Raises:
         ValueError: ``acceptance`` was profiled with another ``top_k`` than the drafter's, or see
@@ -972,6 +1017,7 @@ def tune_tree_budget(
         raise ValueError(f"the acceptance profile was measured with top_k={acceptance.top_k}, "
                          f"the drafter uses top_k={drafter.top_k}")
     cost = get_cost_profile(target, refresh=refresh)
+    kv.set_weight_first_sizes(target, cost.weight_first_sizes())
     depths = [depth] if depth is not None else range(1, acceptance.depth_max + 1)
     draft = get_draft_cost(drafter, target, depths, refresh=refresh)
     return choose_tree_budget(cost, acceptance, draft, overhead_ms=overhead_ms, depth=depth, total_tokens=total_tokens)

@@ -2,13 +2,16 @@
 
 Everything goes through the model's public ``forward`` (``transformers`` ``PreTrainedModel``): token ids,
 a ``DynamicCache``, explicit ``position_ids`` and, for trees, a custom 4-D additive attention mask.
-No modeling file is copied or patched.
+No modeling file is copied or patched. One CPU measure (:func:`weight_first_linears`): while a small tree
+is verified, the backbone's ``nn.Linear`` modules may compute ``W @ x^T`` instead of ``x @ W^T``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -77,10 +80,81 @@ def forward_tree(model, tokens: torch.Tensor, parents: torch.Tensor, cache, past
     else:
         positions = tree_position_ids(parents.cpu(), past_length).to(device)
         mask = tree_attention_bias(parents.cpu(), past_length, dtype).to(device)
-    out = call_with_cache(
-        backbone(model), cache, input_ids=tokens.unsqueeze(0), attention_mask=mask, position_ids=positions
-    )
+    with weight_first_linears(model, tokens.numel()):
+        out = call_with_cache(
+            backbone(model), cache, input_ids=tokens.unsqueeze(0), attention_mask=mask, position_ids=positions
+        )
     return out.last_hidden_state[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Small-row products on a CPU
+#
+# ``linear(x, W)`` with 2..32 rows of x is a GEMM whose BLAS kernel packs the [out, in] weight on every
+# call; for M = 1 torch takes a GEMV that streams it once. On the 2-core AVX2 development machine a
+# SmolLM2-135M forward measured 79 ms for 1 token, 107 for 2 and 111 for 4 (fp32): a 4-node tree cost 1.40
+# plain steps, mostly in the linears. ``torch.mm(W, x.T)`` (BLAS sees a wide right operand and does not pack
+# W) brought 2 and 4 tokens to 93 and 94 ms, but was slower at 6 and 12 tokens. Which sizes gain depends
+# on the BLAS and the CPU, so :func:`selfspec.decode.budget.measure_cost_profile` measures both ways per
+# tree size and :func:`set_weight_first_sizes` installs the winners on the target.
+
+WEIGHT_FIRST_MAX_ROWS = 32
+_PLAN_ATTR = "selfspec_weight_first_sizes"
+
+
+def _weight_first_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward`` as ``W @ x^T`` (same math, another summation order)."""
+    rows = x.numel() // self.in_features
+    y = torch.mm(self.weight, x.reshape(rows, self.in_features).T).T
+    if self.bias is not None:
+        y = y + self.bias
+    return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def set_weight_first_sizes(model, sizes: Iterable[int]) -> None:
+    """Install the tree sizes (token rows per verification) at which :func:`forward_tree` computes the
+    backbone's linears as ``W @ x^T`` (see :func:`weight_first_linears`). An empty ``sizes`` restores plain
+    ``linear`` everywhere. Sizes outside ``2..WEIGHT_FIRST_MAX_ROWS`` are ignored.
+
+    Raises:
+        ValueError: a size that is not an integer.
+    """
+    clean = set()
+    for n in sizes:
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise ValueError(f"tree sizes must be integers, got {n!r}")
+        if 2 <= n <= WEIGHT_FIRST_MAX_ROWS:
+            clean.add(n)
+    setattr(model, _PLAN_ATTR, frozenset(clean))
+
+
+def weight_first_sizes(model) -> frozenset[int]:
+    """The sizes installed by :func:`set_weight_first_sizes` (empty when none were)."""
+    return getattr(model, _PLAN_ATTR, frozenset())
+
+
+@contextlib.contextmanager
+def weight_first_linears(model, rows: int) -> Iterator[bool]:
+    """While the block runs, compute every ``nn.Linear`` of ``model``'s backbone as ``W @ x^T`` if ``rows``
+    is one of the model's installed sizes (:func:`set_weight_first_sizes`) and the model is on a CPU;
+    otherwise change nothing. The modules are restored on exit, also when the block raises.
+
+    Yields:
+        Whether the weight-first products are in use.
+    """
+    use = rows in weight_first_sizes(model) and next(model.parameters()).device.type == "cpu"
+    if not use:
+        yield False
+        return
+    # Modules with a forward of their own (e.g. hooks of accelerate's offloading) are left alone.
+    linears = [m for m in backbone(model).modules() if type(m) is torch.nn.Linear and "forward" not in m.__dict__]
+    for m in linears:
+        m.forward = _weight_first_forward.__get__(m)
+    try:
+        yield True
+    finally:
+        for m in linears:
+            m.__dict__.pop("forward", None)
 
 
 def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:

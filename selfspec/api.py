@@ -189,6 +189,12 @@ def make_drafter(
     heads = heads.to(device=next(target.parameters()).device, dtype=dtype).eval()
     if getattr(heads.config, "head_type", "") == "medusa":
         heads.attach_target(target.get_output_embeddings().weight)
+        if next(target.parameters()).device.type == "cpu":
+            from selfspec.decode import budget as tree_budget
+            from selfspec.decode.kv import set_weight_first_sizes
+
+            # Verify with the faster linears per tree size, as measured on this machine (cached).
+            set_weight_first_sizes(target, tree_budget.get_cost_profile(target).weight_first_sizes())
         if tree is None:
             acc = heads.config.head_topk_accuracy
             n = tree_nodes or DEFAULT_TREE_NODES

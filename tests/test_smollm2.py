@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import selfspec
+from selfspec.decode.kv import set_weight_first_sizes
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 
 pytestmark = pytest.mark.slow
@@ -101,10 +102,16 @@ def test_eagle_greedy_matches_plain_generate(smollm2):
         seqs.append(ref)
     head = memorising_eagle_head(model, seqs)
     taus = []
-    for depth, top_k, total in ((1, 1, 1), (3, 2, 4), (5, 4, 12), (6, 3, 24)):
-        spec = selfspec.load(model, head, tokenizer=tok, depth=depth, top_k=top_k, total_tokens=total)
-        for ids, ref in refs:
-            out = spec.generate(ids, max_new_tokens=48, eos_token_id=[])
-            assert out.tokens == ref, (depth, top_k, total)
-            taus.append((depth, out.stats.mean_accepted_tokens))
+    # Half the settings verify with weight-first linears (W @ x^T) at every tree size, half with plain ones.
+    settings = ((1, 1, 1, True), (3, 2, 4, False), (5, 4, 12, True), (6, 3, 24, False))
+    try:
+        for depth, top_k, total, weight_first in settings:
+            spec = selfspec.load(model, head, tokenizer=tok, depth=depth, top_k=top_k, total_tokens=total)
+            set_weight_first_sizes(model, range(2, 33) if weight_first else ())
+            for ids, ref in refs:
+                out = spec.generate(ids, max_new_tokens=48, eos_token_id=[])
+                assert out.tokens == ref, (depth, top_k, total, weight_first)
+                taus.append((depth, out.stats.mean_accepted_tokens))
+    finally:
+        set_weight_first_sizes(model, ())
     assert min(t for d, t in taus if d >= 3) > 2.0, taus  # deep paths were accepted and verified

@@ -11,6 +11,7 @@ import torch
 
 from selfspec.api import make_drafter
 from selfspec.decode import budget as tb
+from selfspec.decode import kv
 from selfspec.decode.budget import AcceptanceProfile, CostProfile, choose_tree_budget
 from selfspec.decode.eagle import DEFAULT_DEPTH, DEFAULT_TOTAL_TOKENS, EagleDrafter
 from selfspec.decode.generate import speculative_generate
@@ -61,9 +62,9 @@ def test_interpolation_exact_at_and_between_measured_points():
     assert c.verify_cost_ms(3) == 14.0 and c.verify_cost_ms(6) == 20.0 and c.verify_cost_ms(1.5) == 11.0
     assert c.verify_cost_ms(12) == 32.0  # beyond: the last segment's slope (2 ms a node)
     assert c.verify_cost_ms(0.5) == 10.0
-    # noisy medians that dip are fitted non-decreasing (pool adjacent violators), not followed
-    dip = cost([1, 2, 3], [10.0, 9.0, 12.0])
-    assert [dip.verify_cost_ms(n) for n in (1, 2, 3)] == [9.5, 9.5, 12.0]
+    # medians that dip are followed (CPU costs are not monotone in the tree size)
+    dip = cost([1, 3, 4, 6], [10.0, 14.0, 12.0, 16.0])
+    assert [dip.verify_cost_ms(n) for n in (1, 2, 3, 4, 5)] == [10.0, 12.0, 14.0, 12.0, 14.0]
 
 
 def test_flat_cost_picks_the_biggest_budget():
@@ -265,6 +266,52 @@ def test_cost_profile_json_round_trip(tmp_path):
             CostProfile.from_dict(broken)
 
 
+def test_cost_profile_weight_first_sizes_and_validation(tmp_path):
+    c = cost([1, 2, 4, 8, 16], [10.0, 11.0, 12.0, 15.0, 20.0], verify_ms_linear=(10.0, 13.0, 14.0, 15.0, 21.0),
+             weight_first=(2, 4, 16))
+    # each size follows the largest measured size at or below it; nothing beyond the 32-row limit
+    assert c.weight_first_sizes() == {2, 3, 4, 5, 6, 7} | set(range(16, 33))
+    assert cost([1, 2], [1.0, 2.0]).weight_first_sizes() == frozenset()
+    assert cost([1, 2], [1.0, 2.0]).verify_ms_linear == (1.0, 2.0)  # old-style: the plain curve is the curve
+    assert tb.load_cost_profile(tb.save_cost_profile(c, tmp_path / "w.json")) == c
+    with pytest.raises(ValueError, match="weight_first"):
+        cost([1, 2, 4], [1.0, 2.0, 3.0], weight_first=(3,))  # not a measured size
+    with pytest.raises(ValueError, match="verify_ms_linear"):
+        cost([1, 2, 4], [1.0, 2.0, 3.0], verify_ms_linear=(1.0, 2.0))
+    old = {**c.to_dict(), "version": 1}
+    del old["verify_ms_linear"], old["weight_first"]
+    with pytest.raises(ValueError, match="version-2"):
+        CostProfile.from_dict(old)  # a version-1 cache file is measured again by get_cost_profile
+
+
+def test_measure_cost_profile_keeps_the_faster_way_per_size(oracle, monkeypatch):
+    """Both ways are measured at 2..32 nodes on a CPU, the faster kept per size, the installed sizes
+    restored; the timings here are made up so the choice is known."""
+    t, _ = oracle
+    fake = {(1, False): 10.0, (2, False): 13.0, (2, True): 11.0, (4, False): 14.0, (4, True): 16.0,
+            (40, False): 30.0}
+    seen = []
+
+    def medians(fns, repeats, device):
+        seen.append(set(fns))
+        for fn in fns.values():
+            fn()  # each runs a real verification, with its way installed
+        return {k: fake[k] for k in fns}
+
+    monkeypatch.setattr(tb, "_interleaved_medians", medians)
+    kv.set_weight_first_sizes(t, [7])
+    try:
+        p = tb.measure_cost_profile(t, node_counts=(1, 2, 4, 40), context_length=8)
+        assert seen[-1] == set(fake)
+        assert p.verify_ms == (10.0, 11.0, 14.0, 30.0) and p.verify_ms_linear == (10.0, 13.0, 14.0, 30.0)
+        assert p.weight_first == (2,) and p.weight_first_sizes() == {2, 3}
+        assert kv.weight_first_sizes(t) == {7}  # restored
+        p = tb.measure_cost_profile(t, node_counts=(1, 2, 4, 40), context_length=8, weight_first=False)
+        assert seen[-1] == {(1, False), (2, False), (4, False), (40, False)} and p.weight_first == ()
+    finally:
+        kv.set_weight_first_sizes(t, ())
+
+
 def test_cost_profile_is_cached_and_remeasured_on_mismatch_or_corruption(oracle, monkeypatch, caplog):
     t, _ = oracle
     sizes = (1, 2, 3, 5)
@@ -370,6 +417,8 @@ def test_make_drafter_auto_budget_keeps_greedy_exact(oracle, head_dir):
     assert 1 <= b.depth <= 4 and 1 <= b.total_tokens <= 10 and b.expected_tau >= 1.0
     assert (b.depth, b.total_tokens) in {(o.depth, o.total_tokens) for o in b.table}
     assert tb.cost_profile_path(t).is_file()  # measured once, cached
+    # verification runs the way its cost was measured
+    assert kv.weight_first_sizes(t) == tb.load_cost_profile(tb.cost_profile_path(t)).weight_first_sizes()
     for ids in prompts(2, seed=14):
         assert speculative_generate(t, drafter, ids, max_new_tokens=20).tokens == reference(t, ids, 20)
     again = make_drafter(t, head_dir, depth="auto", total_tokens="auto")
@@ -396,3 +445,18 @@ def test_make_drafter_overrides_and_fallbacks(oracle, head_dir):
         del head.acceptance_profile
     with pytest.raises(ValueError, match="integer or 'auto'"):
         make_drafter(t, head_dir, depth="deep")
+
+
+def test_make_drafter_medusa_installs_the_measured_linears(monkeypatch):
+    """Medusa heads on a CPU target verify with the linears the (cached) cost profile found faster."""
+    from tests.conftest import tiny_llama
+    from tests.decode.test_generate import random_heads
+
+    t = tiny_llama(seed=9)
+    made = cost([1, 2, 4, 8], [10.0, 11.0, 12.0, 15.0], verify_ms_linear=(10.0, 13.0, 12.0, 15.0), weight_first=(2,))
+    monkeypatch.setattr(tb, "measure_cost_profile", lambda target, *a, **k: made)
+    monkeypatch.setattr(tb, "cost_key", lambda target: made.key)
+    drafter = make_drafter(t, random_heads(t))
+    assert kv.weight_first_sizes(t) == {2, 3} and tb.cost_profile_path(t).is_file()
+    ids = prompts(1, seed=4)[0]
+    assert speculative_generate(t, drafter, ids, max_new_tokens=16).tokens == reference(t, ids, 16)
