@@ -1023,6 +1023,70 @@ def tune_tree_budget(
     return choose_tree_budget(cost, acceptance, draft, overhead_ms=overhead_ms, depth=depth, total_tokens=total_tokens)
 
 
+@dataclass(frozen=True)
+class MedusaTreeSize:
+    """The Medusa tree size chosen for a machine (:func:`choose_medusa_tree_nodes`).
+
+    Attributes:
+        num_nodes: tree nodes N, root included.
+        expected_tau: ``1 + sum`` of the chosen paths' estimated acceptance (from the heads' accuracies).
+        expected_cycle_ms: ``draft_ms + verify_ms(N)``.
+        expected_speedup: ``expected_tau * plain_step_ms / expected_cycle_ms``.
+        table: ``(N, expected_tau, expected_speedup)`` for every size considered.
+    """
+
+    num_nodes: int
+    expected_tau: float
+    expected_cycle_ms: float
+    expected_speedup: float
+    table: tuple[tuple[int, float, float], ...]
+
+
+def choose_medusa_tree_nodes(
+    cost: CostProfile, topk_accuracy: Sequence[Sequence[float]], max_nodes: int = 32, draft_ms: float = 0.0
+) -> MedusaTreeSize:
+    """Size a Medusa tree to the machine: the N in ``2..max_nodes`` maximising
+    ``tau(N) / (draft_ms + verify_ms(N))``.
+
+    ``tau(N)`` is Medusa's own estimate for its greedy tree of N nodes
+    (:func:`~selfspec.decode.tree.greedy_tree_scores`: products of the heads' held-out top-k
+    accuracies, as if heads erred independently), and ``verify_ms`` is
+    :meth:`CostProfile.verify_cost_ms`. Medusa's drafting (one pass of small heads over one hidden
+    state) measured 2-3 % of a step on the 2-core CPU, hence ``draft_ms = 0`` by default. Ties go to
+    the smaller tree.
+
+    Args:
+        cost: the target's verification cost profile on this machine.
+        topk_accuracy: ``[K][k]`` cumulative top-1..top-k accuracies per head (the heads' config).
+        max_nodes: the largest tree considered (root included), >= 2.
+        draft_ms: drafting cost per step, ms.
+
+    Returns:
+        :class:`MedusaTreeSize`.
+
+    Raises:
+        ValueError: ``max_nodes < 2``, or no accuracies.
+    """
+    from selfspec.decode.tree import greedy_tree_scores
+
+    if max_nodes < 2:
+        raise ValueError("max_nodes must be >= 2")
+    if not topk_accuracy or not topk_accuracy[0]:
+        raise ValueError("need the heads' top-k accuracies (head_topk_accuracy in their config)")
+    scores = [score for _, score in greedy_tree_scores(topk_accuracy, max_nodes)]
+    plain = cost.verify_cost_ms(1)
+    table, best = [], None
+    for n in range(2, len(scores) + 2):
+        tau = 1.0 + sum(scores[: n - 1])
+        cycle = draft_ms + cost.verify_cost_ms(n)
+        option = (n, tau, tau * plain / cycle)
+        table.append(option)
+        if best is None or option[2] > best[2]:
+            best = option
+    n, tau, speedup = best
+    return MedusaTreeSize(n, tau, draft_ms + cost.verify_cost_ms(n), speedup, tuple(table))
+
+
 def budget_table_text(budget: TreeBudget, columns: Sequence[int] = DEFAULT_NODE_COUNTS) -> str:
     """Plain-text tables of expected tau and speedup by depth (rows) and ``total_tokens`` (columns)."""
     cells = {(o.depth, o.total_tokens): o for o in budget.table}

@@ -184,6 +184,20 @@ def greedy_tree_from_accuracy(topk_accuracy: Sequence[Sequence[float]], num_node
 
     Returns:
         Index paths for :func:`static_tree`.
+
+    Raises:
+        ValueError: ``num_nodes < 1``.
+    """
+    return [path for path, _ in greedy_tree_scores(topk_accuracy, num_nodes)]
+
+
+def greedy_tree_scores(topk_accuracy: Sequence[Sequence[float]], num_nodes: int) -> list[tuple[tuple[int, ...], float]]:
+    """:func:`greedy_tree_from_accuracy`'s paths with their estimated acceptance probabilities, in the
+    order chosen (non-increasing scores). ``1 + sum(scores)`` estimates the tree's tau (mean tokens per
+    step, bonus token included) under the estimate's independence assumption.
+
+    Raises:
+        ValueError: ``num_nodes < 1``.
     """
     if num_nodes < 1:
         raise ValueError("num_nodes must be >= 1")
@@ -194,12 +208,12 @@ def greedy_tree_from_accuracy(topk_accuracy: Sequence[Sequence[float]], num_node
             row.append(max(float(a) - prev, 1e-6))
             prev = max(prev, float(a))
         marginal.append(row)
-    chosen: list[tuple[int, ...]] = []
-    frontier = {(i,): marginal[0][i] for i in range(len(marginal[0]))}
+    chosen: list[tuple[tuple[int, ...], float]] = []
+    frontier = {(i,): marginal[0][i] for i in range(len(marginal[0]))} if marginal else {}
     while len(chosen) < num_nodes - 1 and frontier:
         path = max(frontier, key=lambda p: (frontier[p], [-i for i in p]))
         score = frontier.pop(path)
-        chosen.append(path)
+        chosen.append((path, score))
         d = len(path)
         if d < len(marginal):
             for i in range(len(marginal[d])):

@@ -155,6 +155,10 @@ def make_drafter(
 ):
     """Build the drafter for a target from exactly one of ``heads``, ``draft_model`` or ``prompt_lookup``.
 
+    Medusa heads use ``tree`` (index paths) if given, else Medusa's greedy tree from their held-out
+    accuracies, of ``tree_nodes`` nodes or, when None, of the size that maximises expected tokens per second
+    on this machine (see :func:`_medusa_drafter`).
+
     EAGLE heads take ``depth``, ``top_k`` and ``total_tokens`` as ``eagle_options``. ``depth`` and
     ``total_tokens`` default to ``"auto"``: when the head carries an acceptance profile
     (``<head_dir>/acceptance_profile.json`` written by ``selfspec tune-tree``, or an ``acceptance_profile``
@@ -189,19 +193,36 @@ def make_drafter(
     heads = heads.to(device=next(target.parameters()).device, dtype=dtype).eval()
     if getattr(heads.config, "head_type", "") == "medusa":
         heads.attach_target(target.get_output_embeddings().weight)
-        if next(target.parameters()).device.type == "cpu":
-            from selfspec.decode import budget as tree_budget
-            from selfspec.decode.kv import set_weight_first_sizes
-
-            # Verify with the faster linears per tree size, as measured on this machine (cached).
-            set_weight_first_sizes(target, tree_budget.get_cost_profile(target).weight_first_sizes())
-        if tree is None:
-            acc = heads.config.head_topk_accuracy
-            n = tree_nodes or DEFAULT_TREE_NODES
-            usable = [p for p in DEFAULT_MEDUSA_PATHS if len(p) <= heads.config.num_heads]
-            tree = greedy_tree_from_accuracy(acc, n) if acc else usable[: n - 1]
-        return MedusaDrafter(heads, static_tree(tree))
+        return _medusa_drafter(target, heads, tree, tree_nodes)
     return _eagle_drafter(target, heads, head_dir, **eagle_options)
+
+
+def _medusa_drafter(target, heads, tree: Sequence[Sequence[int]] | None, tree_nodes: int | None):
+    """A :class:`MedusaDrafter`. Its tree: ``tree`` if given; else Medusa's greedy tree from the heads'
+    held-out accuracies with ``tree_nodes`` nodes, or, when ``tree_nodes`` is None, with the size that
+    maximises expected tokens per second on this machine
+    (:func:`selfspec.decode.budget.choose_medusa_tree_nodes`, from the cached verification cost profile);
+    heads without accuracies get ``DEFAULT_TREE_NODES`` nodes of a fixed tree. On a CPU the cost profile's
+    weight-first tree sizes are installed on the target (:func:`selfspec.decode.kv.set_weight_first_sizes`)."""
+    from selfspec.decode import budget as tree_budget
+    from selfspec.decode.kv import set_weight_first_sizes
+
+    acc = heads.config.head_topk_accuracy
+    cpu = next(target.parameters()).device.type == "cpu"
+    profile = tree_budget.get_cost_profile(target) if cpu or (tree is None and tree_nodes is None and acc) else None
+    if cpu:
+        set_weight_first_sizes(target, profile.weight_first_sizes())
+    if tree is None:
+        if acc and tree_nodes is None:
+            size = tree_budget.choose_medusa_tree_nodes(profile, acc)
+            n = size.num_nodes
+            logger.info("Medusa tree sized to this machine: %d nodes (expected tau %.2f, %.1f ms a step, %.2fx plain "
+                        "decoding)", n, size.expected_tau, size.expected_cycle_ms, size.expected_speedup)
+        else:
+            n = tree_nodes or DEFAULT_TREE_NODES
+        usable = [p for p in DEFAULT_MEDUSA_PATHS if len(p) <= heads.config.num_heads]
+        tree = greedy_tree_from_accuracy(acc, n) if acc else usable[: n - 1]
+    return MedusaDrafter(heads, static_tree(tree))
 
 
 def _eagle_drafter(

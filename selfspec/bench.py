@@ -1183,7 +1183,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eagle-top-k", type=int, default=None, help="EAGLE-2 expansions per node")
     p.add_argument("--eagle-total-tokens", type=_int_or_auto, default=None,
                    help="EAGLE-2 draft tokens kept per step, or 'auto' (default; see --eagle-depth)")
-    p.add_argument("--tree-nodes", type=int, default=None, help="tree size for Medusa heads")
+    p.add_argument("--tree-nodes", type=int, default=None, help="tree size for Medusa heads (default: sized to this machine from the heads' accuracies)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)

@@ -460,3 +460,60 @@ def test_make_drafter_medusa_installs_the_measured_linears(monkeypatch):
     assert kv.weight_first_sizes(t) == {2, 3} and tb.cost_profile_path(t).is_file()
     ids = prompts(1, seed=4)[0]
     assert speculative_generate(t, drafter, ids, max_new_tokens=16).tokens == reference(t, ids, 16)
+
+
+# ------------------------------------------------------------------------------------------------ Medusa
+
+
+ACC = [[0.5, 0.7], [0.2, 0.3]]  # two heads, top-1 / top-2 accuracy
+
+
+def test_medusa_tree_scores_and_estimated_tau_by_hand():
+    from selfspec.decode.tree import greedy_tree_from_accuracy, greedy_tree_scores
+
+    scored = greedy_tree_scores(ACC, 5)
+    # marginals: head 0 [0.5, 0.2], head 1 [0.2, 0.1]; paths by score: (0,) .5, (1,) .2, (0, 0) .1, (0, 1) .05
+    assert [p for p, _ in scored] == [(0,), (1,), (0, 0), (0, 1)] == greedy_tree_from_accuracy(ACC, 5)
+    assert [round(x, 6) for _, x in scored] == [0.5, 0.2, 0.1, 0.05]
+    flat = cost([1, 8], [10.0, 10.0])
+    size = tb.choose_medusa_tree_nodes(flat, ACC, max_nodes=8)
+    # all 6 paths of the 2x2 heads fit (a 7-node tree); tau = 1 + .5 + .2 + .1 + .05 + .04 + .02
+    assert size.num_nodes == 7 and size.expected_tau == pytest.approx(1.91)
+    assert [n for n, _, _ in size.table] == [2, 3, 4, 5, 6, 7]
+    assert size.expected_speedup == pytest.approx(1.91) and size.expected_cycle_ms == 10.0
+
+
+def test_medusa_tree_size_follows_the_cost_curve():
+    steep = cost([1, 2, 3, 4], [10.0, 12.0, 20.0, 30.0])
+    size = tb.choose_medusa_tree_nodes(steep, ACC)
+    assert size.num_nodes == 2 and size.expected_speedup == pytest.approx(1.5 * 10 / 12)
+    # 3 nodes become cheap: tau 1.7 at 12.5 ms beats 1.5 at 12 ms
+    dip = cost([1, 2, 3, 4], [10.0, 12.0, 12.5, 30.0])
+    assert tb.choose_medusa_tree_nodes(dip, ACC).num_nodes == 3
+    assert tb.choose_medusa_tree_nodes(dip, ACC, draft_ms=100.0).num_nodes == 3
+    with pytest.raises(ValueError, match="accuracies"):
+        tb.choose_medusa_tree_nodes(dip, [])
+    with pytest.raises(ValueError, match="max_nodes"):
+        tb.choose_medusa_tree_nodes(dip, ACC, max_nodes=1)
+
+
+def test_make_drafter_sizes_the_medusa_tree_unless_told(monkeypatch):
+    from tests.conftest import tiny_llama
+    from tests.decode.test_generate import random_heads
+
+    t = tiny_llama(seed=11)
+    heads = random_heads(t, num_heads=2)
+    import dataclasses
+
+    heads.config = dataclasses.replace(heads.config, head_topk_accuracy=ACC)
+    steep = cost([1, 2, 3, 4, 48], [10.0, 12.0, 20.0, 30.0, 99.0])
+    monkeypatch.setattr(tb, "measure_cost_profile", lambda target, *a, **k: steep)
+    monkeypatch.setattr(tb, "cost_key", lambda target: steep.key)
+    auto = make_drafter(t, heads)
+    told = make_drafter(t, heads, tree_nodes=5)
+    assert auto.tree.head_index.numel() == 2 and told.tree.head_index.numel() == 5
+    ids = prompts(1, seed=5)[0]
+    out = speculative_generate(t, auto, ids, max_new_tokens=12)
+    assert out.tokens == reference(t, ids, 12) and out.stats.tree_nodes == 2 * out.stats.steps
+    out = speculative_generate(t, told, ids, max_new_tokens=12)
+    assert out.tokens == reference(t, ids, 12) and out.stats.tree_nodes == 5 * out.stats.steps
