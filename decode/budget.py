@@ -356,6 +356,15 @@ def measure_cost_profile(
                        weight_first=tuple(wins), created_utc=_now_utc())
 
 
+def use_cost_profile(target, refresh: bool = False) -> CostProfile:
+    """:func:`get_cost_profile`, then install its weight-first tree sizes on the target
+    (:func:`~selfspec.decode.kv.set_weight_first_sizes`), so that verification runs the way its cost was
+    measured. Every drafter sized from the profile goes through here."""
+    cost = get_cost_profile(target, refresh=refresh)
+    kv.set_weight_first_sizes(target, cost.weight_first_sizes())
+    return cost
+
+
 def cost_profile_path(target) -> Path:
     """Cache file of ``target``'s cost profile on its device / dtype / threads."""
     return profiles_dir() / f"verify-{_file_stem(cost_key(target), _device_of(target))}.json"
@@ -1016,8 +1025,7 @@ def tune_tree_budget(
     if acceptance.top_k != drafter.top_k:
         raise ValueError(f"the acceptance profile was measured with top_k={acceptance.top_k}, "
                          f"the drafter uses top_k={drafter.top_k}")
-    cost = get_cost_profile(target, refresh=refresh)
-    kv.set_weight_first_sizes(target, cost.weight_first_sizes())
+    cost = use_cost_profile(target, refresh=refresh)
     depths = [depth] if depth is not None else range(1, acceptance.depth_max + 1)
     draft = get_draft_cost(drafter, target, depths, refresh=refresh)
     return choose_tree_budget(cost, acceptance, draft, overhead_ms=overhead_ms, depth=depth, total_tokens=total_tokens)

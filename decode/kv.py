@@ -104,8 +104,7 @@ _PLAN_ATTR = "selfspec_weight_first_sizes"
 
 def _weight_first_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``nn.Linear.forward`` as ``W @ x^T`` (same math, another summation order)."""
-    rows = x.numel() // self.in_features
-    y = torch.mm(self.weight, x.reshape(rows, self.in_features).T).T
+    y = project(x.reshape(-1, self.in_features), self.weight)
     if self.bias is not None:
         y = y + self.bias
     return y.reshape(*x.shape[:-1], self.out_features)
@@ -125,12 +124,14 @@ def set_weight_first_sizes(model, sizes: Iterable[int]) -> None:
             raise ValueError(f"tree sizes must be integers, got {n!r}")
         if 2 <= n <= WEIGHT_FIRST_MAX_ROWS:
             clean.add(n)
-    setattr(model, _PLAN_ATTR, frozenset(clean))
+    # The backbone's linears are listed once here, not at every verification.
+    linears = tuple(m for m in backbone(model).modules() if type(m) is torch.nn.Linear) if clean else ()
+    setattr(model, _PLAN_ATTR, (frozenset(clean), linears))
 
 
 def weight_first_sizes(model) -> frozenset[int]:
     """The sizes installed by :func:`set_weight_first_sizes` (empty when none were)."""
-    return getattr(model, _PLAN_ATTR, frozenset())
+    return getattr(model, _PLAN_ATTR, (frozenset(), ()))[0]
 
 
 @contextlib.contextmanager
@@ -142,12 +143,12 @@ def weight_first_linears(model, rows: int) -> Iterator[bool]:
     Yields:
         Whether the weight-first products are in use.
     """
-    use = rows in weight_first_sizes(model) and next(model.parameters()).device.type == "cpu"
-    if not use:
+    sizes, installed = getattr(model, _PLAN_ATTR, (frozenset(), ()))
+    if rows not in sizes or next(model.parameters()).device.type != "cpu":
         yield False
         return
     # Modules with a forward of their own (e.g. hooks of accelerate's offloading) are left alone.
-    linears = [m for m in backbone(model).modules() if type(m) is torch.nn.Linear and "forward" not in m.__dict__]
+    linears = [m for m in installed if "forward" not in m.__dict__]
     for m in linears:
         m.forward = _weight_first_forward.__get__(m)
     try:

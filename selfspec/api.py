@@ -203,17 +203,16 @@ def _medusa_drafter(target, heads, tree: Sequence[Sequence[int]] | None, tree_no
     maximises expected tokens per second on this machine
     (:func:`selfspec.decode.budget.choose_medusa_tree_nodes`, from the cached verification cost profile);
     heads without accuracies get ``DEFAULT_TREE_NODES`` nodes of a fixed tree. On a CPU the cost profile's
-    weight-first tree sizes are installed on the target (:func:`selfspec.decode.kv.set_weight_first_sizes`)."""
+    weight-first tree sizes are installed on the target (:func:`selfspec.decode.budget.use_cost_profile`)."""
     from selfspec.decode import budget as tree_budget
-    from selfspec.decode.kv import set_weight_first_sizes
 
     acc = heads.config.head_topk_accuracy
-    cpu = next(target.parameters()).device.type == "cpu"
-    profile = tree_budget.get_cost_profile(target) if cpu or (tree is None and tree_nodes is None and acc) else None
-    if cpu:
-        set_weight_first_sizes(target, profile.weight_first_sizes())
+    size_here = tree is None and tree_nodes is None and bool(acc)
+    profile = None
+    if size_here or next(target.parameters()).device.type == "cpu":
+        profile = tree_budget.use_cost_profile(target)
     if tree is None:
-        if acc and tree_nodes is None:
+        if size_here:
             size = tree_budget.choose_medusa_tree_nodes(profile, acc)
             n = size.num_nodes
             logger.info("Medusa tree sized to this machine: %d nodes (expected tau %.2f, %.1f ms a step, %.2fx plain "
