@@ -12,10 +12,10 @@ draft tokens kept after reranking (the verified tree has N + 1 nodes with the ro
 
 * :class:`CostProfile`: median wall ms of one verification (``kv.forward_tree`` + ``kv.lm_logits``) by
   tree size, for this target on this device, dtype and thread count; cached as JSON under
-  ``$SELFSPEC_CACHE/profiles`` (see :func:`profiles_dir`). On a CPU each size from 2 to 32 nodes is
-  measured twice, with plain ``linear`` layers and with ``W @ x^T`` ones
-  (:func:`~selfspec.decode.kv.weight_first_linears`); the faster way is kept per size and installed on
-  the target, so decoding runs the way the cost was measured.
+  ``$SELFSPEC_CACHE/profiles`` (see :func:`profiles_dir`). On a CPU each size is measured with every
+  linear kernel of :data:`~selfspec.decode.kv.LINEAR_KERNELS` (plain ``linear``, ``W @ x^T``, oneDNN on
+  weights packed once); the fastest is kept per size and installed on the target
+  (:func:`~selfspec.decode.kv.set_linear_kernels`), so decoding runs the way the cost was measured.
 * the drafting cost by depth (:func:`measure_draft_cost`): ``EagleDrafter.propose`` at each depth.
 * :class:`AcceptanceProfile`: ``tau[d][N]``, the mean tokens per step (accepted drafts + the bonus
   token) under greedy verification, for every d <= ``depth_max`` and N <= ``total_tokens_max``, from ONE
@@ -45,7 +45,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +63,7 @@ DEFAULT_NODE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 DEFAULT_CONTEXT_LENGTH = 128
 ACCEPTANCE_PROFILE_NAME = "acceptance_profile.json"
 PROFILE_VERSION = 1
-COST_PROFILE_VERSION = 2  # 2: verify_ms is the faster of plain and weight-first linears (kv.weight_first_linears)
+COST_PROFILE_VERSION = 3  # 3: verify_ms is the fastest of the linear kernels measured (kv.set_linear_kernels)
 _COST_FORMAT = "selfspec-verify-cost"
 _DRAFT_FORMAT = "selfspec-draft-cost"
 _ACCEPTANCE_FORMAT = "selfspec-acceptance-profile"
@@ -165,11 +165,11 @@ class CostProfile:
         target_fingerprint, device, dtype, threads, torch: the measurement's identity (:func:`cost_key`).
         context_length: tokens in the KV cache before the tree.
         node_counts: tree sizes N measured (root included), strictly increasing, >= 1.
-        verify_ms: median wall milliseconds of ``kv.forward_tree`` + ``kv.lm_logits`` at each size, the
-            faster of the two ways of computing the linears (see ``weight_first``).
-        verify_ms_linear: the same with plain ``linear`` everywhere.
-        weight_first: the measured sizes at which ``W @ x^T`` linears (:func:`~selfspec.decode.kv.weight_first_linears`)
-            were faster; empty when they were not measured (not a CPU) or never won.
+        verify_ms: median wall milliseconds of ``kv.forward_tree`` + ``kv.lm_logits`` at each size with the
+            fastest linear kernel measured there (see ``kernels``).
+        kernels: the kernel kept at each size, one of ``kv.LINEAR_KERNELS`` (all ``"linear"`` by default).
+        kernel_ms: every measured curve, ``{kernel: [ms or None per node count]}``; ``"linear"`` is always
+            there and complete (None where a kernel was not measured at that size).
         created_utc: ISO 8601 time of the measurement.
     """
 
@@ -181,8 +181,8 @@ class CostProfile:
     context_length: int
     node_counts: tuple[int, ...]
     verify_ms: tuple[float, ...]
-    verify_ms_linear: tuple[float, ...] = ()
-    weight_first: tuple[int, ...] = ()
+    kernels: tuple[str, ...] = ()
+    kernel_ms: Mapping[str, tuple[float | None, ...]] = field(default_factory=dict)
     created_utc: str = ""
 
     def __post_init__(self) -> None:
@@ -191,32 +191,57 @@ class CostProfile:
             raise ValueError("node_counts and verify_ms must be non-empty and of equal length")
         if any(not isinstance(x, int) or x < 1 for x in n) or any(a >= b for a, b in zip(n, n[1:])):
             raise ValueError(f"node_counts must be strictly increasing integers >= 1, got {list(n)}")
-        if not self.verify_ms_linear:
-            object.__setattr__(self, "verify_ms_linear", tuple(self.verify_ms))
-        for name in ("verify_ms", "verify_ms_linear"):
-            values = getattr(self, name)
-            if len(values) != len(n) or any(
-                not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0 for v in values
-            ):
-                raise ValueError(f"{name} must be finite positive numbers, one per node count")
-        if any(not isinstance(x, int) or x not in n for x in self.weight_first):
-            raise ValueError(f"weight_first must list measured node counts, got {list(self.weight_first)}")
+        if not self.kernels:
+            object.__setattr__(self, "kernels", ("linear",) * len(n))
+        curves = {k: tuple(v) for k, v in dict(self.kernel_ms).items()}
+        curves.setdefault("linear", tuple(self.verify_ms))
+        object.__setattr__(self, "kernel_ms", curves)
+        if len(self.kernels) != len(n) or any(k not in kv.LINEAR_KERNELS for k in self.kernels):
+            raise ValueError(f"kernels must name one of {kv.LINEAR_KERNELS} per node count, got {list(self.kernels)}")
 
-    def weight_first_sizes(self) -> frozenset[int]:
-        """Every tree size 2..``kv.WEIGHT_FIRST_MAX_ROWS`` that should verify with ``W @ x^T`` linears: a size
-        takes the choice measured at the largest measured size not above it."""
-        if not self.weight_first:
-            return frozenset()
-        out = set()
-        for size in range(2, kv.WEIGHT_FIRST_MAX_ROWS + 1):
-            below = [m for m in self.node_counts if m <= size]
-            if below and below[-1] in self.weight_first:
-                out.add(size)
-        return frozenset(out)
+        def ok(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+        if not all(ok(v) for v in self.verify_ms):
+            raise ValueError("verify_ms must be finite positive numbers, one per node count")
+        for name, values in curves.items():
+            if name not in kv.LINEAR_KERNELS or len(values) != len(n) or not all(v is None or ok(v) for v in values):
+                raise ValueError(f"kernel_ms[{name!r}] must be a known kernel with a finite positive ms or None "
+                                 "per node count")
+        if any(v is None for v in curves["linear"]):
+            raise ValueError("kernel_ms['linear'] must be measured at every node count")
+        for i, kernel in enumerate(self.kernels):
+            if kernel not in curves or curves[kernel][i] is None:
+                raise ValueError(f"kernel {kernel!r} kept at {n[i]} nodes was not measured there")
+
+    @property
+    def verify_ms_linear(self) -> tuple[float, ...]:
+        """The cost curve with plain ``linear`` everywhere."""
+        return tuple(self.kernel_ms["linear"])
+
+    def kernel_plan(self, max_nodes: int = 64) -> dict[int, str]:
+        """The kernel of every tree size 1..``max_nodes`` for :func:`~selfspec.decode.kv.set_linear_kernels`:
+        a size takes the kernel measured at the largest measured size not above it (``"linear"`` below the
+        smallest); ``"weight_first"`` stops at ``kv.WEIGHT_FIRST_MAX_ROWS``."""
+        plan: dict[int, str] = {}
+        for size in range(1, max_nodes + 1):
+            below = [i for i, m in enumerate(self.node_counts) if m <= size]
+            kernel = self.kernels[below[-1]] if below else "linear"
+            if kernel == "weight_first" and size > kv.WEIGHT_FIRST_MAX_ROWS:
+                kernel = "linear"
+            if kernel != "linear":
+                plan[size] = kernel
+        return plan
 
     @property
     def key(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("target_fingerprint", "device", "dtype", "threads", "torch")}
+
+    @property
+    def plain_step_ms(self) -> float:
+        """ms of one plain decoding step: one token with plain ``linear`` (what ``generate`` does), from the
+        1-node measurement; the cheapest measured size's cost when 1 node was not measured."""
+        return float(self.kernel_ms["linear"][0] if self.node_counts[0] == 1 else self.verify_ms[0])
 
     def verify_cost_ms(self, num_nodes: float) -> float:
         """Expected ms to verify a tree of ``num_nodes`` nodes (root included).
@@ -240,9 +265,8 @@ class CostProfile:
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": _COST_FORMAT, "version": COST_PROFILE_VERSION, **self.key, "context_length": self.context_length,
-            "node_counts": list(self.node_counts), "verify_ms": list(self.verify_ms),
-            "verify_ms_linear": list(self.verify_ms_linear), "weight_first": list(self.weight_first),
-            "created_utc": self.created_utc,
+            "node_counts": list(self.node_counts), "verify_ms": list(self.verify_ms), "kernels": list(self.kernels),
+            "kernel_ms": {k: list(v) for k, v in self.kernel_ms.items()}, "created_utc": self.created_utc,
         }
 
     @classmethod
@@ -264,10 +288,14 @@ class CostProfile:
         for name in ("threads", "context_length"):
             if not isinstance(fields[name], int) or isinstance(fields[name], bool) or fields[name] < 1:
                 raise ValueError(f"{name} must be a positive integer")
-        for name in ("node_counts", "verify_ms", "verify_ms_linear", "weight_first"):
+        for name in ("node_counts", "verify_ms", "kernels"):
             if not isinstance(fields[name], list):
                 raise ValueError(f"{name} must be a list")
             fields[name] = tuple(fields[name])
+        curves = fields["kernel_ms"]
+        if not isinstance(curves, dict) or not all(isinstance(v, list) for v in curves.values()):
+            raise ValueError("kernel_ms must map kernel names to lists")
+        fields["kernel_ms"] = {k: tuple(v) for k, v in curves.items()}
         return cls(**fields)
 
 
@@ -281,56 +309,70 @@ def _default_repeats(num_nodes: int) -> int:
     return 11 if num_nodes <= 8 else 5 if num_nodes <= 16 else 3
 
 
+def available_kernels(target) -> tuple[str, ...]:
+    """The linear kernels worth measuring for ``target`` where it is: all of ``kv.LINEAR_KERNELS`` on a
+    CPU (``"packed"`` only where :func:`~selfspec.decode.kv.packed_linears_available`), ``("linear",)``
+    elsewhere."""
+    if _device_of(target).type != "cpu":
+        return ("linear",)
+    return ("linear", "weight_first") + (("packed",) if kv.packed_linears_available(target) else ())
+
+
+def _measurable(kernel: str, n: int) -> bool:
+    return kernel != "weight_first" or 2 <= n <= kv.WEIGHT_FIRST_MAX_ROWS
+
+
 @torch.inference_mode()
 def measure_cost_profile(
     target,
     node_counts: Sequence[int] = DEFAULT_NODE_COUNTS,
     context_length: int = DEFAULT_CONTEXT_LENGTH,
     repeats: int | None = None,
-    weight_first: bool | None = None,
+    kernels: Sequence[str] | None = None,
 ) -> CostProfile:
     """Measure the verification cost curve of ``target`` where it is (device, dtype, threads).
 
     For each size N: the median wall ms of ``kv.forward_tree`` over a tree of N nodes plus ``kv.lm_logits``
     over its N hidden states, on a ``DynamicCache`` prefilled with ``context_length`` random tokens (cropped
     back after every call); one untimed call per size first, sizes interleaved (CUDA synchronised around
-    each call). With ``weight_first``, sizes 2..``kv.WEIGHT_FIRST_MAX_ROWS`` are also measured with
-    ``W @ x^T`` linears (:func:`~selfspec.decode.kv.weight_first_linears`), interleaved with the plain
-    ones, and the faster way is kept per size. About 20 s for SmolLM2-135M on a 2-core CPU with the defaults.
-    The target's installed weight-first sizes are restored afterwards.
+    each call). Each size is measured with every linear kernel in ``kernels``
+    (:func:`~selfspec.decode.kv.set_linear_kernels`; ``"weight_first"`` only at 2..32 nodes), interleaved,
+    and the fastest is kept per size. About 40 s for SmolLM2-135M on a 2-core CPU with the defaults.
+    The target's installed kernels are restored afterwards.
 
     Args:
         target: the frozen ``transformers`` causal LM.
         node_counts: tree sizes N (root included), e.g. ``(1, 2, 4, 8)``; sorted and deduplicated here.
         context_length: cached prefix length (tokens).
-        repeats: timed calls per size; None = 11 up to 8 nodes, 5 up to 16, 3 beyond.
-        weight_first: also measure weight-first linears; None = when the target is on a CPU (elsewhere
-            they are never used).
+        repeats: timed calls per size and kernel; None = 11 up to 8 nodes, 5 up to 16, 3 beyond.
+        kernels: the kernels to measure; None = :func:`available_kernels`. ``"linear"`` is always measured.
 
     Returns:
         :class:`CostProfile`.
 
     Raises:
-        ValueError: empty or non-positive ``node_counts``, ``context_length < 1``.
+        ValueError: empty or non-positive ``node_counts``, ``context_length < 1``, an unknown kernel.
+        RuntimeError: ``"packed"`` asked for where it is not available.
     """
     sizes = sorted({int(n) for n in node_counts})
     if not sizes or sizes[0] < 1 or context_length < 1:
         raise ValueError("need node counts >= 1 and context_length >= 1")
+    kernels = tuple(dict.fromkeys(("linear", *(available_kernels(target) if kernels is None else kernels))))
+    if any(k not in kv.LINEAR_KERNELS for k in kernels):
+        raise ValueError(f"unknown kernel in {list(kernels)}; choose from {', '.join(kv.LINEAR_KERNELS)}")
     device = _device_of(target)
     gen = torch.Generator().manual_seed(0)
     vocab = target.config.vocab_size
     cache = kv.new_cache(target)
     kv.prefill(target, torch.randint(0, vocab, (context_length,), generator=gen).to(device), cache)
 
-    if weight_first is None:
-        weight_first = device.type == "cpu"
-    installed = kv.weight_first_sizes(target)
+    installed = kv.linear_kernels(target)
 
-    def verify(tokens: torch.Tensor, parents: torch.Tensor, first: bool) -> Callable[[], None]:
-        plan = {tokens.numel()} if first else set()
+    def verify(tokens: torch.Tensor, parents: torch.Tensor, kernel: str) -> Callable[[], None]:
+        plan = {tokens.numel(): kernel}
 
         def step() -> None:
-            kv.set_weight_first_sizes(target, plan)
+            kv.set_linear_kernels(target, plan, keep_packed=True)  # packed once, kept between calls
             h = kv.forward_tree(target, tokens, parents, cache, context_length)
             kv.lm_logits(target, h)
             kv.crop_cache(cache, context_length)
@@ -340,28 +382,32 @@ def measure_cost_profile(
     fns, reps = {}, {}
     for n in sizes:
         tokens, parents = torch.randint(0, vocab, (n,), generator=gen).to(device), _profile_parents(n).to(device)
-        for first in (False, True) if weight_first and 2 <= n <= kv.WEIGHT_FIRST_MAX_ROWS else (False,):
-            fns[n, first] = verify(tokens, parents, first)
-            reps[n, first] = repeats or _default_repeats(n)
+        for kernel in kernels:
+            if _measurable(kernel, n):
+                fns[n, kernel] = verify(tokens, parents, kernel)
+                reps[n, kernel] = repeats or _default_repeats(n)
     try:
         medians = _interleaved_medians(fns, reps, device)
     finally:
-        kv.set_weight_first_sizes(target, installed)
-    plain = [medians[n, False] for n in sizes]
-    wins = [n for n in sizes if (n, True) in medians and medians[n, True] < medians[n, False]]
-    best = [medians[n, True] if n in wins else medians[n, False] for n in sizes]
-    key = cost_key(target)
-    return CostProfile(**key, context_length=context_length, node_counts=tuple(sizes),
-                       verify_ms=tuple(round(v, 4) for v in best), verify_ms_linear=tuple(round(v, 4) for v in plain),
-                       weight_first=tuple(wins), created_utc=_now_utc())
+        kv.set_linear_kernels(target, installed)
+    kept = [min((k for k in kernels if (n, k) in medians), key=lambda k: medians[n, k]) for n in sizes]
+    curves = {k: tuple(round(medians[n, k], 4) if (n, k) in medians else None for n in sizes) for k in kernels}
+    return CostProfile(**cost_key(target), context_length=context_length, node_counts=tuple(sizes),
+                       verify_ms=tuple(round(medians[n, k], 4) for n, k in zip(sizes, kept)), kernels=tuple(kept),
+                       kernel_ms=curves, created_utc=_now_utc())
 
 
 def use_cost_profile(target, refresh: bool = False) -> CostProfile:
-    """:func:`get_cost_profile`, then install its weight-first tree sizes on the target
-    (:func:`~selfspec.decode.kv.set_weight_first_sizes`), so that verification runs the way its cost was
-    measured. Every drafter sized from the profile goes through here."""
+    """:func:`get_cost_profile`, then install its linear kernels on the target
+    (:func:`~selfspec.decode.kv.set_linear_kernels`), so that verification runs the way its cost was
+    measured. Every drafter sized from the profile goes through here.
+
+    Raises:
+        RuntimeError: the profile keeps ``"packed"`` but this torch cannot pack (a profile copied from
+            another installation with the same torch version; measure again with ``refresh=True``).
+    """
     cost = get_cost_profile(target, refresh=refresh)
-    kv.set_weight_first_sizes(target, cost.weight_first_sizes())
+    kv.set_linear_kernels(target, cost.kernel_plan())
     return cost
 
 
@@ -924,7 +970,7 @@ class TreeBudget:
         expected_tau: tau of the budget (from the acceptance profile).
         expected_cycle_ms: draft + verify (+ overhead) ms of one step.
         expected_speedup: ``(tau / cycle_ms) / (1 / plain_step_ms)``.
-        plain_step_ms: the cost of one plain decoding step (verifying the root alone).
+        plain_step_ms: the cost of one plain decoding step (one token, plain ``linear``).
         table: every budget considered, in (depth, total_tokens) order.
     """
 
@@ -964,7 +1010,7 @@ def choose_tree_budget(
         cost: the verification cost profile.
         acceptance: the acceptance profile.
         draft_ms_by_depth: ``{depth: ms}`` of one draft at that depth, for every depth considered.
-        plain_step_ms: ms of one plain decoding step; None = ``cost.verify_cost_ms(1)``.
+        plain_step_ms: ms of one plain decoding step; None = ``cost.plain_step_ms``.
         overhead_ms: per-step cost outside draft and verify forwards (acceptance, KV compaction).
         depth: fix the depth (user override); None = choose.
         total_tokens: fix N (user override); None = choose.
@@ -976,7 +1022,7 @@ def choose_tree_budget(
         ValueError: a fixed value outside the acceptance table, or a depth without a draft cost.
     """
     depths = [depth] if depth is not None else list(range(1, acceptance.depth_max + 1))
-    plain = cost.verify_cost_ms(1) if plain_step_ms is None else plain_step_ms
+    plain = cost.plain_step_ms if plain_step_ms is None else plain_step_ms
     options: list[BudgetOption] = []
     for d in depths:
         if not 1 <= d <= acceptance.depth_max:
@@ -1015,8 +1061,8 @@ def tune_tree_budget(
 ) -> TreeBudget:
     """Choose the budget for ``drafter`` on ``target`` here: cached (or measured) verification and drafting
     costs, then :func:`choose_tree_budget`. Does not change the drafter; installs the cost profile's
-    weight-first tree sizes on the target (:func:`~selfspec.decode.kv.set_weight_first_sizes`), so that
-    verification runs the way its cost was measured.
+    linear kernels on the target (:func:`~selfspec.decode.kv.set_linear_kernels`), so that verification
+    runs the way its cost was measured.
 
     Raises:
         ValueError: ``acceptance`` was profiled with another ``top_k`` than the drafter's, or see
@@ -1082,7 +1128,7 @@ def choose_medusa_tree_nodes(
     if not topk_accuracy or not topk_accuracy[0]:
         raise ValueError("need the heads' top-k accuracies (head_topk_accuracy in their config)")
     scores = [score for _, score in greedy_tree_scores(topk_accuracy, max_nodes)]
-    plain = cost.verify_cost_ms(1)
+    plain = cost.plain_step_ms
     table, best = [], None
     for n in range(2, len(scores) + 2):
         tau = 1.0 + sum(scores[: n - 1])

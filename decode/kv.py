@@ -2,8 +2,9 @@
 
 Everything goes through the model's public ``forward`` (``transformers`` ``PreTrainedModel``): token ids,
 a ``DynamicCache``, explicit ``position_ids`` and, for trees, a custom 4-D additive attention mask.
-No modeling file is copied or patched. One CPU measure (:func:`weight_first_linears`): while a small tree
-is verified, the backbone's ``nn.Linear`` modules may compute ``W @ x^T`` instead of ``x @ W^T``.
+No modeling file is copied or patched. One CPU measure (:func:`tree_linears`): while a tree is verified,
+the backbone's ``nn.Linear`` modules may compute their product with another kernel (``W @ x^T``, or oneDNN
+on a weight packed once) where that measured faster.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -80,7 +81,7 @@ def forward_tree(model, tokens: torch.Tensor, parents: torch.Tensor, cache, past
     else:
         positions = tree_position_ids(parents.cpu(), past_length).to(device)
         mask = tree_attention_bias(parents.cpu(), past_length, dtype).to(device)
-    with weight_first_linears(model, tokens.numel()):
+    with tree_linears(model, tokens.numel()):
         out = call_with_cache(
             backbone(model), cache, input_ids=tokens.unsqueeze(0), attention_mask=mask, position_ids=positions
         )
@@ -88,18 +89,30 @@ def forward_tree(model, tokens: torch.Tensor, parents: torch.Tensor, cache, past
 
 
 # ------------------------------------------------------------------------------------------------
-# Small-row products on a CPU
+# Small-row products on a CPU: which kernel computes the linears of a tree verification
 #
 # ``linear(x, W)`` with 2..32 rows of x is a GEMM whose BLAS kernel packs the [out, in] weight on every
 # call; for M = 1 torch takes a GEMV that streams it once. On the 2-core AVX2 development machine a
 # SmolLM2-135M forward measured 79 ms for 1 token, 107 for 2 and 111 for 4 (fp32): a 4-node tree cost 1.40
-# plain steps, mostly in the linears. ``torch.mm(W, x.T)`` (BLAS sees a wide right operand and does not pack
-# W) brought 2 and 4 tokens to 93 and 94 ms, but was slower at 6 and 12 tokens. Which sizes gain depends
-# on the BLAS and the CPU, so :func:`selfspec.decode.budget.measure_cost_profile` measures both ways per
-# tree size and :func:`set_weight_first_sizes` installs the winners on the target.
+# plain steps, mostly in the linears. Two other kernels avoid the per-call packing:
+#
+# * ``"weight_first"``: ``torch.mm(W, x.T)`` (BLAS sees a wide right operand and does not pack W). It
+#   brought 2 and 4 tokens to 93 and 94 ms but was slower at 6 and 12 tokens.
+# * ``"packed"``: oneDNN's inner product on a weight reordered ONCE into its blocked layout
+#   (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the kernels torch's own CPU
+#   compiler uses for frozen linears). It keeps a second copy of the weights (+100 % of the backbone and
+#   lm_head weight memory) and measured 71 / 73 / 84 / 112 ms for 2 / 4 / 8 / 16 nodes against 75 ms for
+#   one plain token.
+#
+# All three are the same products in other summation orders. Which one wins at which size depends on the
+# BLAS, the CPU and the thread count, so :func:`selfspec.decode.budget.measure_cost_profile` measures them
+# per tree size and :func:`set_linear_kernels` installs the winners on the target.
 
+LINEAR_KERNELS = ("linear", "weight_first", "packed")
 WEIGHT_FIRST_MAX_ROWS = 32
-_PLAN_ATTR = "selfspec_weight_first_sizes"
+PACKED_MAX_BYTES = 4 << 30  # no second copy of more than 4 GiB of weights
+_PLAN_ATTR = "selfspec_linear_kernels"
+_PACKED_ATTR = "selfspec_packed_weights"
 
 
 def _weight_first_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -110,49 +123,121 @@ def _weight_first_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tenso
     return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def set_weight_first_sizes(model, sizes: Iterable[int]) -> None:
-    """Install the tree sizes (token rows per verification) at which :func:`forward_tree` computes the
-    backbone's linears as ``W @ x^T`` (see :func:`weight_first_linears`). An empty ``sizes`` restores plain
-    ``linear`` everywhere. Sizes outside ``2..WEIGHT_FIRST_MAX_ROWS`` are ignored.
+def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward`` through oneDNN on the weight packed by :func:`set_linear_kernels`."""
+    return _packed_product(x, self.selfspec_packed, self.bias)
+
+
+def packed_linears_available(model) -> bool:
+    """Whether the ``"packed"`` kernel can serve ``model``: on a CPU, float32 weights, oneDNN built into
+    torch, and no more than :data:`PACKED_MAX_BYTES` of linear weights to copy."""
+    p = next(model.parameters())
+    if p.device.type != "cpu" or p.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight  # noqa: B018  (present in torch builds with oneDNN)
+        torch.ops.mkldnn._linear_pointwise  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    total = sum(m.weight.numel() * m.weight.element_size() for m in _linears(model))
+    head = model.get_output_embeddings()
+    total += head.weight.numel() * head.weight.element_size()
+    return total <= PACKED_MAX_BYTES
+
+
+def _linears(model) -> tuple[torch.nn.Linear, ...]:
+    """The backbone's ``nn.Linear`` modules, listed once per model (cached on it)."""
+    found = model.__dict__.get("selfspec_linears")
+    if found is None:
+        found = tuple(m for m in backbone(model).modules() if type(m) is torch.nn.Linear)
+        model.__dict__["selfspec_linears"] = found
+    return found
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def set_linear_kernels(model, plan: Mapping[int, str], keep_packed: bool = False) -> None:
+    """Install which kernel computes the backbone's linears (and the lm_head in :func:`lm_logits`) when
+    :func:`forward_tree` verifies a tree of a given number of nodes: ``plan`` maps a node count to one of
+    :data:`LINEAR_KERNELS`. Sizes not in ``plan`` use plain ``linear``; ``"weight_first"`` is ignored
+    outside ``2..WEIGHT_FIRST_MAX_ROWS``. An empty ``plan`` restores plain ``linear`` everywhere.
+
+    The first size planned as ``"packed"`` packs a copy of every backbone linear weight and of the lm_head
+    weight (float32, as much memory again); planning no ``"packed"`` size frees them. The weights must
+    not change while they are packed (call this again after changing them).
 
     Raises:
-        ValueError: a size that is not an integer.
+        ValueError: a size that is not a positive integer, or an unknown kernel name.
+        RuntimeError: ``"packed"`` where :func:`packed_linears_available` is False.
     """
-    clean = set()
-    for n in sizes:
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise ValueError(f"tree sizes must be integers, got {n!r}")
-        if 2 <= n <= WEIGHT_FIRST_MAX_ROWS:
-            clean.add(n)
+    clean: dict[int, str] = {}
+    for n, kernel in plan.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"tree sizes must be positive integers, got {n!r}")
+        if kernel not in LINEAR_KERNELS:
+            raise ValueError(f"unknown linear kernel {kernel!r}; choose from {', '.join(LINEAR_KERNELS)}")
+        if kernel == "weight_first" and not 2 <= n <= WEIGHT_FIRST_MAX_ROWS:
+            continue
+        if kernel != "linear":
+            clean[n] = kernel
+    packed_wanted = "packed" in clean.values()
+    if packed_wanted and getattr(model, _PACKED_ATTR, None) is None and not packed_linears_available(model):
+        raise RuntimeError(
+            "packed linears need a float32 model on a CPU, a torch built with oneDNN (torch.backends.mkldnn) "
+            f"and at most {PACKED_MAX_BYTES >> 30} GiB of linear weights; plan 'linear' or 'weight_first' instead"
+        )
     # The backbone's linears are listed once here, not at every verification.
-    linears = tuple(m for m in backbone(model).modules() if type(m) is torch.nn.Linear) if clean else ()
-    setattr(model, _PLAN_ATTR, (frozenset(clean), linears))
+    linears = _linears(model) if clean or keep_packed else ()
+    if packed_wanted and getattr(model, _PACKED_ATTR, None) is None:
+        for m in linears:
+            m.selfspec_packed = _pack(m.weight)
+        setattr(model, _PACKED_ATTR, _pack(model.get_output_embeddings().weight))
+    elif not packed_wanted and not keep_packed and getattr(model, _PACKED_ATTR, None) is not None:
+        for m in _linears(model):
+            m.__dict__.pop("selfspec_packed", None)
+        setattr(model, _PACKED_ATTR, None)
+    setattr(model, _PLAN_ATTR, (dict(sorted(clean.items())), linears))
 
 
-def weight_first_sizes(model) -> frozenset[int]:
-    """The sizes installed by :func:`set_weight_first_sizes` (empty when none were)."""
-    return getattr(model, _PLAN_ATTR, (frozenset(), ()))[0]
+def linear_kernels(model) -> dict[int, str]:
+    """The plan installed by :func:`set_linear_kernels` (sizes with a kernel other than ``linear``)."""
+    return dict(getattr(model, _PLAN_ATTR, ({}, ()))[0])
+
+
+def _kernel_for(model, rows: int) -> str:
+    plan = getattr(model, _PLAN_ATTR, ({}, ()))[0]
+    kernel = plan.get(rows, "linear")
+    if kernel != "linear" and next(model.parameters()).device.type != "cpu":
+        return "linear"
+    return kernel
 
 
 @contextlib.contextmanager
-def weight_first_linears(model, rows: int) -> Iterator[bool]:
-    """While the block runs, compute every ``nn.Linear`` of ``model``'s backbone as ``W @ x^T`` if ``rows``
-    is one of the model's installed sizes (:func:`set_weight_first_sizes`) and the model is on a CPU;
-    otherwise change nothing. The modules are restored on exit, also when the block raises.
+def tree_linears(model, rows: int) -> Iterator[str]:
+    """While the block runs, compute every ``nn.Linear`` of ``model``'s backbone with the kernel installed
+    for ``rows`` nodes (:func:`set_linear_kernels`) when the model is on a CPU; otherwise change nothing.
+    The modules are restored on exit, also when the block raises.
 
     Yields:
-        Whether the weight-first products are in use.
+        The kernel in use, one of :data:`LINEAR_KERNELS`.
     """
-    sizes, installed = getattr(model, _PLAN_ATTR, (frozenset(), ()))
-    if rows not in sizes or next(model.parameters()).device.type != "cpu":
-        yield False
+    kernel = _kernel_for(model, rows)
+    if kernel == "linear":
+        yield kernel
         return
+    forward = _weight_first_forward if kernel == "weight_first" else _packed_forward
     # Modules with a forward of their own (e.g. hooks of accelerate's offloading) are left alone.
-    linears = [m for m in installed if "forward" not in m.__dict__]
+    linears = [m for m in getattr(model, _PLAN_ATTR)[1] if "forward" not in m.__dict__]
     for m in linears:
-        m.forward = _weight_first_forward.__get__(m)
+        m.forward = forward.__get__(m)
     try:
-        yield True
+        yield kernel
     finally:
         for m in linears:
             m.__dict__.pop("forward", None)
@@ -163,9 +248,14 @@ def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
 
     For 2..32 rows on a CPU the product is taken as ``W @ h^T``: BLAS then streams the ``[V, D]`` weight
     once without packing it, which measured 2-3x faster than ``linear`` for N = 2..8 on a 2-core AVX2
-    machine (the lm_head is a fifth of a 135M target's weights). Same math, another summation order.
+    machine (the lm_head is a fifth of a 135M target's weights). Where :func:`set_linear_kernels` planned
+    ``"packed"`` for N nodes, oneDNN computes it on the packed weight instead. Same math, another
+    summation order.
     """
     head = model.get_output_embeddings()
+    packed = getattr(model, _PACKED_ATTR, None)
+    if packed is not None and hidden.dim() == 2 and _kernel_for(model, hidden.shape[0]) == "packed":
+        return _packed_product(hidden, packed, head.bias).float()
     if head.bias is None:
         return project(hidden, head.weight).float()
     return head(hidden).float()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.decode.kv import set_weight_first_sizes
+from selfspec.decode.kv import packed_linears_available, set_linear_kernels
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 
 pytestmark = pytest.mark.slow
@@ -102,16 +102,20 @@ def test_eagle_greedy_matches_plain_generate(smollm2):
         seqs.append(ref)
     head = memorising_eagle_head(model, seqs)
     taus = []
-    # Half the settings verify with weight-first linears (W @ x^T) at every tree size, half with plain ones.
-    settings = ((1, 1, 1, True), (3, 2, 4, False), (5, 4, 12, True), (6, 3, 24, False))
+    # The settings verify with each linear kernel at every tree size (W @ x^T; oneDNN on packed weights).
+    packed = "packed" if packed_linears_available(model) else "weight_first"
+    settings = ((1, 1, 1, "weight_first"), (3, 2, 4, "linear"), (5, 4, 12, packed), (6, 3, 24, "packed"),
+                (4, 4, 8, "weight_first"))
     try:
-        for depth, top_k, total, weight_first in settings:
+        for depth, top_k, total, kernel in settings:
+            if kernel == "packed" and not packed_linears_available(model):
+                continue
             spec = selfspec.load(model, head, tokenizer=tok, depth=depth, top_k=top_k, total_tokens=total)
-            set_weight_first_sizes(model, range(2, 33) if weight_first else ())
+            set_linear_kernels(model, {n: kernel for n in range(1, 65)})
             for ids, ref in refs:
                 out = spec.generate(ids, max_new_tokens=48, eos_token_id=[])
-                assert out.tokens == ref, (depth, top_k, total, weight_first)
+                assert out.tokens == ref, (depth, top_k, total, kernel)
                 taus.append((depth, out.stats.mean_accepted_tokens))
     finally:
-        set_weight_first_sizes(model, ())
+        set_linear_kernels(model, {})
     assert min(t for d, t in taus if d >= 3) > 2.0, taus  # deep paths were accepted and verified

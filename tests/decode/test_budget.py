@@ -266,50 +266,76 @@ def test_cost_profile_json_round_trip(tmp_path):
             CostProfile.from_dict(broken)
 
 
-def test_cost_profile_weight_first_sizes_and_validation(tmp_path):
-    c = cost([1, 2, 4, 8, 16], [10.0, 11.0, 12.0, 15.0, 20.0], verify_ms_linear=(10.0, 13.0, 14.0, 15.0, 21.0),
-             weight_first=(2, 4, 16))
-    # each size follows the largest measured size at or below it; nothing beyond the 32-row limit
-    assert c.weight_first_sizes() == {2, 3, 4, 5, 6, 7} | set(range(16, 33))
-    assert cost([1, 2], [1.0, 2.0]).weight_first_sizes() == frozenset()
-    assert cost([1, 2], [1.0, 2.0]).verify_ms_linear == (1.0, 2.0)  # old-style: the plain curve is the curve
+def test_cost_profile_kernel_plan_and_validation(tmp_path):
+    c = cost([1, 2, 4, 8, 16], [9.0, 11.0, 12.0, 15.0, 20.0], kernels=("packed", "weight_first", "packed", "linear",
+                                                                        "weight_first"),
+             kernel_ms={"linear": (10.0, 13.0, 14.0, 15.0, 21.0), "weight_first": (None, 11.0, 13.0, 16.0, 20.0),
+                        "packed": (9.0, 12.0, 12.0, 17.0, None)})
+    # each size follows the largest measured size at or below it; weight-first stops at 32 rows
+    plan = c.kernel_plan()
+    assert plan == {1: "packed", 2: "weight_first", 3: "weight_first", 4: "packed", 5: "packed", 6: "packed",
+                    7: "packed", **{n: "weight_first" for n in range(16, 33)}}
+    assert c.plain_step_ms == 10.0  # one token with plain linear, not the packed 9.0
+    assert c.verify_ms_linear == (10.0, 13.0, 14.0, 15.0, 21.0)
+    assert cost([1, 2], [1.0, 2.0]).kernel_plan() == {}
+    assert cost([1, 2], [1.0, 2.0]).verify_ms_linear == (1.0, 2.0)  # no curves given: the curve is plain linear
+    assert cost([2, 4], [3.0, 4.0]).plain_step_ms == 3.0  # 1 node not measured: the smallest size
     assert tb.load_cost_profile(tb.save_cost_profile(c, tmp_path / "w.json")) == c
-    with pytest.raises(ValueError, match="weight_first"):
-        cost([1, 2, 4], [1.0, 2.0, 3.0], weight_first=(3,))  # not a measured size
-    with pytest.raises(ValueError, match="verify_ms_linear"):
-        cost([1, 2, 4], [1.0, 2.0, 3.0], verify_ms_linear=(1.0, 2.0))
-    old = {**c.to_dict(), "version": 1}
-    del old["verify_ms_linear"], old["weight_first"]
-    with pytest.raises(ValueError, match="version-2"):
-        CostProfile.from_dict(old)  # a version-1 cache file is measured again by get_cost_profile
+    with pytest.raises(ValueError, match="was not measured"):
+        cost([1, 2], [1.0, 2.0], kernels=("linear", "packed"))
+    with pytest.raises(ValueError, match="kernels must name"):
+        cost([1, 2], [1.0, 2.0], kernels=("linear", "turbo"), kernel_ms={"turbo": (1.0, 1.0)})
+    with pytest.raises(ValueError, match="kernel_ms"):
+        cost([1, 2, 4], [1.0, 2.0, 3.0], kernel_ms={"linear": (1.0, 2.0)})
+    with pytest.raises(ValueError, match="measured at every node count"):
+        cost([1, 2], [1.0, 2.0], kernel_ms={"linear": (1.0, None)})
+    old = {**c.to_dict(), "version": 2, "verify_ms_linear": [1.0] * 5, "weight_first": [2]}
+    del old["kernels"], old["kernel_ms"]
+    with pytest.raises(ValueError, match="version-3"):
+        CostProfile.from_dict(old)  # a version-2 cache file is measured again by get_cost_profile
+    with pytest.raises(ValueError, match="kernel_ms"):
+        CostProfile.from_dict({**c.to_dict(), "kernel_ms": [1.0]})
 
 
-def test_measure_cost_profile_keeps_the_faster_way_per_size(oracle, monkeypatch):
-    """Both ways are measured at 2..32 nodes on a CPU, the faster kept per size, the installed sizes
-    restored; the timings here are made up so the choice is known."""
+def test_measure_cost_profile_keeps_the_fastest_kernel_per_size(oracle, monkeypatch):
+    """Every kernel is measured where it applies (weight-first at 2..32 nodes), the fastest kept per size,
+    the installed kernels restored; the timings here are made up so the choice is known."""
     t, _ = oracle
-    fake = {(1, False): 10.0, (2, False): 13.0, (2, True): 11.0, (4, False): 14.0, (4, True): 16.0,
-            (40, False): 30.0}
+    packed = tb.available_kernels(t) == ("linear", "weight_first", "packed")
+    fake = {(1, "linear"): 10.0, (2, "linear"): 13.0, (2, "weight_first"): 11.0, (4, "linear"): 14.0,
+            (4, "weight_first"): 16.0, (40, "linear"): 30.0}
+    if packed:
+        fake |= {(1, "packed"): 10.5, (2, "packed"): 12.0, (4, "packed"): 13.5, (40, "packed"): 29.0}
     seen = []
 
     def medians(fns, repeats, device):
         seen.append(set(fns))
         for fn in fns.values():
-            fn()  # each runs a real verification, with its way installed
+            fn()  # each runs a real verification, with its kernel installed
         return {k: fake[k] for k in fns}
 
     monkeypatch.setattr(tb, "_interleaved_medians", medians)
-    kv.set_weight_first_sizes(t, [7])
+    kv.set_linear_kernels(t, {7: "weight_first"})
     try:
         p = tb.measure_cost_profile(t, node_counts=(1, 2, 4, 40), context_length=8)
         assert seen[-1] == set(fake)
-        assert p.verify_ms == (10.0, 11.0, 14.0, 30.0) and p.verify_ms_linear == (10.0, 13.0, 14.0, 30.0)
-        assert p.weight_first == (2,) and p.weight_first_sizes() == {2, 3}
-        assert kv.weight_first_sizes(t) == {7}  # restored
-        p = tb.measure_cost_profile(t, node_counts=(1, 2, 4, 40), context_length=8, weight_first=False)
-        assert seen[-1] == {(1, False), (2, False), (4, False), (40, False)} and p.weight_first == ()
+        if packed:
+            assert p.kernels == ("linear", "weight_first", "packed", "packed")
+            assert p.verify_ms == (10.0, 11.0, 13.5, 29.0)
+            assert p.kernel_ms["packed"] == (10.5, 12.0, 13.5, 29.0)
+        else:
+            assert p.kernels == ("linear", "weight_first", "linear", "linear")
+        assert p.kernel_ms["linear"] == (10.0, 13.0, 14.0, 30.0)
+        assert p.kernel_ms["weight_first"] == (None, 11.0, 16.0, None)
+        assert kv.linear_kernels(t) == {7: "weight_first"}  # restored
+        assert getattr(t, kv._PACKED_ATTR, None) is None  # the packed copy made for measuring is freed
+        p = tb.measure_cost_profile(t, node_counts=(1, 2, 4, 40), context_length=8, kernels=("linear",))
+        assert seen[-1] == {(1, "linear"), (2, "linear"), (4, "linear"), (40, "linear")}
+        assert p.kernels == ("linear",) * 4 and set(p.kernel_ms) == {"linear"}
+        with pytest.raises(ValueError, match="unknown kernel"):
+            tb.measure_cost_profile(t, node_counts=(1, 2), context_length=8, kernels=("fast",))
     finally:
-        kv.set_weight_first_sizes(t, ())
+        kv.set_linear_kernels(t, {})
 
 
 def test_cost_profile_is_cached_and_remeasured_on_mismatch_or_corruption(oracle, monkeypatch, caplog):
@@ -418,7 +444,7 @@ def test_make_drafter_auto_budget_keeps_greedy_exact(oracle, head_dir):
     assert (b.depth, b.total_tokens) in {(o.depth, o.total_tokens) for o in b.table}
     assert tb.cost_profile_path(t).is_file()  # measured once, cached
     # verification runs the way its cost was measured
-    assert kv.weight_first_sizes(t) == tb.load_cost_profile(tb.cost_profile_path(t)).weight_first_sizes()
+    assert kv.linear_kernels(t) == tb.load_cost_profile(tb.cost_profile_path(t)).kernel_plan()
     for ids in prompts(2, seed=14):
         assert speculative_generate(t, drafter, ids, max_new_tokens=20).tokens == reference(t, ids, 20)
     again = make_drafter(t, head_dir, depth="auto", total_tokens="auto")
@@ -453,11 +479,12 @@ def test_make_drafter_medusa_installs_the_measured_linears(monkeypatch):
     from tests.decode.test_generate import random_heads
 
     t = tiny_llama(seed=9)
-    made = cost([1, 2, 4, 8], [10.0, 11.0, 12.0, 15.0], verify_ms_linear=(10.0, 13.0, 12.0, 15.0), weight_first=(2,))
+    made = cost([1, 2, 4, 8], [10.0, 11.0, 12.0, 15.0], kernels=("linear", "weight_first", "linear", "linear"),
+                kernel_ms={"linear": (10.0, 13.0, 12.0, 15.0), "weight_first": (None, 11.0, 13.0, 16.0)})
     monkeypatch.setattr(tb, "measure_cost_profile", lambda target, *a, **k: made)
     monkeypatch.setattr(tb, "cost_key", lambda target: made.key)
     drafter = make_drafter(t, random_heads(t))
-    assert kv.weight_first_sizes(t) == {2, 3} and tb.cost_profile_path(t).is_file()
+    assert kv.linear_kernels(t) == {2: "weight_first", 3: "weight_first"} and tb.cost_profile_path(t).is_file()
     ids = prompts(1, seed=4)[0]
     assert speculative_generate(t, drafter, ids, max_new_tokens=16).tokens == reference(t, ids, 16)
 
