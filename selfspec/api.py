@@ -203,7 +203,7 @@ def _medusa_drafter(target, heads, tree: Sequence[Sequence[int]] | None, tree_no
     maximises expected tokens per second on this machine
     (:func:`selfspec.decode.budget.choose_medusa_tree_nodes`, from the cached verification cost profile);
     heads without accuracies get ``DEFAULT_TREE_NODES`` nodes of a fixed tree. On a CPU the cost profile's
-    weight-first tree sizes are installed on the target (:func:`selfspec.decode.budget.use_cost_profile`)."""
+    linear kernels are installed on the target (:func:`selfspec.decode.budget.use_cost_profile`)."""
     from selfspec.decode import budget as tree_budget
 
     acc = heads.config.head_topk_accuracy
@@ -233,13 +233,17 @@ def _eagle_drafter(
     total_tokens: int | str = "auto",
 ):
     """An :class:`~selfspec.decode.eagle.EagleDrafter` whose ``"auto"`` depth / total_tokens are sized to the
-    machine from the head's acceptance profile (see :func:`make_drafter`)."""
+    machine from the head's acceptance profile (see :func:`make_drafter`). On a CPU the cost profile's
+    linear kernels are installed on the target whatever the budget
+    (:func:`selfspec.decode.budget.use_cost_profile`)."""
     from selfspec.decode import budget as tree_budget
     from selfspec.decode.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, EagleDrafter
 
     for name, value in (("depth", depth), ("total_tokens", total_tokens)):
         if value != "auto" and (isinstance(value, bool) or not isinstance(value, int)):
             raise ValueError(f"EAGLE {name} must be an integer or 'auto', got {value!r}")
+    if next(target.parameters()).device.type == "cpu":
+        tree_budget.use_cost_profile(target)  # verification as fast as measured, also for a given budget
     if depth != "auto" and total_tokens != "auto":
         return EagleDrafter(head, target, depth, DEFAULT_TOP_K if top_k is None else top_k, total_tokens)
     if head_dir is not None:

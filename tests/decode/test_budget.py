@@ -453,8 +453,12 @@ def test_make_drafter_auto_budget_keeps_greedy_exact(oracle, head_dir):
 
 def test_make_drafter_overrides_and_fallbacks(oracle, head_dir):
     t, head = oracle
+    kv.set_linear_kernels(t, {33: "weight_first", 5: "weight_first"})  # 33 is outside 2..32: never planned
+    assert kv.linear_kernels(t) == {5: "weight_first"}
     fixed = make_drafter(t, head_dir, depth=3, total_tokens=5)
     assert (fixed.depth, fixed.total_tokens, fixed.budget_source, fixed.budget) == (3, 5, "given", None)
+    # a given budget still verifies with the kernels the cost profile measured fastest
+    assert kv.linear_kernels(t) == tb.get_cost_profile(t).kernel_plan() != {5: "weight_first"}
     half = make_drafter(t, head_dir, total_tokens=4)
     assert half.total_tokens == 4 and half.budget_source == "auto" and half.budget.total_tokens == 4
     other_k = make_drafter(t, head_dir, top_k=3)  # the profile holds for top_k 2 only
