@@ -101,8 +101,8 @@ def forward_tree(model, tokens: torch.Tensor, parents: torch.Tensor, cache, past
 # * ``"packed"``: oneDNN's inner product on a weight reordered ONCE into its blocked layout
 #   (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the kernels torch's own CPU
 #   compiler uses for frozen linears). It keeps a second copy of the weights (+100 % of the backbone and
-#   lm_head weight memory) and measured 71 / 73 / 84 / 112 ms for 2 / 4 / 8 / 16 nodes against 75 ms for
-#   one plain token.
+#   lm_head weight memory); in the round-5 cost profile 2 / 4 / 8 / 16 nodes cost 70 / 82 / 95 / 125 ms
+#   with it, against 76 ms for one plain token.
 #
 # All three are the same products in other summation orders. Which one wins at which size depends on the
 # BLAS, the CPU and the thread count, so :func:`selfspec.decode.budget.measure_cost_profile` measures them
@@ -169,8 +169,9 @@ def set_linear_kernels(model, plan: Mapping[int, str], keep_packed: bool = False
     outside ``2..WEIGHT_FIRST_MAX_ROWS``. An empty ``plan`` restores plain ``linear`` everywhere.
 
     The first size planned as ``"packed"`` packs a copy of every backbone linear weight and of the lm_head
-    weight (float32, as much memory again); planning no ``"packed"`` size frees them. The weights must
-    not change while they are packed (call this again after changing them).
+    weight (float32, as much memory again); planning no ``"packed"`` size frees them, unless
+    ``keep_packed`` (used while measuring, to switch plans without repacking). The weights must not
+    change while they are packed: plan no ``"packed"`` size, then plan again, to pack the new weights.
 
     Raises:
         ValueError: a size that is not a positive integer, or an unknown kernel name.
@@ -213,8 +214,11 @@ def linear_kernels(model) -> dict[int, str]:
 def _kernel_for(model, rows: int) -> str:
     plan = getattr(model, _PLAN_ATTR, ({}, ()))[0]
     kernel = plan.get(rows, "linear")
-    if kernel != "linear" and next(model.parameters()).device.type != "cpu":
-        return "linear"
+    if kernel == "linear":
+        return kernel
+    p = next(model.parameters())
+    if p.device.type != "cpu" or (kernel == "packed" and p.dtype != torch.float32):
+        return "linear"  # moved or cast after planning: the plan no longer applies
     return kernel
 
 

@@ -170,3 +170,14 @@ def test_greedy_exact_with_each_kernel_at_every_size(target, oracle, kernel):
     finally:
         kv.set_linear_kernels(o_target, {})
     assert min(taus) > 2.0, taus  # the oracle's multi-token paths went through the kernel's verification
+
+
+@needs_packed
+def test_packed_plan_ignored_after_a_cast(target):
+    """A model cast after planning verifies with plain linear instead of the stale float32 copies."""
+    kv.set_linear_kernels(target, {3: "packed"})
+    with kv.tree_linears(target, 3) as used:
+        assert used == "packed"
+    target.to(torch.float64)
+    with kv.tree_linears(target, 3) as used:
+        assert used == "linear" and not _own_forwards(target)
