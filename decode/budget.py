@@ -227,9 +227,7 @@ class CostProfile:
         for size in range(1, max_nodes + 1):
             below = [i for i, m in enumerate(self.node_counts) if m <= size]
             kernel = self.kernels[below[-1]] if below else "linear"
-            if kernel == "weight_first" and size > kv.WEIGHT_FIRST_MAX_ROWS:
-                kernel = "linear"
-            if kernel != "linear":
+            if kernel != "linear" and kv.kernel_applies(kernel, size):
                 plan[size] = kernel
         return plan
 
@@ -318,10 +316,6 @@ def available_kernels(target) -> tuple[str, ...]:
     return ("linear", "weight_first") + (("packed",) if kv.packed_linears_available(target) else ())
 
 
-def _measurable(kernel: str, n: int) -> bool:
-    return kernel != "weight_first" or 2 <= n <= kv.WEIGHT_FIRST_MAX_ROWS
-
-
 @torch.inference_mode()
 def measure_cost_profile(
     target,
@@ -383,7 +377,7 @@ def measure_cost_profile(
     for n in sizes:
         tokens, parents = torch.randint(0, vocab, (n,), generator=gen).to(device), _profile_parents(n).to(device)
         for kernel in kernels:
-            if _measurable(kernel, n):
+            if kv.kernel_applies(kernel, n):
                 fns[n, kernel] = verify(tokens, parents, kernel)
                 reps[n, kernel] = repeats or _default_repeats(n)
     try:

@@ -162,6 +162,12 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
+def kernel_applies(kernel: str, rows: int) -> bool:
+    """Whether ``kernel`` may serve a verification of ``rows`` nodes: ``"weight_first"`` only at
+    ``2..WEIGHT_FIRST_MAX_ROWS`` rows, the others at any size."""
+    return kernel != "weight_first" or 2 <= rows <= WEIGHT_FIRST_MAX_ROWS
+
+
 def set_linear_kernels(model, plan: Mapping[int, str], keep_packed: bool = False) -> None:
     """Install which kernel computes the backbone's linears (and the lm_head in :func:`lm_logits`) when
     :func:`forward_tree` verifies a tree of a given number of nodes: ``plan`` maps a node count to one of
@@ -183,37 +189,33 @@ def set_linear_kernels(model, plan: Mapping[int, str], keep_packed: bool = False
             raise ValueError(f"tree sizes must be positive integers, got {n!r}")
         if kernel not in LINEAR_KERNELS:
             raise ValueError(f"unknown linear kernel {kernel!r}; choose from {', '.join(LINEAR_KERNELS)}")
-        if kernel == "weight_first" and not 2 <= n <= WEIGHT_FIRST_MAX_ROWS:
-            continue
-        if kernel != "linear":
+        if kernel != "linear" and kernel_applies(kernel, n):
             clean[n] = kernel
     packed_wanted = "packed" in clean.values()
-    if packed_wanted and getattr(model, _PACKED_ATTR, None) is None and not packed_linears_available(model):
-        raise RuntimeError(
-            "packed linears need a float32 model on a CPU, a torch built with oneDNN (torch.backends.mkldnn) "
-            f"and at most {PACKED_MAX_BYTES >> 30} GiB of linear weights; plan 'linear' or 'weight_first' instead"
-        )
-    # The backbone's linears are listed once here, not at every verification.
-    linears = _linears(model) if clean or keep_packed else ()
-    if packed_wanted and getattr(model, _PACKED_ATTR, None) is None:
-        for m in linears:
+    packed_now = getattr(model, _PACKED_ATTR, None) is not None
+    if packed_wanted and not packed_now:
+        if not packed_linears_available(model):
+            raise RuntimeError(
+                "packed linears need a float32 model on a CPU, a torch built with oneDNN (torch.backends.mkldnn) "
+                f"and at most {PACKED_MAX_BYTES >> 30} GiB of linear weights; plan 'linear' or 'weight_first' instead"
+            )
+        for m in _linears(model):
             m.selfspec_packed = _pack(m.weight)
         setattr(model, _PACKED_ATTR, _pack(model.get_output_embeddings().weight))
-    elif not packed_wanted and not keep_packed and getattr(model, _PACKED_ATTR, None) is not None:
+    elif packed_now and not packed_wanted and not keep_packed:
         for m in _linears(model):
             m.__dict__.pop("selfspec_packed", None)
         setattr(model, _PACKED_ATTR, None)
-    setattr(model, _PLAN_ATTR, (dict(sorted(clean.items())), linears))
+    setattr(model, _PLAN_ATTR, dict(sorted(clean.items())))
 
 
 def linear_kernels(model) -> dict[int, str]:
     """The plan installed by :func:`set_linear_kernels` (sizes with a kernel other than ``linear``)."""
-    return dict(getattr(model, _PLAN_ATTR, ({}, ()))[0])
+    return dict(getattr(model, _PLAN_ATTR, {}))
 
 
 def _kernel_for(model, rows: int) -> str:
-    plan = getattr(model, _PLAN_ATTR, ({}, ()))[0]
-    kernel = plan.get(rows, "linear")
+    kernel = getattr(model, _PLAN_ATTR, {}).get(rows, "linear")
     if kernel == "linear":
         return kernel
     p = next(model.parameters())
@@ -237,7 +239,7 @@ def tree_linears(model, rows: int) -> Iterator[str]:
         return
     forward = _weight_first_forward if kernel == "weight_first" else _packed_forward
     # Modules with a forward of their own (e.g. hooks of accelerate's offloading) are left alone.
-    linears = [m for m in getattr(model, _PLAN_ATTR)[1] if "forward" not in m.__dict__]
+    linears = [m for m in _linears(model) if "forward" not in m.__dict__]
     for m in linears:
         m.forward = forward.__get__(m)
     try:
