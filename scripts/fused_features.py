@@ -118,7 +118,7 @@ def train(features: str, out_dir: Path, name: str, fuse_on: bool, hard: bool, mi
     lm = head.lm_weight(torch.float32)
     lm_full = target.get_output_embeddings().weight.detach()
     rows_per_step = max(1, int(eagle_option(cfg, "batch_tokens")) // cfg.max_length)
-    steps_per_epoch = len(epoch_rows(store, cfg.max_length, 0)) // rows_per_step
+    steps_per_epoch = max(1, len(epoch_rows(store, cfg.max_length, 0)) // rows_per_step)
     noise, ce_weight = float(eagle_option(cfg, "noise")), float(eagle_option(cfg, "ce_weight"))
 
     def held_out() -> dict:
