@@ -1,17 +1,14 @@
-"""Time self-distillation's batched greedy generation by batch size (and with oneDNN packed linears).
+"""Time self-distillation's batched greedy generation by batch size.
 
     python scripts/distill_batch.py PROMPTS.jsonl [--num-prompts 64] [--new-tokens 96] [--batch-sizes 32,64]
-        [--packed] [--rounds 2] [--threads 2]
+        [--rounds 2] [--threads 2]
 
 PROMPTS.jsonl is a self-distillation cache (``<distill_dir>/train-rank0-of1.jsonl``: one ``{"id",
 "messages"}`` per line); each record's messages up to its last turn are the prompt, rendered with the
 target's chat template and sorted by length as :func:`selfspec.train.features.self_distill` does. The
 target (SmolLM2-135M-Instruct, float32, CPU) runs ``generate`` greedily over the same prompts at each
 batch size, after one warm-up call, the settings interleaved for ``--rounds`` rounds; every run after
-the first reports how many answers equal the first run's. With
-``--packed`` each batch size runs again with every linear (lm_head included) on weights packed once
-(:mod:`selfspec.decode.kv`). The batch size in ``configs/*-smollm2.yaml`` came from this script
-(docs/RESULTS.md, round 6).
+the first reports how many answers equal the first run's. docs/RESULTS.md (round 6) quotes its run.
 """
 
 from __future__ import annotations
@@ -19,22 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import types
 
 import torch
 
-from selfspec.decode import kv
 from selfspec.target import load_target
-
-
-def _set_packed(model, on: bool) -> None:
-    for m in (*kv._linears(model), model.get_output_embeddings()):
-        if on:
-            m.selfspec_packed = kv._pack(m.weight)
-            m.forward = types.MethodType(kv._packed_forward, m)
-        else:
-            m.__dict__.pop("forward", None)
-            m.__dict__.pop("selfspec_packed", None)
 
 
 def main() -> None:
@@ -43,7 +28,6 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--batch-sizes", default="32,64")
-    p.add_argument("--packed", action="store_true")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2, help="times each setting runs, settings interleaved")
     args = p.parse_args()
@@ -61,10 +45,8 @@ def main() -> None:
         enc = tok(texts[:8], return_tensors="pt", padding=True, add_special_tokens=False)
         model.generate(**enc, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
     reference = None
-    settings = [(packed, bs) for packed in ((False, True) if args.packed else (False,)) for bs in sizes]
     for _ in range(args.rounds):
-        for packed, bs in settings:
-            _set_packed(model, packed)
+        for bs in sizes:
             answers = []
             t0 = time.perf_counter()
             for s in range(0, len(texts), bs):
@@ -74,11 +56,10 @@ def main() -> None:
                                          pad_token_id=tok.pad_token_id)
                 answers += [tok.decode(r[enc["input_ids"].shape[1] :], skip_special_tokens=True) for r in out]
             seconds = time.perf_counter() - t0
-            _set_packed(model, False)
             agree = 0 if reference is None else sum(a == b for a, b in zip(reference, answers))
             same = "" if reference is None else f", {agree}/{len(texts)} answers as the first"
             reference = reference or answers
-            print(f"batch {bs:4d} {'packed' if packed else 'linear'}: {seconds:6.1f} s for {len(texts)} prompts "
+            print(f"batch {bs:4d}: {seconds:6.1f} s for {len(texts)} prompts "
                   f"x {args.new_tokens} tokens{same}", flush=True)
 
 
