@@ -97,7 +97,7 @@ def cost_key(target) -> dict[str, Any]:
 
     A cached profile is reused only when every field is equal.
     """
-    from selfspec.target import target_fingerprint
+    from selfspec.heads.fingerprint import target_fingerprint
 
     device = _device_of(target)
     return {
@@ -671,7 +671,7 @@ class AcceptanceProfile:
         steps: verification steps measured.
         prompts: prompts decoded.
         max_new_tokens: cap per prompt during calibration.
-        target_fingerprint: the target's :func:`~selfspec.target.target_fingerprint`.
+        target_fingerprint: the target's :func:`~selfspec.heads.fingerprint.target_fingerprint`.
         head_digest: :func:`head_files_digest` of the head directory when saved there ("" = unknown).
         created_utc: ISO 8601 time.
 
@@ -854,7 +854,7 @@ def load_acceptance_profile(head_dir: str | Path, target=None) -> AcceptanceProf
                        "rerun `selfspec tune-tree --heads %s`", path, head_dir)
         return None
     if target is not None and profile.target_fingerprint:
-        from selfspec.target import target_fingerprint
+        from selfspec.heads.fingerprint import target_fingerprint
 
         if profile.target_fingerprint != target_fingerprint(target):
             logger.warning("%s was measured on another target: ignoring it", path)
@@ -896,7 +896,7 @@ def calibrate_acceptance(
             its first token).
     """
     from selfspec.decode.generate import speculative_generate
-    from selfspec.target import target_fingerprint
+    from selfspec.heads.fingerprint import target_fingerprint
 
     if not prompts_ids:
         raise ValueError("calibrate_acceptance needs at least one prompt")

@@ -27,7 +27,7 @@ def load_heads(directory: str | Path, target=None):
     head_type = read_json(d / "config.json").get("head_type")
     fingerprint = None
     if target is not None:
-        from selfspec.target import target_fingerprint
+        from selfspec.heads.fingerprint import target_fingerprint
 
         fingerprint = target_fingerprint(target)
     if head_type == "medusa":

@@ -60,7 +60,7 @@ class EagleConfig:
         draft_vocab_size: N lm_head rows used while drafting; None = the full vocabulary.
         fc_bias: whether ``fc`` (2D -> D) has a bias (EAGLE-1: yes).
         target: the target name the head was trained on (informational).
-        target_fingerprint: :func:`selfspec.target.target_fingerprint` of that target; checked on load.
+        target_fingerprint: :func:`selfspec.heads.fingerprint.target_fingerprint` of that target; checked on load.
         heldout_top1: held-out teacher-forced top-1 accuracy vs the target's argmax, if measured.
         head_type: always ``"eagle"``.
     """

@@ -12,7 +12,6 @@ A target is named by one of:
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -167,20 +166,3 @@ def load_target(
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(where)
     return model, tokenizer
-
-
-def target_fingerprint(model) -> str:
-    """A short, stable fingerprint of a target: architecture, sizes and a hash of a few weight slices.
-
-    Heads store it so that loading them onto a different target is refused.
-
-    Returns:
-        16 hex characters.
-    """
-    cfg = model.config
-    h = hashlib.sha256()
-    h.update(json.dumps([cfg.model_type, cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers]).encode())
-    emb = model.get_input_embeddings().weight
-    sample = emb[:: max(1, emb.shape[0] // 64), :8].detach().to(torch.float32).cpu()
-    h.update(sample.numpy().round(3).tobytes())
-    return h.hexdigest()[:16]

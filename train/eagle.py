@@ -391,7 +391,7 @@ def feature_signature(cfg: TrainConfig, target, train_convs: list[dict], eval_co
     recomputed, never reused."""
     import hashlib
 
-    from selfspec.target import target_fingerprint
+    from selfspec.heads.fingerprint import target_fingerprint
 
     h = hashlib.sha256(f"{target_fingerprint(target)}|{cfg.max_length}".encode())
     for conv in [*train_convs, None, *eval_convs]:
@@ -440,45 +440,6 @@ def _features(
     return train, held
 
 
-CALIBRATION_DEPTH_MAX = 6
-CALIBRATION_TOTAL_TOKENS_MAX = 32
-CALIBRATION_TOP_K = 4
-
-
-def _calibrate(cfg: TrainConfig, head, target, tokenizer, eval_convs: list[dict], head_dir: Path) -> dict[str, Any]:
-    """Greedy acceptance profile of the saved head on the last ``cfg.calibrate_prompts`` held-out prompts
-    (:func:`selfspec.decode.budget.calibrate_acceptance`), written to ``<head_dir>/acceptance_profile.json``.
-    Returns a summary (prompts, steps, seconds, tau at a few budgets)."""
-    from selfspec.decode import budget
-    from selfspec.decode.eagle import EagleDrafter
-    from selfspec.train.data import prompt_messages
-
-    t0 = time.perf_counter()
-    convs = [c for c in eval_convs if prompt_messages(c)][-cfg.calibrate_prompts :]
-    if not convs:
-        logger.warning("no held-out prompt to calibrate the tree budget on; decoding will use default budgets")
-        return {"prompts": 0}
-    ids = []
-    for conv in convs:
-        enc = tokenizer.apply_chat_template(prompt_messages(conv), add_generation_prompt=True, return_dict=True)
-        ids.append(torch.tensor(list(enc["input_ids"]), dtype=torch.long))
-    was_training = head.training
-    head.eval()
-    drafter = EagleDrafter(head, target, depth=CALIBRATION_DEPTH_MAX, top_k=CALIBRATION_TOP_K,
-                           total_tokens=CALIBRATION_TOTAL_TOKENS_MAX)
-    eos = target.generation_config.eos_token_id
-    profile = budget.calibrate_acceptance(
-        target, drafter, ids, max_new_tokens=cfg.calibrate_max_new_tokens,
-        total_tokens_max=CALIBRATION_TOTAL_TOKENS_MAX, depth_max=CALIBRATION_DEPTH_MAX, eos_token_id=eos,
-    )
-    budget.save_acceptance_profile(profile, head_dir)
-    head.train(was_training)
-    out = {"prompts": len(ids), "seconds": round(time.perf_counter() - t0, 1),
-           "tau": {f"d{d}_n{n}": round(profile.tau_at(d, n), 3) for d, n in ((1, 1), (3, 4), (4, 8), (6, 16), (6, 32))}}
-    logger.info("acceptance profile on %d held-out prompts in %.0fs: %s", len(ids), out["seconds"], out["tau"])
-    return out
-
-
 def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: list[dict], eval_convs: list[dict]) -> Path:
     """Train an EAGLE-1 head on the frozen ``target``; returns the saved head directory (``<output_dir>/heads``).
 
@@ -492,7 +453,8 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
     """
     from selfspec.heads.config import draft_vocab_from_counts
     from selfspec.heads.eagle import EagleConfig, EagleHead
-    from selfspec.target import target_fingerprint
+    from selfspec.train.calibrate import calibrate_head
+    from selfspec.heads.fingerprint import target_fingerprint
 
     out_dir = Path(cfg.output_dir)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -622,7 +584,7 @@ def train_eagle(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: l
             "history": hist,
         }
         if cfg.calibrate_prompts > 0:
-            summary["acceptance_profile"] = _calibrate(cfg, core, target, tokenizer, eval_convs, final_dir)
+            summary["acceptance_profile"] = calibrate_head(cfg, core, target, tokenizer, eval_convs, final_dir)
         (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
         logger.info("saved EAGLE head to %s; held-out top-1 %.3f (top-%d %.3f); %.0f train tokens/s", final_dir,
                     ev["top1"], len(ev["topk"]), ev["topk"][-1], summary["train_tokens_per_s"])

@@ -215,7 +215,7 @@ def train_medusa(cfg: TrainConfig, accelerator, target, tokenizer, train_convs: 
 
     from selfspec.heads.config import draft_vocab_from_counts
     from selfspec.heads.medusa import MedusaConfig, MedusaHeads
-    from selfspec.target import target_fingerprint
+    from selfspec.heads.fingerprint import target_fingerprint
     from selfspec.train.data import build_training_examples
     from selfspec.train.features import hidden_features
 

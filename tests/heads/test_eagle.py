@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from selfspec.heads import load_heads
 from selfspec.heads.config import HeadFormatError
 from selfspec.heads.eagle import DRAFT_VOCAB_NAME, WEIGHTS_NAME, EagleConfig, EagleHead
-from selfspec.target import target_fingerprint
+from selfspec.heads.fingerprint import target_fingerprint
 
 D, V = 32, 96
 
