@@ -12,6 +12,7 @@ from selfspec.decode.drafters import DraftModelDrafter, MedusaDrafter, PromptLoo
 from selfspec.decode.generate import GenerationOutput, speculative_generate
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import greedy_tree_from_accuracy, static_tree
+from selfspec.prompts import encode_prompt, resolve_eos
 
 # A small tree for heads without measured accuracy: 10 nodes suit a CPU (verify cost grows with nodes).
 DEFAULT_MEDUSA_PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]
@@ -38,35 +39,17 @@ class SpeculativeModel:
     def encode(self, prompt: Any) -> torch.Tensor:
         """Token ids ``[T]`` for a prompt given as ids (list / LongTensor ``[T]`` or ``[1, T]``), a string
         (tokenized as is) or chat messages (``[{"role", "content"}]``, rendered with the chat template
-        and the generation prompt).
+        and the generation prompt); see :func:`selfspec.prompts.encode_prompt`.
 
         Raises:
             ValueError: empty prompt, or a string / messages without a tokenizer.
         """
-        if isinstance(prompt, torch.Tensor):
-            ids = prompt.reshape(-1).to(torch.long)
-        elif isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):
-            if self.tokenizer is None:
-                raise ValueError("text and chat prompts need a tokenizer; pass token ids or load with a tokenizer")
-            if isinstance(prompt, str):
-                ids = torch.tensor(self.tokenizer(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
-            else:
-                enc = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=True)
-                ids = torch.tensor(enc["input_ids"], dtype=torch.long)
-        else:
-            ids = torch.tensor(list(prompt), dtype=torch.long)
-        if ids.numel() == 0:
-            raise ValueError("the prompt is empty")
-        return ids
+        return encode_prompt(self.tokenizer, prompt)
 
     def default_eos(self) -> list[int]:
-        """EOS ids from the target's generation config (falling back to the tokenizer's)."""
-        eos = getattr(self.target.generation_config, "eos_token_id", None)
-        if eos is None and self.tokenizer is not None:
-            eos = self.tokenizer.eos_token_id
-        if eos is None:
-            return []
-        return [eos] if isinstance(eos, int) else list(eos)
+        """EOS ids from the target's generation config (falling back to the tokenizer's); see
+        :func:`selfspec.prompts.resolve_eos`."""
+        return resolve_eos(self.target, self.tokenizer)
 
     # ------------------------------------------------------------------ generate
     def generate(
