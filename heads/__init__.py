@@ -1,16 +1,28 @@
 """Draft heads (nn.Modules only): Medusa-1, EAGLE-1/2.
 
-``load_heads(directory)`` reads ``config.json`` and dispatches on its ``head_type``.
+``load_heads(directory)`` reads ``config.json`` and dispatches on its ``head_type``; every family reads and
+writes its directory through :mod:`selfspec.heads.io`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from selfspec.heads.config import HeadFormatError, read_json
+from selfspec.heads.eagle import EagleHead
+from selfspec.heads.fingerprint import target_fingerprint
+from selfspec.heads.io import CONFIG_NAME, HeadFormatError, read_config
+from selfspec.heads.medusa import MedusaHeads
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = ["EagleHead", "HeadFormatError", "MedusaHeads", "load_heads"]
+
+HEAD_TYPES = ("medusa", "eagle")
 
 
-def load_heads(directory: str | Path, target=None):
+def load_heads(directory: str | Path, target: PreTrainedModel | None = None) -> MedusaHeads | EagleHead:
     """Load a head directory written by ``save_pretrained`` (strict: nothing is half-loaded).
 
     Args:
@@ -22,21 +34,11 @@ def load_heads(directory: str | Path, target=None):
         HeadFormatError: unknown ``head_type``, missing or corrupt files, mismatched tensors, other target.
     """
     d = Path(directory)
-    if not (d / "config.json").is_file():
-        raise HeadFormatError(f"{d} has no config.json: pass the directory written by save_pretrained (…/heads)")
-    head_type = read_json(d / "config.json").get("head_type")
-    fingerprint = None
-    if target is not None:
-        from selfspec.heads.fingerprint import target_fingerprint
-
-        fingerprint = target_fingerprint(target)
+    head_type = read_config(d).get("head_type")
+    fingerprint = target_fingerprint(target) if target is not None else None
     if head_type == "medusa":
-        from selfspec.heads.medusa import MedusaHeads
-
         lm_head = target.get_output_embeddings().weight if target is not None else None
         return MedusaHeads.from_pretrained(d, target_lm_head=lm_head, target_fingerprint=fingerprint)
     if head_type == "eagle":
-        from selfspec.heads.eagle import EagleHead
-
         return EagleHead.from_pretrained(d, target=target, target_fingerprint=fingerprint)
-    raise HeadFormatError(f"{d / 'config.json'} has head_type {head_type!r}; expected 'medusa' or 'eagle'")
+    raise HeadFormatError(f"{d / CONFIG_NAME} has head_type {head_type!r}; expected one of {list(HEAD_TYPES)}")

@@ -1,19 +1,18 @@
-"""Shared pieces of every head family: the draft vocabulary map and strict config / file handling."""
+"""Shared pieces of every head family: the draft vocabulary map and strict config parsing (file I/O: :mod:`selfspec.heads.io`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
+# Re-exported: callers import the error and the readers from here as well as from selfspec.heads.io.
+from selfspec.heads.io import HeadFormatError, read_json, read_safetensors
+
+__all__ = ["HeadFormatError", "config_from_dict", "draft_vocab_from_counts", "read_json", "read_safetensors"]
+
 C = TypeVar("C")
-
-
-class HeadFormatError(ValueError):
-    """Raised when a head directory or config is wrong, incomplete or made for another target."""
 
 
 def config_from_dict(cls: type[C], data: dict[str, Any], where: str = "config") -> C:
@@ -29,26 +28,15 @@ def config_from_dict(cls: type[C], data: dict[str, Any], where: str = "config") 
     return cls(**data)  # type: ignore[call-arg]
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    """Read a JSON object, turning any parse failure into :class:`HeadFormatError`."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise HeadFormatError(f"cannot read {path}: {err}") from err
-    if not isinstance(data, dict):
-        raise HeadFormatError(f"{path} must hold a JSON object")
-    return data
-
-
 def draft_vocab_from_counts(counts: torch.Tensor, size: int) -> torch.Tensor:
     """The ``size`` most frequent target token ids, sorted ascending (the FR-Spec / EAGLE-3 reduced vocabulary).
 
     Args:
         counts: ``[V]`` integer or float token counts over the training data.
-        size: draft vocabulary size N <= V.
+        size: draft vocabulary size S <= V.
 
     Returns:
-        ``d2t_ids``: LongTensor ``[N]`` of target token ids; draft id ``i`` is target id ``d2t_ids[i]``.
+        ``d2t_ids``: LongTensor ``[S]`` of target token ids; draft id ``i`` is target id ``d2t_ids[i]``.
 
     Raises:
         ValueError: ``size`` is not in ``[1, V]``.
@@ -58,14 +46,3 @@ def draft_vocab_from_counts(counts: torch.Tensor, size: int) -> torch.Tensor:
     # Stable ordering: count descending, id ascending on ties, so the map is reproducible.
     order = torch.argsort(-counts.to(torch.float64), stable=True)
     return torch.sort(order[:size]).values
-
-
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Load every tensor of a safetensors file, turning a missing or corrupt file into :class:`HeadFormatError`."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path))
-    except (OSError, SafetensorError) as err:
-        raise HeadFormatError(f"cannot read {path}: {err}; re-export the heads with save_pretrained") from err

@@ -8,7 +8,7 @@ target's own lm_head predicts ``t + 1``).
 
 The projection is either an own lm_head per head, initialised from the target's (``own_lm_head=True``,
 Medusa's default), or the target's frozen lm_head shared by every head. Both can be restricted to a
-reduced draft vocabulary (the N most frequent target tokens, as in FR-Spec / EAGLE-3): row ``i`` of
+reduced draft vocabulary (the S most frequent target tokens, as in FR-Spec / EAGLE-3): row ``i`` of
 the projection scores target token ``draft_ids[i]``.
 
 Parameter names follow vLLM's ``MedusaModel`` (``blocks.{k}.layers.{l}.weight``,
@@ -18,17 +18,26 @@ Parameter names follow vLLM's ``MedusaModel`` (``blocks.{k}.layers.{l}.weight``,
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from selfspec.heads.config import HeadFormatError, config_from_dict, read_json
+from selfspec.heads.config import config_from_dict
+from selfspec.heads.io import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    HeadFormatError,
+    check_draft_ids,
+    check_fingerprint,
+    load_state,
+    read_config,
+    read_safetensors,
+    write_head_dir,
+)
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "MedusaConfig", "MedusaHeads", "ResBlock"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +51,7 @@ class MedusaConfig:
         num_layers: residual blocks per head.
         own_lm_head: True: each head has its own projection (initialised from the target's lm_head);
             False: heads share the target's frozen lm_head.
-        draft_vocab_size: N rows in the projection; equals ``vocab_size`` when no reduced vocabulary is used.
+        draft_vocab_size: S rows in the projection; equals ``vocab_size`` when no reduced vocabulary is used.
         target: the target name the heads were trained on (informational).
         target_fingerprint: :func:`selfspec.heads.fingerprint.target_fingerprint` of that target; checked on load.
         head_topk_accuracy: optional ``[K][k]`` held-out top-1..top-k accuracies per head, used to build
@@ -103,13 +112,16 @@ class MedusaHeads(nn.Module):
     """K Medusa heads. See the module docstring for the algorithm.
 
     Buffers:
-        draft_ids: LongTensor ``[N]``, target token id of each projection row (``arange(V)`` when full).
+        draft_ids: LongTensor ``[S]``, target token id of each projection row (``arange(V)`` when full).
 
     Args:
         config: the head shapes.
         target_lm_head: ``[V, D]`` target lm_head weight used to initialise own heads (copied) or, when
             ``own_lm_head`` is False, referenced (never trained) at forward time.
-        draft_ids: optional LongTensor ``[N]`` of target ids forming the reduced draft vocabulary.
+        draft_ids: optional LongTensor ``[S]`` of target ids forming the reduced draft vocabulary.
+
+    Raises:
+        ValueError: ``draft_ids`` is not of shape ``[S]``.
     """
 
     def __init__(
@@ -120,17 +132,17 @@ class MedusaHeads(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        D, N = config.hidden_size, config.n_draft
+        D, S = config.hidden_size, config.n_draft
         if draft_ids is None:
             draft_ids = torch.arange(config.vocab_size)
-        if draft_ids.shape != (N,):
-            raise ValueError(f"draft_ids must have shape [{N}], got {tuple(draft_ids.shape)}")
+        if draft_ids.shape != (S,):
+            raise ValueError(f"draft_ids must have shape [{S}], got {tuple(draft_ids.shape)}")
         self.register_buffer("draft_ids", draft_ids.to(torch.long).clone(), persistent=True)
         self.blocks = nn.ModuleList(_Blocks(D, config.num_layers) for _ in range(config.num_heads))
         self.lm_heads = nn.ModuleList()
         if config.own_lm_head:
             for _ in range(config.num_heads):
-                head = nn.Linear(D, N, bias=False)
+                head = nn.Linear(D, S, bias=False)
                 if target_lm_head is not None:
                     head.weight.data.copy_(target_lm_head.detach()[self.draft_ids].to(head.weight.dtype))
                 self.lm_heads.append(head)
@@ -161,7 +173,7 @@ class MedusaHeads(nn.Module):
             hidden: ``[..., D]`` target last hidden states (after the final norm), any float dtype.
 
         Returns:
-            ``[K, ..., N]`` logits; head k at position t scores the token at t+2+k. Map a draft index
+            ``[K, ..., S]`` logits; head k at position t scores the token at t+2+k. Map a draft index
             ``i`` to a target token id with ``draft_ids[i]``.
 
         Raises:
@@ -176,23 +188,16 @@ class MedusaHeads(nn.Module):
 
     # ---------------------------------------------------------------- files
     def save_pretrained(self, directory: str | Path) -> Path:
-        """Write ``config.json`` and ``model.safetensors`` (head weights only, never target weights).
+        """Write ``config.json`` and ``model.safetensors`` (head weights only, never target weights), atomically
+        (:func:`selfspec.heads.io.write_head_dir`: other files of an existing directory are kept).
 
         Returns:
             The directory.
         """
-        from safetensors.torch import save_file
-
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        tmp = out / (WEIGHTS_NAME + ".tmp")
-        save_file(state, str(tmp), metadata={"format": "pt", "head_type": "medusa"})
-        tmp.replace(out / WEIGHTS_NAME)
         cfg = dataclasses.asdict(self.config)
         cfg.update({"model_type": "medusa", "num_hidden_layers": self.config.num_layers})
-        (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
-        return out
+        write_head_dir(directory, cfg, {WEIGHTS_NAME: self.state_dict()}, metadata={"head_type": "medusa"})
+        return Path(directory)
 
     @classmethod
     def from_pretrained(
@@ -207,33 +212,23 @@ class MedusaHeads(nn.Module):
 
         Raises:
             HeadFormatError: missing/corrupt files, unknown config keys, missing or unexpected tensors,
-                wrong shapes, or heads trained on another target. Nothing is half-loaded: the module is
-                only returned when every tensor matched.
+                wrong shapes, invalid ``draft_ids``, or heads trained on another target. Nothing is
+                half-loaded: the module is only returned when every tensor matched.
         """
-        from selfspec.heads.config import read_safetensors
-
         d = Path(directory)
-        raw = read_json(d / CONFIG_NAME)
+        raw = read_config(d)
         raw.pop("model_type", None)
         raw.pop("num_hidden_layers", None)
         config = config_from_dict(MedusaConfig, raw, where=str(d / CONFIG_NAME))
-        if target_fingerprint and config.target_fingerprint and config.target_fingerprint != target_fingerprint:
-            raise HeadFormatError(
-                f"heads in {d} were trained on target {config.target!r} (fingerprint {config.target_fingerprint}), "
-                f"not on the target given (fingerprint {target_fingerprint}); load them with their own target."
-            )
+        check_fingerprint(d, config.target_fingerprint, target_fingerprint, config.target)
         state = read_safetensors(d / WEIGHTS_NAME)
-        heads = cls(config, draft_ids=state.get("draft_ids"))
-        expected = heads.state_dict()
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        bad = sorted(k for k in set(expected) & set(state) if expected[k].shape != state[k].shape)
-        if missing or unexpected or bad:
-            raise HeadFormatError(
-                f"{d / WEIGHTS_NAME} does not match its config: missing={missing} unexpected={unexpected} "
-                f"wrong_shape={bad}. Re-export the heads with save_pretrained."
-            )
-        heads.load_state_dict(state, strict=True)
+        draft_ids = state.get("draft_ids")
+        if draft_ids is not None and draft_ids.shape == (config.n_draft,):
+            check_draft_ids(draft_ids, config.n_draft, config.vocab_size, str(d / WEIGHTS_NAME))
+        else:  # a placeholder: load_state reports a missing or wrong-shape draft_ids with every other mismatch
+            draft_ids = torch.arange(config.n_draft)
+        heads = cls(config, draft_ids=draft_ids)
+        load_state(heads, d / WEIGHTS_NAME, state)
         if target_lm_head is not None:
             heads.attach_target(target_lm_head)
         return heads

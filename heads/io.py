@@ -1,0 +1,278 @@
+"""Strict reading and atomic writing of head directories, shared by every head family.
+
+A head directory holds the head alone, never target weights::
+
+    config.json                 the family's config (``head_type`` names the family)
+    model.safetensors           the head's tensors
+    draft_vocab.safetensors     optional: ``draft_ids`` [S] of a reduced draft vocabulary
+    acceptance_profile.json     optional, written by calibration beside the head
+    training_record.json        optional, written by training beside the head
+
+Writing (:func:`write_head_dir`) builds the whole directory in a temporary sibling, fsyncs every file and
+the directory, then renames it into place; an existing directory is moved aside only once the new one is
+complete, so a reader sees either the old head or the new one, never a mix. Files of the old directory
+that are not head files (:data:`HEAD_FILES`; e.g. the acceptance profile and the training record) are
+carried over unchanged. Every safetensors file carries a SHA-256 of its tensors in its metadata
+(``selfspec_sha256``), so flipped bytes that keep the file well formed are refused too; files written
+before the checksum existed load without that check.
+
+Reading refuses, with one :class:`HeadFormatError` that names the fix: a missing, truncated or corrupt
+file, a checksum mismatch, missing / unexpected / wrong-shape tensors (all listed at once), and a head
+trained on another target (:func:`check_fingerprint`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as safetensors_bytes
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+DRAFT_VOCAB_NAME = "draft_vocab.safetensors"
+HEAD_FILES = (CONFIG_NAME, WEIGHTS_NAME, DRAFT_VOCAB_NAME)
+CHECKSUM_KEY = "selfspec_sha256"
+FIX = "re-export the heads with save_pretrained (or retrain them)"
+
+
+class HeadFormatError(ValueError):
+    """Raised when a head directory or config is wrong, incomplete or made for another target."""
+
+
+# ---------------------------------------------------------------------------------------------- reading
+def read_json(path: str | Path) -> dict[str, Any]:
+    """Read a JSON object.
+
+    Raises:
+        HeadFormatError: the file is missing, is not JSON, or holds something other than an object.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HeadFormatError(f"cannot read {path}: {err}; {FIX}") from err
+    if not isinstance(data, dict):
+        raise HeadFormatError(f"{path} must hold a JSON object, holds {type(data).__name__}; {FIX}")
+    return data
+
+
+def read_config(directory: str | Path) -> dict[str, Any]:
+    """``config.json`` of a head directory.
+
+    Raises:
+        HeadFormatError: ``directory`` has no ``config.json`` (the message says which directory to pass),
+            or it is not a JSON object.
+    """
+    d = Path(directory)
+    if not (d / CONFIG_NAME).is_file():
+        raise HeadFormatError(f"{d} has no {CONFIG_NAME}: pass the directory written by save_pretrained (…/heads)")
+    return read_json(d / CONFIG_NAME)
+
+
+def tensor_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 (hex) of named tensors: names, dtypes, shapes and bytes, in name order. Independent of the
+    file layout, so it is computed before writing and again after loading."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, on the CPU.
+
+    Raises:
+        HeadFormatError: the file is missing, truncated or malformed (safetensors checks that the header
+            covers the file exactly), or its tensors do not match the ``selfspec_sha256`` checksum stored
+            in its metadata.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise HeadFormatError(f"cannot read {p}: the file is missing; {FIX}")
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            metadata = f.metadata() or {}
+            state = {k: f.get_tensor(k) for k in f.keys()}
+    except (OSError, SafetensorError) as err:
+        raise HeadFormatError(f"cannot read {p}: {err} (truncated or corrupt); {FIX}") from err
+    stored = metadata.get(CHECKSUM_KEY)
+    if stored is not None and stored != tensor_digest(state):
+        raise HeadFormatError(f"cannot read {p}: its tensors do not match their checksum (corrupt file); {FIX}")
+    return state
+
+
+def check_state(path: str | Path, state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:
+    """Refuse a loaded state dict that does not match a module's exactly.
+
+    Args:
+        path: the file the state came from (named in the message).
+        state: the loaded tensors.
+        expected: the module's ``state_dict()`` (only names and shapes are compared).
+
+    Raises:
+        HeadFormatError: listing, in one message, every missing, unexpected and wrong-shape tensor
+            (with both shapes).
+    """
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = {
+        k: (tuple(state[k].shape), tuple(expected[k].shape))
+        for k in sorted(set(expected) & set(state))
+        if state[k].shape != expected[k].shape
+    }
+    if missing or unexpected or wrong:
+        shapes = ", ".join(f"{k}: file {f} vs config {e}" for k, (f, e) in wrong.items())
+        raise HeadFormatError(
+            f"{path} does not match its config: missing={missing} unexpected={unexpected} "
+            f"wrong_shape=[{shapes}]; {FIX}"
+        )
+
+
+def check_draft_ids(draft_ids: torch.Tensor, size: int, vocab_size: int, where: str) -> None:
+    """Refuse a draft vocabulary map that is not ``size`` distinct target ids.
+
+    Args:
+        draft_ids: the loaded map, expected LongTensor ``[S]`` with values in ``[0, V)``.
+        size: S, the draft vocabulary size of the config.
+        vocab_size: V, the target vocabulary size of the config.
+        where: the file it came from (named in the message).
+
+    Raises:
+        HeadFormatError: wrong dtype or shape, an id outside ``[0, V)``, or a duplicate id.
+    """
+    if draft_ids.dtype != torch.long or draft_ids.shape != (size,):
+        raise HeadFormatError(
+            f"{where}: draft_ids must be int64 of shape [{size}], got {draft_ids.dtype} {tuple(draft_ids.shape)}; {FIX}"
+        )
+    if size and (int(draft_ids.min()) < 0 or int(draft_ids.max()) >= vocab_size):
+        raise HeadFormatError(f"{where}: draft_ids must lie in [0, {vocab_size}); {FIX}")
+    if torch.unique(draft_ids).numel() != size:
+        raise HeadFormatError(f"{where}: draft_ids contain duplicates; {FIX}")
+
+
+def load_state(module: torch.nn.Module, path: str | Path, state: Mapping[str, torch.Tensor]) -> None:
+    """:func:`check_state` against ``module.state_dict()``, then a strict ``load_state_dict``.
+
+    Raises:
+        HeadFormatError: see :func:`check_state`; the module is left untouched then.
+    """
+    check_state(path, state, module.state_dict())
+    module.load_state_dict(dict(state), strict=True)
+
+
+def check_fingerprint(directory: str | Path, stored: str, given: str | None, trained_on: str = "") -> None:
+    """Refuse heads trained on another target.
+
+    Args:
+        directory: the head directory (named in the message).
+        stored: the fingerprint saved with the heads (``""``: saved without one; accepted with a warning).
+        given: :func:`selfspec.heads.fingerprint.target_fingerprint` of the target at hand; None = no check.
+        trained_on: the target name saved with the heads (informational).
+
+    Raises:
+        HeadFormatError: both fingerprints are known and differ.
+    """
+    if not given:
+        return
+    if not stored:
+        logger.warning("heads in %s carry no target fingerprint; cannot check they belong to this target", directory)
+        return
+    if stored != given:
+        raise HeadFormatError(
+            f"heads in {directory} were trained on target {trained_on!r} (fingerprint {stored}), "
+            f"not on the target given (fingerprint {given}); load them with their own target, or retrain."
+        )
+
+
+# ---------------------------------------------------------------------------------------------- writing
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_head_dir(
+    directory: str | Path,
+    config: Mapping[str, Any],
+    tensor_files: Mapping[str, Mapping[str, torch.Tensor]],
+    metadata: Mapping[str, str] | None = None,
+) -> Path:
+    """Write a head directory atomically (see the module docstring).
+
+    Args:
+        directory: the head directory; created with its parents, or replaced as a whole.
+        config: written as ``config.json`` (indented JSON; values JSON cannot hold are written as strings).
+        tensor_files: file name -> named tensors, e.g. ``{"model.safetensors": state}``; tensors are
+            copied to the CPU and made contiguous. Head files of an existing directory that are not
+            listed here (e.g. a ``draft_vocab.safetensors`` the head no longer has) are not carried over.
+        metadata: string metadata stored in every safetensors file (besides ``format: pt`` and the
+            checksum).
+
+    Returns:
+        ``directory`` as a Path.
+
+    Raises:
+        HeadFormatError: ``directory`` exists and is not a directory, or a file name is not a plain name.
+        OSError: the disk refused a write; the existing directory is then left as it was.
+    """
+    out = Path(directory).resolve()
+    if out.exists() and not out.is_dir():
+        raise HeadFormatError(f"{out} exists and is not a directory; pass a directory for the heads")
+    names = [CONFIG_NAME, *tensor_files]
+    if any(Path(n).name != n or n in ("", ".", "..") for n in names) or len(set(names)) != len(names):
+        raise HeadFormatError(f"head file names must be distinct plain names, got {names}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.mkdir()
+        for name, tensors in tensor_files.items():
+            state = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+            meta = {"format": "pt", **(metadata or {}), CHECKSUM_KEY: tensor_digest(state)}
+            (tmp / name).write_bytes(safetensors_bytes(state, metadata=meta))
+        (tmp / CONFIG_NAME).write_text(json.dumps(dict(config), indent=2, default=str))
+        if out.is_dir():
+            for entry in out.iterdir():
+                if entry.name in HEAD_FILES or entry.name in tensor_files:
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.copytree(entry, tmp / entry.name, symlinks=True)
+                else:
+                    shutil.copy2(entry, tmp / entry.name, follow_symlinks=False)
+        for entry in tmp.iterdir():
+            if entry.is_file() and not entry.is_symlink():
+                _fsync_file(entry)
+        _fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.is_dir():
+        # POSIX cannot rename onto a non-empty directory: move the old one aside first. A crash between the
+        # two renames leaves the complete old head at .<name>.old-*, never a half-written one.
+        old = out.with_name(f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+    _fsync_dir(out.parent)
+    return out
