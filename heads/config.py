@@ -1,4 +1,7 @@
-"""Shared pieces of every head family: the draft vocabulary map and strict config parsing (file I/O: :mod:`selfspec.heads.io`)."""
+"""Shared pieces of every head family: the draft vocabulary map and strict config parsing.
+
+File reading and writing: :mod:`selfspec.heads.io`.
+"""
 
 from __future__ import annotations
 

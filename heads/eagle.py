@@ -2,8 +2,8 @@
 Uncertainty", arXiv:2401.15077), drafted as EAGLE-2 dynamic trees by :mod:`selfspec.decode.eagle`.
 
 The head autoregresses on the target's *features*: ``f_t`` is the target's last hidden state at
-position t AFTER the final norm (what :func:`selfspec.decode.kv.prefill` returns, and what the target's
-lm_head turns into the distribution of token ``x_{t+1}``). At head position t the input is the pair
+position t AFTER the final norm (what :meth:`selfspec.decode.verifier.Verifier.prefill` returns, and what the
+target's lm_head turns into the distribution of token ``x_{t+1}``). At head position t the input is the pair
 ``(f_t, x_{t+1})``::
 
     z_t    = fc(concat(embed(x_{t+1}), f_t))          # [.., 2D] -> [.., D]
@@ -26,7 +26,7 @@ SGLang ``LlamaForCausalLMEagle``):
 * ``config.json``: the target's config with ``num_hidden_layers: 1``, plus ``head_type: "eagle"`` and a
   ``selfspec`` object holding :class:`EagleConfig` (strictly checked);
 * ``model.safetensors``: exactly ``fc.weight`` (+ ``fc.bias``) and ``layers.0.*``;
-* ``draft_vocab.safetensors`` (only with a reduced draft vocabulary): ``draft_ids`` ``[N]``, kept out of
+* ``draft_vocab.safetensors`` (only with a reduced draft vocabulary): ``draft_ids`` ``[S]``, kept out of
   the weights file so engines that load the full-vocabulary EAGLE-1 layout are not handed an unknown
   tensor. The head's weights do not depend on the vocabulary; only drafting restricts the lm_head rows.
 """
@@ -35,19 +35,32 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from selfspec.heads.config import HeadFormatError, config_from_dict, read_json, read_safetensors
+from selfspec.decode.cpu_linear import project
+from selfspec.heads.config import config_from_dict
+from selfspec.heads.io import (
+    CONFIG_NAME,
+    DRAFT_VOCAB_NAME,
+    WEIGHTS_NAME,
+    HeadFormatError,
+    check_draft_ids,
+    check_fingerprint,
+    load_state,
+    read_config,
+    read_safetensors,
+    write_head_dir,
+)
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-DRAFT_VOCAB_NAME = "draft_vocab.safetensors"
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+__all__ = ["CONFIG_NAME", "DRAFT_VOCAB_NAME", "WEIGHTS_NAME", "EagleConfig", "EagleHead", "decoder_layer_class"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +70,7 @@ class EagleConfig:
     Attributes:
         hidden_size: D, the target's hidden size.
         vocab_size: V, the target's vocabulary size.
-        draft_vocab_size: N lm_head rows used while drafting; None = the full vocabulary.
+        draft_vocab_size: S lm_head rows used while drafting; None = the full vocabulary.
         fc_bias: whether ``fc`` (2D -> D) has a bias (EAGLE-1: yes).
         target: the target name the head was trained on (informational).
         target_fingerprint: :func:`selfspec.heads.fingerprint.target_fingerprint` of that target; checked on load.
@@ -85,7 +98,7 @@ class EagleConfig:
         return self.draft_vocab_size or self.vocab_size
 
 
-def _one_layer_config(arch_config):
+def _one_layer_config(arch_config: PretrainedConfig) -> PretrainedConfig:
     """A deep copy of a transformers config with ``num_hidden_layers = 1`` (and SDPA attention)."""
     cfg = copy.deepcopy(arch_config)
     cfg.num_hidden_layers = 1
@@ -96,7 +109,7 @@ def _one_layer_config(arch_config):
     return cfg
 
 
-def decoder_layer_class(arch_config, target=None) -> type[nn.Module]:
+def decoder_layer_class(arch_config: PretrainedConfig, target: PreTrainedModel | None = None) -> type[nn.Module]:
     """The decoder layer class of an architecture: ``target.model.layers[0].__class__`` when a target is
     given, else that of a meta-device (no memory) model built from ``arch_config``.
 
@@ -115,39 +128,31 @@ def decoder_layer_class(arch_config, target=None) -> type[nn.Module]:
     return layers[0].__class__
 
 
-def _check_draft_ids(draft_ids: torch.Tensor, n: int, vocab_size: int, where: str) -> None:
-    if draft_ids.dtype != torch.long or draft_ids.shape != (n,):
-        raise HeadFormatError(
-            f"{where}: draft_ids must be int64 of shape [{n}], got {draft_ids.dtype} {tuple(draft_ids.shape)}"
-        )
-    if n and (int(draft_ids.min()) < 0 or int(draft_ids.max()) >= vocab_size):
-        raise HeadFormatError(f"{where}: draft_ids must lie in [0, {vocab_size})")
-    if torch.unique(draft_ids).numel() != n:
-        raise HeadFormatError(f"{where}: draft_ids contain duplicates")
-
-
 class EagleHead(nn.Module):
     """EAGLE-1 feature head: ``fc`` + one decoder layer of the target's kind (see the module docstring).
 
     Parameters: ``fc.weight`` ``[D, 2D]`` (+ ``fc.bias`` ``[D]``) and ``layers.0.*``.
-    Buffer (non-persistent, saved in its own file): ``draft_ids`` LongTensor ``[N]``, the target token id
+    Buffer (non-persistent, saved in its own file): ``draft_ids`` LongTensor ``[S]``, the target token id
     of each draft-vocabulary row (``arange(V)`` when full).
 
     Args:
         config: :class:`EagleConfig`.
         arch_config: the target's transformers config (copied; ``num_hidden_layers`` set to 1).
-        draft_ids: optional LongTensor ``[N]`` of target ids forming the reduced draft vocabulary.
+        draft_ids: optional LongTensor ``[S]`` of target ids forming the reduced draft vocabulary.
         target: the frozen target; when given, its decoder layer class is used and it is attached.
         init_from_target_layer: when a target is given, initialise ``layers.0`` from the target's last
             decoder layer (a good starting point for training; EAGLE itself starts from random).
+
+    Raises:
+        HeadFormatError: the architecture config disagrees with ``config``, or ``draft_ids`` is invalid.
     """
 
     def __init__(
         self,
         config: EagleConfig,
-        arch_config,
+        arch_config: PretrainedConfig,
         draft_ids: torch.Tensor | None = None,
-        target=None,
+        target: PreTrainedModel | None = None,
         init_from_target_layer: bool = False,
     ) -> None:
         super().__init__()
@@ -158,10 +163,10 @@ class EagleHead(nn.Module):
                 f"architecture config (hidden {self.arch_config.hidden_size}, vocab {self.arch_config.vocab_size}) "
                 f"disagrees with the head config (hidden {config.hidden_size}, vocab {config.vocab_size})"
             )
-        D, N = config.hidden_size, config.n_draft
+        D, S = config.hidden_size, config.n_draft
         if draft_ids is None:
             draft_ids = torch.arange(config.vocab_size)
-        _check_draft_ids(draft_ids.to(torch.long), N, config.vocab_size, "EagleHead")
+        check_draft_ids(draft_ids.to(torch.long), S, config.vocab_size, "EagleHead")
         self.register_buffer("draft_ids", draft_ids.to(torch.long).clone(), persistent=False)
         self.fc = nn.Linear(2 * D, D, bias=config.fc_bias)
         layer = decoder_layer_class(self.arch_config, target)(self.arch_config, layer_idx=0)
@@ -172,13 +177,13 @@ class EagleHead(nn.Module):
         # EAGLE-1: the first (here: only) layer has no input norm; fc's output enters attention directly.
         layer.input_layernorm = nn.Identity()
         self.layers = nn.ModuleList([layer])
-        self._target: tuple[Any, ...] | None = None  # (embed, rotary, lm_head weight [N, D]); not registered
+        self._target: tuple[Any, ...] | None = None  # (embed, rotary, lm_head weight [S, D]); not registered
         self._lm_cast: dict[torch.dtype, torch.Tensor] = {}
         if target is not None:
             self.attach_target(target)
 
     # ---------------------------------------------------------------- target
-    def attach_target(self, target) -> None:
+    def attach_target(self, target: PreTrainedModel) -> None:
         """Reference the frozen target's token embedding, rotary embedding and lm_head (rows ``draft_ids``).
 
         Raises:
@@ -191,7 +196,9 @@ class EagleHead(nn.Module):
                 f"{self.config.hidden_size} / {self.config.vocab_size}: it belongs to another target."
             )
         if cfg.model_type != self.arch_config.model_type:
-            raise HeadFormatError(f"target is a {cfg.model_type!r} model, the head a {self.arch_config.model_type!r} layer")
+            raise HeadFormatError(
+                f"target is a {cfg.model_type!r} model, the head a {self.arch_config.model_type!r} layer"
+            )
         rotary = getattr(target.base_model, "rotary_emb", None)
         if rotary is None:
             raise HeadFormatError("the target has no model.rotary_emb module; EAGLE heads need RoPE positions")
@@ -207,7 +214,7 @@ class EagleHead(nn.Module):
         return self._target
 
     def lm_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The target's lm_head rows of the draft vocabulary, ``[N, D]`` in ``dtype`` (frozen, cached)."""
+        """The target's lm_head rows of the draft vocabulary, ``[S, D]`` in ``dtype`` (frozen, cached)."""
         lm = self._require_target()[2]
         if lm.dtype == dtype:
             return lm
@@ -222,7 +229,7 @@ class EagleHead(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        cache=None,
+        cache: Any = None,
     ) -> torch.Tensor:
         """Predict the next features.
 
@@ -247,48 +254,39 @@ class EagleHead(nn.Module):
         if cache is not None:
             kwargs = {"cache": cache, "use_cache": True}
         out = self.layers[0](
-            x, attention_mask=attention_mask, position_ids=position_ids, position_embeddings=position_embeddings, **kwargs
+            x,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            position_embeddings=position_embeddings,
+            **kwargs,
         )
         return out[0] if isinstance(out, tuple) else out
 
     def draft_logits(self, predicted: torch.Tensor) -> torch.Tensor:
-        """``[..., D]`` predicted features -> ``[..., N]`` logits over the draft vocabulary (row i scores
-        target token ``draft_ids[i]``), in the features' dtype (:func:`selfspec.decode.kv.project`: ``W @ h^T``
-        for 2..32 rows on a CPU)."""
-        from selfspec.decode.kv import project
-
+        """``[..., D]`` predicted features -> ``[..., S]`` logits over the draft vocabulary (row i scores
+        target token ``draft_ids[i]``), in the features' dtype (:func:`selfspec.decode.cpu_linear.project`:
+        ``W @ h^T`` for 2..32 rows on a CPU)."""
         return project(predicted, self.lm_weight(predicted.dtype))
 
     # ---------------------------------------------------------------- files
     def save_pretrained(self, directory: str | Path) -> Path:
-        """Write ``config.json``, ``model.safetensors`` and, with a reduced vocabulary, ``draft_vocab.safetensors``.
+        """Write ``config.json``, ``model.safetensors`` and, with a reduced vocabulary, ``draft_vocab.safetensors``,
+        atomically (:func:`selfspec.heads.io.write_head_dir`: other files of an existing directory are kept).
 
         Head weights only: never the target's embeddings or lm_head. Returns the directory.
         """
-        from safetensors.torch import save_file
-
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        tmp = out / (WEIGHTS_NAME + ".tmp")
-        save_file(state, str(tmp), metadata={"format": "pt", "head_type": "eagle"})
-        tmp.replace(out / WEIGHTS_NAME)
-        vocab_file = out / DRAFT_VOCAB_NAME
+        files = {WEIGHTS_NAME: self.state_dict()}
         if self.config.draft_vocab_size is not None:
-            tmp = out / (DRAFT_VOCAB_NAME + ".tmp")
-            save_file({"draft_ids": self.draft_ids.cpu().contiguous()}, str(tmp), metadata={"format": "pt"})
-            tmp.replace(vocab_file)
-        elif vocab_file.exists():
-            vocab_file.unlink()
+            files[DRAFT_VOCAB_NAME] = {"draft_ids": self.draft_ids}
         arch = self.arch_config.to_dict()
         arch.update({"num_hidden_layers": 1, "head_type": "eagle", "selfspec": dataclasses.asdict(self.config)})
         arch.pop("_attn_implementation_autoset", None)
-        (out / CONFIG_NAME).write_text(json.dumps(arch, indent=2, default=str))
-        return out
+        write_head_dir(directory, arch, files, metadata={"head_type": "eagle"})
+        return Path(directory)
 
     @classmethod
     def from_pretrained(
-        cls, directory: str | Path, target=None, target_fingerprint: str | None = None
+        cls, directory: str | Path, target: PreTrainedModel | None = None, target_fingerprint: str | None = None
     ) -> EagleHead:
         """Load a head saved by :meth:`save_pretrained`, refusing anything that does not match exactly.
 
@@ -302,21 +300,17 @@ class EagleHead(nn.Module):
                 one layer, missing or unexpected tensors, wrong shapes or dtypes of ``draft_ids``, or a head
                 trained on another target. Nothing is half-loaded.
         """
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # local: transformers' auto classes are a heavy import
 
         d = Path(directory)
-        raw = read_json(d / CONFIG_NAME)
+        raw = read_config(d)
         if raw.pop("head_type", None) != "eagle":
             raise HeadFormatError(f"{d / CONFIG_NAME} is not an EAGLE head (head_type must be 'eagle')")
         ours = raw.pop("selfspec", None)
         if not isinstance(ours, dict):
             raise HeadFormatError(f"{d / CONFIG_NAME} lacks its 'selfspec' object; re-export with save_pretrained")
         config = config_from_dict(EagleConfig, ours, where=f"{d / CONFIG_NAME} ['selfspec']")
-        if target_fingerprint and config.target_fingerprint and config.target_fingerprint != target_fingerprint:
-            raise HeadFormatError(
-                f"head in {d} was trained on target {config.target!r} (fingerprint {config.target_fingerprint}), "
-                f"not on the target given (fingerprint {target_fingerprint}); load it with its own target."
-            )
+        check_fingerprint(d, config.target_fingerprint, target_fingerprint, config.target)
         if raw.get("num_hidden_layers") != 1:
             raise HeadFormatError(f"{d / CONFIG_NAME}: an EAGLE-1 head has num_hidden_layers 1")
         model_type = raw.pop("model_type", None)
@@ -325,7 +319,9 @@ class EagleHead(nn.Module):
         except (ValueError, KeyError, TypeError) as err:
             raise HeadFormatError(f"{d / CONFIG_NAME}: not a transformers config ({err})") from err
         if target is not None and target.config.model_type != arch.model_type:
-            raise HeadFormatError(f"head is a {arch.model_type!r} layer, the target a {target.config.model_type!r} model")
+            raise HeadFormatError(
+                f"head is a {arch.model_type!r} layer, the target a {target.config.model_type!r} model"
+            )
         state = read_safetensors(d / WEIGHTS_NAME)
         draft_ids = None
         if config.draft_vocab_size is not None:
@@ -333,16 +329,7 @@ class EagleHead(nn.Module):
             if set(vocab) != {"draft_ids"}:
                 raise HeadFormatError(f"{d / DRAFT_VOCAB_NAME} must hold exactly 'draft_ids', has {sorted(vocab)}")
             draft_ids = vocab["draft_ids"]
-            _check_draft_ids(draft_ids, config.n_draft, config.vocab_size, str(d / DRAFT_VOCAB_NAME))
+            check_draft_ids(draft_ids, config.n_draft, config.vocab_size, str(d / DRAFT_VOCAB_NAME))
         head = cls(config, arch, draft_ids=draft_ids, target=target)
-        expected = head.state_dict()
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        bad = sorted(k for k in set(expected) & set(state) if expected[k].shape != state[k].shape)
-        if missing or unexpected or bad:
-            raise HeadFormatError(
-                f"{d / WEIGHTS_NAME} does not match its config: missing={missing} unexpected={unexpected} "
-                f"wrong_shape={bad}. Re-export the head with save_pretrained."
-            )
-        head.load_state_dict(state, strict=True)
+        load_state(head, d / WEIGHTS_NAME, state)
         return head

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def target_fingerprint(model: "PreTrainedModel") -> str:
+def target_fingerprint(model: PreTrainedModel) -> str:
     """A short, stable fingerprint of a target: architecture, sizes and a hash of a few weight slices.
 
     Heads store it so that loading them onto a different target is refused.

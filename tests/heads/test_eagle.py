@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
-from tests.conftest import tiny_llama
 from safetensors.torch import load_file, save_file
 
 from selfspec.heads import load_heads
 from selfspec.heads.config import HeadFormatError
 from selfspec.heads.eagle import DRAFT_VOCAB_NAME, WEIGHTS_NAME, EagleConfig, EagleHead
 from selfspec.heads.fingerprint import target_fingerprint
+from tests.conftest import tiny_llama
 
 D, V = 32, 96
 
@@ -134,7 +134,9 @@ BAD_EDITS = {
     "two layers": lambda p: _edit_config(p, lambda c: c.update({"num_hidden_layers": 2})),
     "corrupt config": lambda p: (p / "config.json").write_text("{not json"),
     "missing draft vocab": lambda p: (p / DRAFT_VOCAB_NAME).unlink(),
-    "duplicate draft ids": lambda p: save_file({"draft_ids": torch.zeros(24, dtype=torch.long)}, str(p / DRAFT_VOCAB_NAME)),
+    "duplicate draft ids": lambda p: save_file(
+        {"draft_ids": torch.zeros(24, dtype=torch.long)}, str(p / DRAFT_VOCAB_NAME)
+    ),
     "draft ids out of range": lambda p: save_file({"draft_ids": torch.arange(80, 104)}, str(p / DRAFT_VOCAB_NAME)),
     "draft vocab size mismatch": lambda p: save_file({"draft_ids": torch.arange(10)}, str(p / DRAFT_VOCAB_NAME)),
 }
