@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from selfspec.decode.cpu_linear import project
 from selfspec.heads.config import config_from_dict
@@ -119,8 +120,6 @@ def decoder_layer_class(arch_config: PretrainedConfig, target: PreTrainedModel |
     if target is not None:
         layers = getattr(target.base_model, "layers", None)
     else:
-        from transformers import AutoModelForCausalLM
-
         with torch.device("meta"):
             layers = getattr(AutoModelForCausalLM.from_config(arch_config).base_model, "layers", None)
     if not layers:
@@ -300,8 +299,6 @@ class EagleHead(nn.Module):
                 one layer, missing or unexpected tensors, wrong shapes or dtypes of ``draft_ids``, or a head
                 trained on another target. Nothing is half-loaded.
         """
-        from transformers import AutoConfig  # local: transformers' auto classes are a heavy import
-
         d = Path(directory)
         raw = read_config(d)
         if raw.pop("head_type", None) != "eagle":

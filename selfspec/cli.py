@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if argv[:1] in ([], ["-h"], ["--help"]) else 2
     command, rest = argv[0], argv[1:]
+    # Each command is imported only when it runs: training pulls in accelerate and datasets, the bench
+    # matplotlib, and `selfspec --help` should need none of them.
     if command == "train":
         from selfspec.train.__main__ import main as train_main
 
