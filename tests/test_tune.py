@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from selfspec import bench, tune
-from selfspec.bench import BenchPrompt, BenchSettings, build_methods, run_bench, validate_report
+from selfspec.bench import BenchPrompt, BenchReport, BenchSettings, build_methods, run_bench
+from selfspec.bench import cli as bench_cli
 from selfspec.cli import main as cli_main
 from selfspec.decode import budget as tb
 from tests.test_bench import QUESTIONS, CharTokenizer
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,7 +21,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def setup(oracle, tmp_path, monkeypatch):
     t, head = oracle
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(bench, "load_target", lambda name, dtype, device: (t, CharTokenizer()))
+    monkeypatch.setattr(bench_cli, "load_target", lambda name, dtype, device: (t, CharTokenizer()))
+    monkeypatch.setattr(tune, "load_target", lambda name, dtype, device: (t, CharTokenizer()))
     prompt_file = tmp_path / "q.jsonl"
     prompt_file.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
     return t, head.save_pretrained(tmp_path / "eagle" / "heads"), prompt_file
@@ -30,8 +30,9 @@ def setup(oracle, tmp_path, monkeypatch):
 
 def test_tune_tree_cli_writes_profile_and_prints_choice(setup, capsys):
     t, heads, prompt_file = setup
-    argv = ["tune-tree", "--heads", str(heads), "--prompts", str(prompt_file), "--n-prompts", "2", "--skip-prompts", "1",
-            "--max-new-tokens", "12", "--depth-max", "3", "--total-tokens-max", "6", "--top-k", "2"]
+    argv = ["tune-tree", "--heads", str(heads), "--prompts", str(prompt_file), "--n-prompts", "2",
+            "--skip-prompts", "1", "--max-new-tokens", "12", "--depth-max", "3", "--total-tokens-max", "6",
+            "--top-k", "2"]
     assert cli_main(argv) == 0
     printed = capsys.readouterr().out
     profile = tb.load_acceptance_profile(heads, target=t)
@@ -43,11 +44,11 @@ def test_tune_tree_cli_writes_profile_and_prints_choice(setup, capsys):
     settings = BenchSettings(max_new_tokens=8, warmup=0, eos_token_ids=())
     methods = build_methods(t, CharTokenizer(), settings, methods=["baseline"], heads={"eagle": heads})
     record = methods["eagle"].tree_budget
-    assert record["chosen_by"] == "auto" and record["top_k"] == 2 and record["expected_tau"] >= 1.0
+    assert record.chosen_by == "auto" and record.top_k == 2 and record.expected_tau >= 1.0
     report = run_bench(t, CharTokenizer(), methods, [BenchPrompt("a", "x", ("hello there",))], settings)
-    validate_report(report)
-    assert report["methods"]["eagle"]["tree_budget"] == record and report["methods"]["baseline"]["tree_budget"] is None
-    assert report["mismatches"] == []
+    assert BenchReport.from_dict(report.to_dict()) == report
+    assert report.methods["eagle"].tree_budget == record and report.methods["baseline"].tree_budget is None
+    assert report.mismatches == []
     assert "EAGLE tree depth" in bench.markdown_report(report)
 
 

@@ -1,0 +1,60 @@
+"""``selfspec bench``: speedup, tau and exactness against plain ``transformers`` generate, in one run.
+
+Every method runs in the same process on the same target object, interleaved per prompt (for each
+prompt turn every method runs once, in an order rotated from turn to turn so none always runs first),
+after a warm-up. So the speedup of a method on a prompt is the ratio of two numbers measured minutes
+apart on the same machine state, and the reported speedup is the median of those per-prompt ratios
+(Spec-Bench, Xia et al. 2024, reports speedups the same way, against its own baseline in its own run).
+
+Methods (:mod:`selfspec.bench.methods`):
+
+* ``baseline``: ``model.generate`` (``transformers``), the reference every ratio is taken against.
+* ``hf_prompt_lookup``: ``model.generate(prompt_lookup_num_tokens=...)`` (``transformers``' own prompt lookup).
+* ``prompt_lookup``, ``draft_model``: selfspec's own drafters through the lossless verifier.
+* one method per head directory (``--heads``).
+* any callable ``(prompt_ids [T], settings) -> (tokens, GenerationStats | None)`` passed by code
+  (:func:`run_bench` ``methods``), e.g. a deliberately wrong method in the tests.
+
+Prompts (:mod:`selfspec.prompts`): an MT-bench / Spec-Bench JSONL file (``question_id``, ``category``,
+``turns``); a multi-turn question is answered turn by turn, each later turn conditioned on the *reference
+method's* answer to the previous turns, so every method sees exactly the same token ids on every turn. Or
+``sharegpt-heldout``: the first user turn of every ShareGPT conversation held out by the run that trained
+the heads (``<heads>/training_record.json``).
+
+Outputs (``--out DIR``): ``report.json`` (every per-prompt number; layout: the dataclasses of
+:mod:`selfspec.bench.report`, read back strictly by :func:`read_report`), ``report.md`` (tables),
+``speedup.png``, ``accepted_tokens_hist.png``, ``acceptance_by_depth.png``; a short summary goes to stdout.
+
+Files: ``methods.py`` (settings and methods), ``run.py`` (the measured run and its aggregates),
+``report.py`` (the report's dataclasses and strict reading), ``outputs.py`` (``report.md``, the summary,
+writing), ``plots.py``, ``cli.py``.
+
+Usage::
+
+    selfspec bench --prompts mt_bench.jsonl --heads runs/medusa-smollm2/heads --out runs/bench
+    selfspec bench --prompts sharegpt-heldout --num-prompts 20 --temperature 0.7 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+from selfspec.bench.cli import main
+from selfspec.bench.methods import BenchMethod, BenchSettings, build_methods
+from selfspec.bench.outputs import markdown_report, summary_text, write_report
+from selfspec.bench.report import SCHEMA_VERSION, BenchReport, read_report
+from selfspec.bench.run import run_bench
+from selfspec.prompts import BenchPrompt
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "BenchMethod",
+    "BenchPrompt",
+    "BenchReport",
+    "BenchSettings",
+    "build_methods",
+    "main",
+    "markdown_report",
+    "read_report",
+    "run_bench",
+    "summary_text",
+    "write_report",
+]

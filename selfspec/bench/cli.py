@@ -1,0 +1,137 @@
+"""``selfspec bench ...``: arguments, prompts, target and methods, then the run and its outputs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from selfspec.bench.methods import BUILTIN_METHODS, DEFAULT_METHODS, BenchSettings, build_methods
+from selfspec.bench.outputs import summary_text, write_report
+from selfspec.bench.run import run_bench
+from selfspec.prompts import SHAREGPT_HELDOUT, load_prompts
+from selfspec.target import load_target
+
+logger = logging.getLogger(__name__)
+
+
+def parse_heads(items: Sequence[str]) -> dict[str, str]:
+    """``DIR`` or ``NAME=DIR`` -> {name: dir}. A bare ``.../heads`` directory is named after its parent.
+
+    Raises:
+        ValueError: an empty name, or one already taken (by another head or a built-in method).
+    """
+    heads: dict[str, str] = {}
+    for item in items:
+        name, sep, directory = item.partition("=")
+        if not sep:
+            directory = item
+            path = Path(item.rstrip("/"))
+            name = path.parent.name if path.name == "heads" and path.parent.name else path.name
+        if not name or name in heads or name in BUILTIN_METHODS:
+            raise ValueError(f"head method name {name!r} (from {item!r}) is empty or taken; pass NAME=DIR")
+        heads[name] = directory
+    return heads
+
+
+def _int_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``selfspec bench`` argument parser."""
+    p = argparse.ArgumentParser(
+        prog="selfspec bench",
+        description="Speedup, tau and exactness of selfspec methods against plain transformers generate, "
+        "measured in one process, methods interleaved per prompt.",
+    )
+    p.add_argument("--prompts", default=SHAREGPT_HELDOUT,
+                   help="MT-bench/Spec-Bench JSONL file, or 'sharegpt-heldout' (the split held out by the run "
+                   "that trained the first --heads, from its training_record.json)")
+    p.add_argument("--target", default="smollm2-135m-instruct", help="target name, directory or Hub id")
+    p.add_argument("--heads", nargs="*", default=[], metavar="DIR",
+                   help="head directories (or NAME=DIR), one method each")
+    p.add_argument("--methods", nargs="+", default=None, choices=BUILTIN_METHODS,
+                   help=f"built-in methods (default: {' '.join(DEFAULT_METHODS)}, plus draft_model with "
+                   "--draft-model); baseline always runs")
+    p.add_argument("--draft-model", default=None,
+                   help="small causal LM with the target's tokenizer (draft_model method)")
+    p.add_argument("--eagle-depth", type=_int_or_auto, default=None,
+                   help="EAGLE-2 tree depth, or 'auto' (default): sized to this machine when the head has an "
+                   "acceptance profile (selfspec tune-tree), else selfspec's default")
+    p.add_argument("--eagle-top-k", type=int, default=None, help="EAGLE-2 expansions per node")
+    p.add_argument("--eagle-total-tokens", type=_int_or_auto, default=None,
+                   help="EAGLE-2 draft tokens kept per step, or 'auto' (default; see --eagle-depth)")
+    p.add_argument("--tree-nodes", type=int, default=None,
+                   help="tree size for Medusa heads (default: sized to this machine from the heads' accuracies)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--num-prompts", type=int, default=None, help="first N questions (default: all)")
+    p.add_argument("--max-turns", type=int, default=None, help="answer only the first N turns (1: first turns)")
+    p.add_argument("--per-category", type=int, default=None, help="first N questions of each category")
+    p.add_argument("--max-prompt-tokens", type=int, default=2048, help="skip longer prompt turns")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1, help="prompts run untimed by every method first")
+    p.add_argument("--out", default="runs/bench", help="directory for report.json, report.md and PNG plots")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``selfspec bench ...``: returns 0 on success, 2 on bad arguments."""
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        heads = parse_heads(args.heads)
+        settings = BenchSettings(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            warmup=args.warmup,
+            max_prompt_tokens=args.max_prompt_tokens,
+            target_name=args.target,
+            prompts_source=args.prompts,
+            tree_nodes=args.tree_nodes,
+            draft_model=args.draft_model,
+        )
+    except ValueError as err:
+        parser.error(str(err))
+    methods = args.methods or list(DEFAULT_METHODS) + (["draft_model"] if args.draft_model else [])
+    prompts = load_prompts(args.prompts, args.num_prompts, args.max_turns, args.per_category,
+                           head_dirs=list(heads.values()))
+    target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
+    draft = load_target(args.draft_model, dtype=args.dtype, device=args.device)[0] if args.draft_model else None
+    try:
+        eagle_options = {"depth": args.eagle_depth, "top_k": args.eagle_top_k, "total_tokens": args.eagle_total_tokens}
+        bench_methods = build_methods(
+            target, tokenizer, settings, methods=methods, heads=heads, draft_model=draft, tree_nodes=args.tree_nodes,
+            eagle_options=eagle_options,
+        )
+    except ValueError as err:
+        parser.error(str(err))
+    logger.info("bench: %d questions, methods %s", len(prompts), ", ".join(bench_methods))
+    report = run_bench(target, tokenizer, bench_methods, prompts, settings)
+    paths = write_report(report, args.out)
+    print(summary_text(report))
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
