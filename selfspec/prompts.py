@@ -91,7 +91,7 @@ def encode_prompt(tokenizer: Any | None, prompt: Any) -> torch.Tensor:
 
 
 def resolve_eos(
-    target: "PreTrainedModel", tokenizer: Any | None, extra: int | Sequence[int] | None = None
+    target: PreTrainedModel, tokenizer: Any | None, extra: int | Sequence[int] | None = None
 ) -> list[int]:
     """The ids that end generation: the target's ``generation_config.eos_token_id`` (one id or several),
     else the tokenizer's ``eos_token_id``, then every id of ``extra`` not already there.

@@ -359,6 +359,31 @@ def test_cli_end_to_end(tmp_path, monkeypatch, capsys):
     }
 
 
+def test_cli_sharegpt_heldout_reads_the_heads_training_record(tmp_path, monkeypatch):
+    """``--prompts sharegpt-heldout --heads DIR`` measures the split DIR's training record holds out."""
+    from selfspec.train import data
+    from tests.test_prompts import CONVS, write_record
+
+    target = tiny_llama()
+    heads = MedusaHeads(
+        MedusaConfig(hidden_size=32, vocab_size=96, num_heads=2), target_lm_head=target.get_output_embeddings().weight
+    )
+    heads_dir = heads.save_pretrained(tmp_path / "medusa-tiny" / "heads")
+    write_record(heads_dir, ["c3", "c7"], head="medusa")
+    seen = []
+    monkeypatch.setattr(data, "load_conversations", lambda source, max_conversations=None: seen.append(source) or CONVS)
+    monkeypatch.setattr(bench_cli, "load_target", lambda name, dtype, device: (target, CharTokenizer()))
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    argv = ["--prompts", "sharegpt-heldout", "--heads", str(heads_dir), "--methods", "baseline", "--tree-nodes", "4",
+            "--max-new-tokens", "3", "--warmup", "0", "--out", str(out)]
+    assert bench.main(argv) == 0
+    report = read_report(out / "report.json")
+    assert seen == ["my-chats.jsonl"]
+    assert [(s.question_id, s.category) for s in report.samples] == [("c3", "sharegpt"), ("c7", "sharegpt")]
+    assert list(report.methods) == ["baseline", "medusa-tiny"] and report.settings.prompts_source == "sharegpt-heldout"
+
+
 def test_draft_model_method_runs():
     target, tokenizer = tiny_llama(), CharTokenizer()
     # sampling, so that drafts get rejected and the draft model's cache is cut back
