@@ -71,7 +71,7 @@ class EagleDrafter:
         depth: maximum draft depth d (tokens beyond the root); one head forward per level.
         top_k: candidates per expansion and nodes expanded per level; ``top_k=1`` drafts a chain.
         total_tokens: draft tokens kept after reranking (the root excluded), so a tree has at most
-            ``total_tokens + 1`` nodes (EAGLE-2's ``total_token``). :func:`selfspec.api.make_drafter` can
+            ``total_tokens + 1`` nodes (EAGLE-2's ``total_token``). the public API's ``make_drafter`` can
             size depth and total_tokens to the machine (:mod:`selfspec.decode.budget`).
 
     Raises:
@@ -101,7 +101,7 @@ class EagleDrafter:
         self._tokens: torch.Tensor | None = None  # [m] tokens paired with all but the last pending feature
         # Diagnostics of the last propose(): every candidate (creation order) and which were kept.
         self.last_candidates: dict[str, torch.Tensor] | None = None
-        # How depth / total_tokens were set: "given" (here), "default" or "auto" (by selfspec.api.make_drafter,
+        # How depth / total_tokens were set: "given" (here), "default" or "auto" (by the public API's make_drafter,
         # which then also sets ``budget``, a selfspec.decode.budget.TreeBudget with the expected gain).
         self.budget_source = "given"
         self.budget: TreeBudget | None = None

@@ -9,8 +9,9 @@ distribution p is processed exactly as plain ``generate`` would process it at th
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,7 +19,11 @@ from selfspec.decode import kv
 from selfspec.decode.drafters import Drafter, DraftTree
 from selfspec.decode.sampling import SamplingConfig, probs_from_logits, process_logits, sample
 from selfspec.decode.tree import tree_depths
+from selfspec.decode.verifier import Verifier, as_verifier
 from selfspec.decode.verify import VerifyResult, verify_greedy, verify_tree_sampling, verify_typical
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -169,7 +174,7 @@ def target_distributions(
 
 @torch.inference_mode()
 def speculative_generate(
-    model,
+    verifier: Verifier | PreTrainedModel,
     drafter: Drafter,
     input_ids: torch.Tensor,
     *,
@@ -188,7 +193,9 @@ def speculative_generate(
     """Generate with draft-and-verify; output equals the target's own (see module docstring).
 
     Args:
-        model: the frozen target (``transformers`` causal LM), batch size 1.
+        verifier: the :class:`~selfspec.decode.verifier.Verifier` of the frozen target (its kernel plan
+            speeds up tree verification), or the target itself (``transformers`` causal LM, batch size 1),
+            then verified with plain kernels.
         drafter: a :class:`~selfspec.decode.drafters.Drafter`.
         input_ids: LongTensor ``[T]`` or ``[1, T]``, the prompt.
         max_new_tokens: hard cap on returned tokens (never exceeded).
@@ -203,7 +210,7 @@ def speculative_generate(
         step_callback: called after each verification with the step's draft tree and its
             :class:`~selfspec.decode.verify.VerifyResult`, before the drafter is told what was accepted
             (so drafter diagnostics such as ``last_candidates`` still describe this tree). For measurements
-            (:func:`selfspec.decode.budget.calibrate_acceptance`); it must not modify its arguments.
+            (:func:`selfspec.decode.calibration.calibrate_acceptance`); it must not modify its arguments.
 
     Returns:
         :class:`GenerationOutput`.
@@ -221,17 +228,18 @@ def speculative_generate(
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
-    device = next(model.parameters()).device
+    verifier = as_verifier(verifier)
+    device = next(verifier.target.parameters()).device
     input_ids = input_ids.to(device)
     stats = GenerationStats(lossy=acceptance == "typical")
     stopper = _Stopper(eos_ids, stop_strings, tokenizer, max_new_tokens)
     t0 = time.perf_counter()
 
-    cache = kv.new_cache(model)
-    hidden = kv.prefill(model, input_ids, cache)
+    cache = verifier.new_cache()
+    hidden = verifier.prefill(input_ids, cache)
     root_tree = DraftTree(tokens=input_ids[-1:], parents=torch.tensor([-1]))
     p0 = target_distributions(
-        kv.lm_logits(model, hidden[-1:]), input_ids, root_tree, sampling, logits_processor, 0, min_new_tokens, eos_ids,
+        verifier.lm_logits(hidden[-1:]), input_ids, root_tree, sampling, logits_processor, 0, min_new_tokens, eos_ids,
         torch.zeros(1, dtype=torch.long),
     )
     first = int(sample(probs_from_logits(p0), generator)[0]) if sampling.do_sample else int(p0[0].argmax())
@@ -248,8 +256,8 @@ def speculative_generate(
         t1 = time.perf_counter()
         tree = drafter.propose(context, sampling, generator)
         t2 = time.perf_counter()
-        h = kv.forward_tree(model, tree.tokens, tree.parents, cache, past)
-        logits = kv.lm_logits(model, h)
+        h = verifier.forward_tree(tree.tokens, tree.parents, cache, past)
+        logits = verifier.lm_logits(h)
         depths = tree_depths(tree.parents.cpu())  # once per step: processing and statistics share it
         p = target_distributions(
             logits, context, tree, sampling, logits_processor, len(out), min_new_tokens, eos_ids, depths

@@ -12,8 +12,8 @@ costs the target exactly one call to its public ``forward`` with a 4-D attention
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -2,7 +2,7 @@
 
 Why: a tree of N nodes is worth verifying only while one target forward over N nodes costs little more
 than over 1 node (memory-bound decoding). This measures that curve on real target shapes, built in place
-with random weights (no download), through selfspec's own ``decode.kv.forward_tree`` after a cached prefix:
+with random weights (no download), through selfspec's own ``Verifier.forward_tree`` after a cached prefix:
 
 * ``135m``: SmolLM2-135M (hidden 576, 30 layers, 9/3 heads, MLP 1536, vocab 49,152, tied embeddings)
 * ``1b``:   Llama-3.2-1B-like (2048, 16 layers, 32/8 heads, MLP 8192, vocab 128,256, tied)
@@ -45,6 +45,7 @@ from selfspec.decode.tree import (
     tree_depths,
     tree_position_ids,
 )
+from selfspec.decode.verifier import Verifier
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 
 SIZES: dict[str, dict] = {
@@ -120,8 +121,9 @@ def cost_curve(model, nodes: list[int], prefix_tokens: int, repeats: int, warmup
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    cache = kv.new_cache(model)
-    kv.prefill(model, torch.randint(3, vocab, (prefix_tokens,), generator=gen).to(device), cache)
+    verifier = Verifier(model)
+    cache = verifier.new_cache()
+    verifier.prefill(torch.randint(3, vocab, (prefix_tokens,), generator=gen).to(device), cache)
     rows = []
     for n in nodes:
         tokens = torch.randint(3, vocab, (n,), generator=gen).to(device)
@@ -130,8 +132,8 @@ def cost_curve(model, nodes: list[int], prefix_tokens: int, repeats: int, warmup
             parents = parents.to(device)
 
             def step() -> None:
-                h = kv.forward_tree(model, tokens, parents, cache, prefix_tokens)
-                kv.lm_logits(model, h)
+                h = verifier.forward_tree(tokens, parents, cache, prefix_tokens)
+                verifier.lm_logits(h)
                 kv.crop_cache(cache, prefix_tokens)
 
             row[f"{shape}_ms"] = median_ms(step, device, repeats, warmup)

@@ -1,11 +1,11 @@
-"""Time the three linear kernels of tree verification (decode/kv.py) on SmolLM2-135M's linear shapes.
+"""Time the three linear kernels of tree verification (decode/cpu_linear.py) on SmolLM2-135M's linear shapes.
 
     python scripts/linear_kernels.py [--threads 2] [--repeats 7]
 
 For 1..24 rows: summed median ms over the 210 backbone weights (random weights of the real shapes) for
 plain ``linear``, ``W @ x^T`` and oneDNN on weights packed once, then the lm_head (49,152 x 576) alone;
 each size's kernels are interleaved. Ends with the resident-memory growth when the real target's weights
-are packed (``kv.set_linear_kernels``). CPU only; the figures quoted in docs/RESULTS.md (round 5) came from it.
+are packed (``Verifier.set_plan``). CPU only; the figures quoted in docs/RESULTS.md (round 5) came from it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from selfspec.decode import kv
+from selfspec.decode import cpu_linear
+from selfspec.decode.verifier import Verifier
 
 SHAPES = {(576, 576): 60, (192, 576): 60, (1536, 576): 60, (576, 1536): 30}  # SmolLM2-135M: 30 layers
 LM_HEAD = (49152, 576)
@@ -38,11 +39,11 @@ def main() -> None:
     torch.manual_seed(0)
     shapes = {**SHAPES, LM_HEAD: 1}
     weights = {s: [torch.randn(*s) * 0.02 for _ in range(n)] for s, n in shapes.items()}
-    packed = {s: [kv._pack(w) for w in ws] for s, ws in weights.items()}
+    packed = {s: [cpu_linear.pack_weight(w) for w in ws] for s, ws in weights.items()}
     kernels = {
         "linear": lambda x, w, pw: F.linear(x, w),
         "W @ x^T": lambda x, w, pw: torch.mm(w, x.T),
-        "packed": lambda x, w, pw: kv._packed_product(x, pw, None),
+        "packed": lambda x, w, pw: cpu_linear.packed_linear(x, pw, None),
     }
     print(f"{'rows':>4} " + " ".join(f"{k:>9}" for k in kernels) + " | lm_head " + " ".join(f"{k:>9}" for k in kernels))
     with torch.inference_mode():
@@ -65,11 +66,12 @@ def main() -> None:
         from selfspec.target import load_target
 
         model = load_target("smollm2-135m-instruct")[0].eval()
-        kv.prefill(model, torch.arange(64), kv.new_cache(model))  # touch every weight
+        verifier = Verifier(model)
+        verifier.prefill(torch.arange(64), verifier.new_cache())  # touch every weight
         before = _rss_mb()
-        kv.set_linear_kernels(model, {2: "packed"})
+        verifier.set_plan({2: "packed"})
         grown = _rss_mb() - before
-        size = sum(m.weight.numel() * 4 for m in kv._linears(model)) + model.get_output_embeddings().weight.numel() * 4
+        size = verifier.packed_bytes
         print(f"packing SmolLM2-135M's linear + lm_head weights ({size / 2**20:.0f} MB): resident memory +{grown:.0f} MB")
 
 

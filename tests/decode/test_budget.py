@@ -1,4 +1,4 @@
-"""decode/budget.py: the budget choice on hand-made profiles, acceptance calibration checked against real
+"""decode/budget.py, costs.py, calibration.py: the budget choice on hand-made profiles, acceptance calibration checked against real
 smaller-budget runs, cost/acceptance profile files and caching, and make_drafter's "auto" budget."""
 
 from __future__ import annotations
@@ -9,19 +9,20 @@ import logging
 import pytest
 import torch
 
-from selfspec.api import make_drafter
-from selfspec.decode import budget as tb
-from selfspec.decode import kv
-from selfspec.decode.budget import AcceptanceProfile, CostProfile, choose_tree_budget
+from selfspec.api import make_drafter, make_verifier
+from selfspec.decode import budget, calibration, costs, files
+from selfspec.decode.budget import choose_tree_budget
+from selfspec.decode.calibration import AcceptanceProfile
+from selfspec.decode.costs import CostProfile
 from selfspec.decode.eagle import DEFAULT_DEPTH, DEFAULT_TOTAL_TOKENS, EagleDrafter
 from selfspec.decode.generate import speculative_generate
-from selfspec.decode.kv import crop_cache, forward_tree, lm_logits, new_cache, prefill
+from selfspec.decode.kv import crop_cache, new_cache
 from selfspec.decode.sampling import SamplingConfig
+from selfspec.decode.verifier import Verifier
 from selfspec.decode.verify import verify_greedy
 from selfspec.heads import load_heads
 from selfspec.heads.config import HeadFormatError
 from tests.decode.test_eagle_decode import SecondBestHead, prompts, random_head, reference
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -110,7 +111,7 @@ def test_draft_cost_and_overrides_shift_the_choice():
 
 def test_table_text_marks_the_choice():
     b = choose_tree_budget(cost([1, 8], [10.0, 10.0]), acceptance(TAU), FLAT_DRAFT)
-    text = tb.budget_table_text(b, columns=(1, 2, 4))
+    text = budget.budget_table_text(b, columns=(1, 2, 4))
     assert "2.60*" in text and "2.60x*" in text and "6" in text.splitlines()[1]
 
 
@@ -130,13 +131,13 @@ def test_calibration_predicts_smaller_budgets_exactly(oracle):
     t, head = oracle
     ids = prompts(8, seed=11)
     top_k, depth_max, n_max = 3, 4, 14
-    profile = tb.calibrate_acceptance(t, EagleDrafter(head, t, 2, top_k, 5), ids, max_new_tokens=2,
+    profile = calibration.calibrate_acceptance(t, EagleDrafter(head, t, 2, top_k, 5), ids, max_new_tokens=2,
                                       total_tokens_max=n_max, depth_max=depth_max)
     assert (profile.steps, profile.prompts, profile.depth_max, profile.total_tokens_max) == (8, 8, depth_max, n_max)
     assert profile.tau[-1][-1] > 2.0  # the oracle's drafts are accepted: the table is not all ones
     checked_inexact = 0
     for d in range(1, depth_max + 1):
-        for n in range(1, min(n_max, tb.num_candidates(top_k, d)) + 1):
+        for n in range(1, min(n_max, calibration.num_candidates(top_k, d)) + 1):
             real = [first_step_tokens(t, head, x, d, top_k, n) for x in ids]
             if profile.inexact_steps[d - 1][n - 1] == 0:
                 assert profile.tau_at(d, n) == pytest.approx(sum(real) / len(real), abs=1e-12), (d, n)
@@ -182,7 +183,7 @@ def test_step_acceptance_equals_real_verification_step_by_step(oracle, second_be
     rec = Recorder()
 
     def on_step(tree, result):
-        predicted, inexact = tb.step_acceptance(big.last_candidates, result.accepted_nodes, result.next_token,
+        predicted, inexact = calibration.step_acceptance(big.last_candidates, result.accepted_nodes, result.next_token,
                                                 depth_max, n_max)
         steps.append((rec.context, predicted, inexact, result.num_accepted))
 
@@ -198,13 +199,14 @@ def test_step_acceptance_equals_real_verification_step_by_step(oracle, second_be
     for context, predicted, inexact, big_accepted in steps:
         assert int(predicted[depth_max - 1, n_max - 1]) == big_accepted
         cache = new_cache(t)
-        hidden = prefill(t, context[:-1], cache)
+        verifier = Verifier(t)
+        hidden = verifier.prefill(context[:-1], cache)
         for d in range(1, depth_max + 1):
-            for n in range(1, min(n_max, tb.num_candidates(top_k, d)) + 1):
+            for n in range(1, min(n_max, calibration.num_candidates(top_k, d)) + 1):
                 drafter = EagleDrafter(head, t, d, top_k, n)
                 drafter.begin(context[:-1], hidden)
                 tree = drafter.propose(context, SamplingConfig(), None)
-                logits = lm_logits(t, forward_tree(t, tree.tokens, tree.parents, cache, context.numel() - 1))
+                logits = verifier.lm_logits(verifier.forward_tree(tree.tokens, tree.parents, cache, context.numel() - 1))
                 crop_cache(cache, context.numel() - 1)
                 real = verify_greedy(logits, tree.tokens, tree.parents).num_accepted
                 if inexact[d - 1, n - 1]:
@@ -228,15 +230,15 @@ def test_step_acceptance_hand_built():
         "kept": torch.tensor([0, 2, 4, 5]),
     }
     # the target continues 10 12 14 15: every budget accepts its part of the path
-    acc, inexact = tb.step_acceptance(cand, torch.tensor([0, 1, 2, 3, 4]), 99, 4, 4)
+    acc, inexact = calibration.step_acceptance(cand, torch.tensor([0, 1, 2, 3, 4]), 99, 4, 4)
     assert acc.tolist() == [[1, 1, 1, 1], [1, 2, 2, 2], [1, 2, 3, 3], [1, 2, 3, 4]] and not inexact.any()
     # 10 12 then 16, which no candidate has
-    acc, inexact = tb.step_acceptance(cand, torch.tensor([0, 1, 2]), 16, 4, 4)
+    acc, inexact = calibration.step_acceptance(cand, torch.tensor([0, 1, 2]), 16, 4, 4)
     assert acc.tolist() == [[1, 1, 1, 1], [1, 2, 2, 2], [1, 2, 2, 2], [1, 2, 2, 2]] and not inexact.any()
     # the target wants 11 first: the big tree dropped candidate 1, budgets that keep it accept it. Ranks of 1:
     # among depth <= 1: 1 (kept from N = 2); depth <= 2: 2 (N >= 3), and its child 3 ranks 3, so at N = 4 the
     # target's choice after 11 is unknown: a lower bound; depth <= 3: rank 3 (N = 4), child beyond N; depth 4: 4.
-    acc, inexact = tb.step_acceptance(cand, torch.tensor([0]), 11, 4, 4)
+    acc, inexact = calibration.step_acceptance(cand, torch.tensor([0]), 11, 4, 4)
     assert acc.tolist() == [[0, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0]]
     assert inexact.nonzero().tolist() == [[1, 3]]
 
@@ -244,12 +246,12 @@ def test_step_acceptance_hand_built():
 def test_calibration_restores_the_drafter_and_refuses_empty_runs(oracle):
     t, head = oracle
     drafter = EagleDrafter(head, t, 2, 2, 3)
-    tb.calibrate_acceptance(t, drafter, prompts(1), max_new_tokens=4, total_tokens_max=6, depth_max=3)
+    calibration.calibrate_acceptance(t, drafter, prompts(1), max_new_tokens=4, total_tokens_max=6, depth_max=3)
     assert (drafter.depth, drafter.total_tokens) == (2, 3)
     with pytest.raises(ValueError, match="no verification step"):
-        tb.calibrate_acceptance(t, drafter, prompts(1), max_new_tokens=1)
+        calibration.calibrate_acceptance(t, drafter, prompts(1), max_new_tokens=1)
     with pytest.raises(ValueError, match="at least one prompt"):
-        tb.calibrate_acceptance(t, drafter, [])
+        calibration.calibrate_acceptance(t, drafter, [])
 
 
 # ------------------------------------------------------------------------------------------------ files
@@ -257,8 +259,8 @@ def test_calibration_restores_the_drafter_and_refuses_empty_runs(oracle):
 
 def test_cost_profile_json_round_trip(tmp_path):
     c = cost([1, 2, 4], [10.0, 11.5, 13.25])
-    path = tb.save_cost_profile(c, tmp_path / "p.json")
-    assert tb.load_cost_profile(path) == c
+    path = costs.save_cost_profile(c, tmp_path / "p.json")
+    assert costs.load_cost_profile(path) == c
     data = json.loads(path.read_text())
     for broken in ({**data, "verify_ms": [1.0, 2.0]}, {**data, "node_counts": [2, 1, 4]}, {**data, "extra": 1},
                    {**data, "threads": "1"}, {**data, "version": 99}, [1, 2]):
@@ -280,7 +282,7 @@ def test_cost_profile_kernel_plan_and_validation(tmp_path):
     assert cost([1, 2], [1.0, 2.0]).kernel_plan() == {}
     assert cost([1, 2], [1.0, 2.0]).verify_ms_linear == (1.0, 2.0)  # no curves given: the curve is plain linear
     assert cost([2, 4], [3.0, 4.0]).plain_step_ms == 3.0  # 1 node not measured: the smallest size
-    assert tb.load_cost_profile(tb.save_cost_profile(c, tmp_path / "w.json")) == c
+    assert costs.load_cost_profile(costs.save_cost_profile(c, tmp_path / "w.json")) == c
     with pytest.raises(ValueError, match="was not measured"):
         cost([1, 2], [1.0, 2.0], kernels=("linear", "packed"))
     with pytest.raises(ValueError, match="kernels must name"):
@@ -301,115 +303,113 @@ def test_measure_cost_profile_keeps_the_fastest_kernel_per_size(oracle, monkeypa
     """Every kernel is measured where it applies (weight-first at 2..32 nodes), the fastest kept per size,
     the installed kernels restored; the timings here are made up so the choice is known."""
     t, _ = oracle
-    packed = tb.available_kernels(t) == ("linear", "weight_first", "packed")
+    packed = costs.available_kernels(t) == ("linear", "weight_first", "packed")
     fake = {(1, "linear"): 10.0, (2, "linear"): 13.0, (2, "weight_first"): 11.0, (4, "linear"): 14.0,
             (4, "weight_first"): 16.0, (40, "linear"): 30.0}
     if packed:
         fake |= {(1, "packed"): 10.5, (2, "packed"): 12.0, (4, "packed"): 13.5, (40, "packed"): 29.0}
     seen = []
 
-    def medians(fns, repeats, device):
+    def medians(fns, repeats, device, desc=None):
         seen.append(set(fns))
         for fn in fns.values():
             fn()  # each runs a real verification, with its kernel installed
         return {k: fake[k] for k in fns}
 
-    monkeypatch.setattr(tb, "_interleaved_medians", medians)
-    kv.set_linear_kernels(t, {7: "weight_first"})
-    try:
-        p = tb.measure_cost_profile(t, node_counts=(1, 2, 4, 40), context_length=8)
-        assert seen[-1] == set(fake)
-        if packed:
-            assert p.kernels == ("linear", "weight_first", "packed", "packed")
-            assert p.verify_ms == (10.0, 11.0, 13.5, 29.0)
-            assert p.kernel_ms["packed"] == (10.5, 12.0, 13.5, 29.0)
-        else:
-            assert p.kernels == ("linear", "weight_first", "linear", "linear")
-        assert p.kernel_ms["linear"] == (10.0, 13.0, 14.0, 30.0)
-        assert p.kernel_ms["weight_first"] == (None, 11.0, 16.0, None)
-        assert kv.linear_kernels(t) == {7: "weight_first"}  # restored
-        assert getattr(t, kv._PACKED_ATTR, None) is None  # the packed copy made for measuring is freed
-        p = tb.measure_cost_profile(t, node_counts=(1, 2, 4, 40), context_length=8, kernels=("linear",))
-        assert seen[-1] == {(1, "linear"), (2, "linear"), (4, "linear"), (40, "linear")}
-        assert p.kernels == ("linear",) * 4 and set(p.kernel_ms) == {"linear"}
-        with pytest.raises(ValueError, match="unknown kernel"):
-            tb.measure_cost_profile(t, node_counts=(1, 2), context_length=8, kernels=("fast",))
-    finally:
-        kv.set_linear_kernels(t, {})
+    monkeypatch.setattr(costs, "_interleaved_medians", medians)
+    before = {name: dict(m.__dict__) for name, m in t.named_modules()}
+    p = costs.measure_cost_profile(t, node_counts=(1, 2, 4, 40), context_length=8)
+    assert seen[-1] == set(fake)
+    if packed:
+        assert p.kernels == ("linear", "weight_first", "packed", "packed")
+        assert p.verify_ms == (10.0, 11.0, 13.5, 29.0)
+        assert p.kernel_ms["packed"] == (10.5, 12.0, 13.5, 29.0)
+    else:
+        assert p.kernels == ("linear", "weight_first", "linear", "linear")
+    assert p.kernel_ms["linear"] == (10.0, 13.0, 14.0, 30.0)
+    assert p.kernel_ms["weight_first"] == (None, 11.0, 16.0, None)
+    # the target is untouched: no attribute, no packed copy, no forward of its own
+    assert {name: dict(m.__dict__) for name, m in t.named_modules()}.keys() == before.keys()
+    assert all(m.__dict__.keys() == before[name].keys() for name, m in t.named_modules())
+    p = costs.measure_cost_profile(t, node_counts=(1, 2, 4, 40), context_length=8, kernels=("linear",))
+    assert seen[-1] == {(1, "linear"), (2, "linear"), (4, "linear"), (40, "linear")}
+    assert p.kernels == ("linear",) * 4 and set(p.kernel_ms) == {"linear"}
+    with pytest.raises(ValueError, match="unknown kernel"):
+        costs.measure_cost_profile(t, node_counts=(1, 2), context_length=8, kernels=("fast",))
 
 
 def test_cost_profile_is_cached_and_remeasured_on_mismatch_or_corruption(oracle, monkeypatch, caplog):
     t, _ = oracle
     sizes = (1, 2, 3, 5)
-    first = tb.get_cost_profile(t, node_counts=sizes, context_length=16)
-    path = tb.cost_profile_path(t)
-    assert path.is_file() and path.parent == tb.profiles_dir() and first.node_counts == sizes
-    assert first.key == tb.cost_key(t) and all(v > 0 for v in first.verify_ms)
+    first = costs.get_cost_profile(t, node_counts=sizes, context_length=16)
+    path = costs.cost_profile_path(t)
+    assert path.is_file() and path.parent == files.profiles_dir() and first.node_counts == sizes
+    assert first.key == costs.cost_key(t) and all(v > 0 for v in first.verify_ms)
     measured = []
-    real_measure = tb.measure_cost_profile
+    real_measure = costs.measure_cost_profile
 
     def counting(*args, **kwargs):
         measured.append(1)
         return real_measure(*args, **kwargs)
 
-    monkeypatch.setattr(tb, "measure_cost_profile", counting)
-    assert tb.get_cost_profile(t, node_counts=sizes, context_length=16) == first and not measured
+    monkeypatch.setattr(costs, "measure_cost_profile", counting)
+    assert costs.get_cost_profile(t, node_counts=sizes, context_length=16) == first and not measured
     # a cached file measured elsewhere (here: another torch version) is never used
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "torch": "0.0.1"}))
-    with caplog.at_level(logging.WARNING, logger="selfspec.decode.budget"):
-        again = tb.get_cost_profile(t, node_counts=sizes, context_length=16)
+    with caplog.at_level(logging.WARNING, logger="selfspec.decode.costs"):
+        again = costs.get_cost_profile(t, node_counts=sizes, context_length=16)
     assert len(measured) == 1 and again.torch == torch.__version__ and "measuring it again" in caplog.text
     caplog.clear()
     path.write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="selfspec.decode.budget"):
-        tb.get_cost_profile(t, node_counts=sizes, context_length=16)
+    with caplog.at_level(logging.WARNING, logger="selfspec.decode.costs"):
+        costs.get_cost_profile(t, node_counts=sizes, context_length=16)
     assert len(measured) == 2 and "unreadable" in caplog.text
-    assert tb.load_cost_profile(path).key == tb.cost_key(t)  # rewritten
+    assert costs.load_cost_profile(path).key == costs.cost_key(t)  # rewritten
     # another thread count is another machine setting: its own file
     torch.set_num_threads(2)
     try:
-        assert tb.cost_profile_path(t) != path
+        assert costs.cost_profile_path(t) != path
     finally:
         torch.set_num_threads(1)
     # refresh measures even with a good file
-    tb.get_cost_profile(t, refresh=True, node_counts=sizes, context_length=16)
+    costs.get_cost_profile(t, refresh=True, node_counts=sizes, context_length=16)
     assert len(measured) == 3
 
 
 def test_draft_cost_measured_per_depth_and_cached(oracle):
     t, head = oracle
     drafter = EagleDrafter(head, t, 3, 2, 5)
-    ms = tb.get_draft_cost(drafter, t, [1, 2, 3])
+    ms = costs.get_draft_cost(drafter, t, [1, 2, 3])
     assert set(ms) == {1, 2, 3} and all(v > 0 for v in ms.values()) and drafter.depth == 3
-    assert tb.draft_cost_path(drafter, t).is_file()
-    assert tb.get_draft_cost(drafter, t, [2]) == {2: ms[2]}
-    tb.draft_cost_path(drafter, t).write_text("[]")
-    assert set(tb.get_draft_cost(drafter, t, [1])) == {1}  # corrupt: re-measured, no crash
+    assert costs.draft_cost_path(drafter, t).is_file()
+    assert costs.get_draft_cost(drafter, t, [2]) == {2: ms[2]}
+    costs.draft_cost_path(drafter, t).write_text("[]")
+    assert set(costs.get_draft_cost(drafter, t, [1])) == {1}  # corrupt: re-measured, no crash
 
 
 @pytest.fixture
 def head_dir(oracle, tmp_path):
     t, head = oracle
     d = head.save_pretrained(tmp_path / "heads")
-    profile = tb.calibrate_acceptance(t, EagleDrafter(head, t, 1, 2, 1), prompts(3, seed=13), max_new_tokens=8,
+    profile = calibration.calibrate_acceptance(t, EagleDrafter(head, t, 1, 2, 1), prompts(3, seed=13), max_new_tokens=8,
                                       total_tokens_max=10, depth_max=4)
-    tb.save_acceptance_profile(profile, d)
+    calibration.save_acceptance_profile(profile, d)
     return d
 
 
 def test_acceptance_profile_round_trip_and_heads_still_load(oracle, head_dir):
     t, head = oracle
-    profile = tb.load_acceptance_profile(head_dir, target=t)
-    assert profile is not None and profile.head_digest == tb.head_files_digest(head_dir)
+    profile = calibration.load_acceptance_profile(head_dir, target=t)
+    assert profile is not None and profile.head_digest == calibration.head_files_digest(head_dir)
     assert AcceptanceProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
     loaded = load_heads(head_dir, target=t)  # the extra file does not disturb the head loader
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), head.state_dict().values()))
-    assert tb.load_acceptance_profile(head_dir.parent) is None  # no file: no profile
+    assert calibration.load_acceptance_profile(head_dir.parent) is None  # no file: no profile
 
 
 def test_bad_acceptance_profile_raises_head_format_error(head_dir):
-    path = head_dir / tb.ACCEPTANCE_PROFILE_NAME
+    path = head_dir / calibration.ACCEPTANCE_PROFILE_NAME
     good = json.loads(path.read_text())
     shrunk = {**good, "tau": good["tau"][:-1]}
     decreasing = {**good, "tau": [row[::-1] if i == 3 else row for i, row in enumerate(good["tau"])]}
@@ -417,16 +417,16 @@ def test_bad_acceptance_profile_raises_head_format_error(head_dir):
                    json.dumps({**good, "steps": 0}), json.dumps({**good, "tau": [[0.5] * 10] * 4})):
         path.write_text(broken)
         with pytest.raises(HeadFormatError, match="selfspec tune-tree"):
-            tb.load_acceptance_profile(head_dir)
+            calibration.load_acceptance_profile(head_dir)
 
 
 def test_profile_of_other_weights_is_ignored(oracle, head_dir, caplog):
     t, head = oracle
     head.save_pretrained(head_dir)  # same weights: same digest
-    assert tb.load_acceptance_profile(head_dir) is not None
+    assert calibration.load_acceptance_profile(head_dir) is not None
     random_head(t).save_pretrained(head_dir)  # "retrained"
-    with caplog.at_level(logging.WARNING, logger="selfspec.decode.budget"):
-        assert tb.load_acceptance_profile(head_dir) is None
+    with caplog.at_level(logging.WARNING, logger="selfspec.decode.costs"):
+        assert calibration.load_acceptance_profile(head_dir) is None
     assert "other head weights" in caplog.text
     assert make_drafter(t, head_dir).budget_source == "default"
 
@@ -442,23 +442,23 @@ def test_make_drafter_auto_budget_keeps_greedy_exact(oracle, head_dir):
     assert (drafter.depth, drafter.total_tokens, drafter.top_k) == (b.depth, b.total_tokens, 2)
     assert 1 <= b.depth <= 4 and 1 <= b.total_tokens <= 10 and b.expected_tau >= 1.0
     assert (b.depth, b.total_tokens) in {(o.depth, o.total_tokens) for o in b.table}
-    assert tb.cost_profile_path(t).is_file()  # measured once, cached
+    assert costs.cost_profile_path(t).is_file()  # measured once, cached
     # verification runs the way its cost was measured
-    assert kv.linear_kernels(t) == tb.load_cost_profile(tb.cost_profile_path(t)).kernel_plan()
+    verifier = make_verifier(t, drafter)
+    assert verifier.plan == costs.load_cost_profile(costs.cost_profile_path(t)).kernel_plan()
     for ids in prompts(2, seed=14):
-        assert speculative_generate(t, drafter, ids, max_new_tokens=20).tokens == reference(t, ids, 20)
+        assert speculative_generate(verifier, drafter, ids, max_new_tokens=20).tokens == reference(t, ids, 20)
     again = make_drafter(t, head_dir, depth="auto", total_tokens="auto")
     assert again.budget == b  # from the cached profiles
 
 
 def test_make_drafter_overrides_and_fallbacks(oracle, head_dir):
     t, head = oracle
-    kv.set_linear_kernels(t, {33: "weight_first", 5: "weight_first"})  # 33 is outside 2..32: never planned
-    assert kv.linear_kernels(t) == {5: "weight_first"}
     fixed = make_drafter(t, head_dir, depth=3, total_tokens=5)
     assert (fixed.depth, fixed.total_tokens, fixed.budget_source, fixed.budget) == (3, 5, "given", None)
     # a given budget still verifies with the kernels the cost profile measured fastest
-    assert kv.linear_kernels(t) == tb.get_cost_profile(t).kernel_plan() != {5: "weight_first"}
+    assert make_verifier(t, fixed).plan == costs.get_cost_profile(t).kernel_plan()
+    assert make_verifier(t, fixed, tune="off").plan == {}
     half = make_drafter(t, head_dir, total_tokens=4)
     assert half.total_tokens == 4 and half.budget_source == "auto" and half.budget.total_tokens == 4
     other_k = make_drafter(t, head_dir, top_k=3)  # the profile holds for top_k 2 only
@@ -468,7 +468,7 @@ def test_make_drafter_overrides_and_fallbacks(oracle, head_dir):
     assert (too_deep.depth, too_deep.total_tokens, too_deep.budget_source) == (9, DEFAULT_TOTAL_TOKENS, "default")
     # a module: defaults, unless it carries a profile
     assert make_drafter(t, head).budget_source == "default"
-    head.acceptance_profile = tb.load_acceptance_profile(head_dir)
+    head.acceptance_profile = calibration.load_acceptance_profile(head_dir)
     try:
         assert make_drafter(t, head).budget_source == "auto"
     finally:
@@ -485,12 +485,13 @@ def test_make_drafter_medusa_installs_the_measured_linears(monkeypatch):
     t = tiny_llama(seed=9)
     made = cost([1, 2, 4, 8], [10.0, 11.0, 12.0, 15.0], kernels=("linear", "weight_first", "linear", "linear"),
                 kernel_ms={"linear": (10.0, 13.0, 12.0, 15.0), "weight_first": (None, 11.0, 13.0, 16.0)})
-    monkeypatch.setattr(tb, "measure_cost_profile", lambda target, *a, **k: made)
-    monkeypatch.setattr(tb, "cost_key", lambda target: made.key)
+    monkeypatch.setattr(costs, "measure_cost_profile", lambda target, *a, **k: made)
+    monkeypatch.setattr(costs, "cost_key", lambda target: made.key)
     drafter = make_drafter(t, random_heads(t))
-    assert kv.linear_kernels(t) == {2: "weight_first", 3: "weight_first"} and tb.cost_profile_path(t).is_file()
+    verifier = make_verifier(t, drafter)
+    assert verifier.plan == {2: "weight_first", 3: "weight_first"} and costs.cost_profile_path(t).is_file()
     ids = prompts(1, seed=4)[0]
-    assert speculative_generate(t, drafter, ids, max_new_tokens=16).tokens == reference(t, ids, 16)
+    assert speculative_generate(verifier, drafter, ids, max_new_tokens=16).tokens == reference(t, ids, 16)
 
 
 # ------------------------------------------------------------------------------------------------ Medusa
@@ -507,7 +508,7 @@ def test_medusa_tree_scores_and_estimated_tau_by_hand():
     assert [p for p, _ in scored] == [(0,), (1,), (0, 0), (0, 1)] == greedy_tree_from_accuracy(ACC, 5)
     assert [round(x, 6) for _, x in scored] == [0.5, 0.2, 0.1, 0.05]
     flat = cost([1, 8], [10.0, 10.0])
-    size = tb.choose_medusa_tree_nodes(flat, ACC, max_nodes=8)
+    size = budget.choose_medusa_tree_nodes(flat, ACC, max_nodes=8)
     # all 6 paths of the 2x2 heads fit (a 7-node tree); tau = 1 + .5 + .2 + .1 + .05 + .04 + .02
     assert size.num_nodes == 7 and size.expected_tau == pytest.approx(1.91)
     assert [n for n, _, _ in size.table] == [2, 3, 4, 5, 6, 7]
@@ -516,16 +517,16 @@ def test_medusa_tree_scores_and_estimated_tau_by_hand():
 
 def test_medusa_tree_size_follows_the_cost_curve():
     steep = cost([1, 2, 3, 4], [10.0, 12.0, 20.0, 30.0])
-    size = tb.choose_medusa_tree_nodes(steep, ACC)
+    size = budget.choose_medusa_tree_nodes(steep, ACC)
     assert size.num_nodes == 2 and size.expected_speedup == pytest.approx(1.5 * 10 / 12)
     # 3 nodes become cheap: tau 1.7 at 12.5 ms beats 1.5 at 12 ms
     dip = cost([1, 2, 3, 4], [10.0, 12.0, 12.5, 30.0])
-    assert tb.choose_medusa_tree_nodes(dip, ACC).num_nodes == 3
-    assert tb.choose_medusa_tree_nodes(dip, ACC, draft_ms=100.0).num_nodes == 3
+    assert budget.choose_medusa_tree_nodes(dip, ACC).num_nodes == 3
+    assert budget.choose_medusa_tree_nodes(dip, ACC, draft_ms=100.0).num_nodes == 3
     with pytest.raises(ValueError, match="accuracies"):
-        tb.choose_medusa_tree_nodes(dip, [])
+        budget.choose_medusa_tree_nodes(dip, [])
     with pytest.raises(ValueError, match="max_nodes"):
-        tb.choose_medusa_tree_nodes(dip, ACC, max_nodes=1)
+        budget.choose_medusa_tree_nodes(dip, ACC, max_nodes=1)
 
 
 def test_make_drafter_sizes_the_medusa_tree_unless_told(monkeypatch):
@@ -538,8 +539,8 @@ def test_make_drafter_sizes_the_medusa_tree_unless_told(monkeypatch):
 
     heads.config = dataclasses.replace(heads.config, head_topk_accuracy=ACC)
     steep = cost([1, 2, 3, 4, 48], [10.0, 12.0, 20.0, 30.0, 99.0])
-    monkeypatch.setattr(tb, "measure_cost_profile", lambda target, *a, **k: steep)
-    monkeypatch.setattr(tb, "cost_key", lambda target: steep.key)
+    monkeypatch.setattr(costs, "measure_cost_profile", lambda target, *a, **k: steep)
+    monkeypatch.setattr(costs, "cost_key", lambda target: steep.key)
     auto = make_drafter(t, heads)
     told = make_drafter(t, heads, tree_nodes=5)
     assert auto.tree.head_index.numel() == 2 and told.tree.head_index.numel() == 5

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.conftest import tiny_llama
 
 from selfspec.decode.eagle import EagleDrafter, select_nodes
 from selfspec.decode.generate import speculative_generate
-from selfspec.decode.kv import new_cache, prefill
+from selfspec.decode.kv import new_cache
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import validate_parents
+from selfspec.decode.verifier import Verifier
 from selfspec.heads.eagle import EagleConfig, EagleHead
+from tests.conftest import tiny_llama
 
 D, V = 32, 96
 SETTINGS = [(1, 1, 1), (4, 1, 4), (5, 4, 12), (3, 2, 6), (6, 8, 30)]  # (depth, top_k, total_tokens)
@@ -130,7 +131,7 @@ def test_incremental_state_equals_fresh_start(target):
     speculative_generate(target, rec, prompts(1, seed=3)[0], max_new_tokens=12)
     for context, tree in rec.steps[1::3]:
         fresh = EagleDrafter(head, target, 4, 3, 10)
-        hidden = prefill(target, context[:-1], new_cache(target))
+        hidden = Verifier(target).prefill(context[:-1], new_cache(target))
         fresh.begin(context[:-1], hidden)
         again = fresh.propose(context, SamplingConfig(), None)
         assert torch.equal(again.tokens, tree.tokens) and torch.equal(again.parents, tree.parents)
@@ -200,7 +201,7 @@ def test_dynamic_tree_properties(target, depth, top_k, total):
     drafter = EagleDrafter(head, target, depth, top_k, total)
     ids = prompts(1, seed=6)[0]
     cache = new_cache(target)
-    hidden = prefill(target, ids, cache)
+    hidden = Verifier(target).prefill(ids, cache)
     drafter.begin(ids, hidden)
     root = target.lm_head(hidden[-1:]).argmax(-1)
     tree = drafter.propose(torch.cat([ids, root]), SamplingConfig(), None)

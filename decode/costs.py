@@ -1,0 +1,553 @@
+"""What a decoding step costs here: verification by tree size, EAGLE drafting by depth; profiles on disk.
+
+A bigger draft tree accepts more tokens per step but costs more to verify, and how much more depends on
+the device: on a 2-core CPU a 16-node verification costs ~1.7 single-token passes, on an H200 128 nodes
+cost ~1.2 (DESIGN.md section 6). The budget choice (:mod:`selfspec.decode.budget`, Sequoia-style, Chen et
+al. 2024, arXiv:2402.12374) needs both costs measured on this machine:
+
+* :class:`CostProfile`: median wall ms of one verification (:meth:`Verifier.forward_tree` +
+  :meth:`Verifier.lm_logits`) by tree size, for this target on this device, dtype and thread count. On a
+  CPU each size is measured with every kernel of :data:`~selfspec.decode.cpu_linear.LINEAR_KERNELS`; the
+  fastest is kept per size and becomes the verifier's kernel plan (:func:`tuned_verifier`), so decoding
+  runs the way the cost was measured.
+* the drafting cost by depth (:func:`measure_draft_cost`): ``EagleDrafter.propose`` at each depth.
+
+Both are cached as JSON under ``<cache root>/profiles`` (:func:`~selfspec.decode.files.profiles_dir`),
+keyed by :func:`cost_key`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm.auto import tqdm
+
+from selfspec.decode import cpu_linear, kv
+from selfspec.decode.eagle import EagleDrafter
+from selfspec.decode.files import from_record, now_utc, profiles_dir, read_json, write_json
+from selfspec.decode.sampling import SamplingConfig
+from selfspec.decode.verifier import Verifier
+from selfspec.heads.fingerprint import target_fingerprint
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NODE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
+DEFAULT_CONTEXT_LENGTH = 128
+COST_PROFILE_VERSION = 3  # 3: verify_ms is the fastest of the linear kernels measured
+DRAFT_COST_VERSION = 1
+_COST_FORMAT = "selfspec-verify-cost"
+_DRAFT_FORMAT = "selfspec-draft-cost"
+
+
+# --------------------------------------------------------------------------------------------------
+# What makes two measurements comparable
+
+
+def _device_of(model: PreTrainedModel) -> torch.device:
+    return next(model.parameters()).device
+
+
+def device_description(device: torch.device) -> str:
+    """What a cost measurement ran on: ``"cuda:0 NVIDIA H200"`` or ``"cpu x86_64 (2 cpus)"``."""
+    if device.type == "cuda":
+        return f"{device} {torch.cuda.get_device_name(device)}"
+    return f"{device.type} {platform.machine()} ({os.cpu_count() or 0} cpus)"
+
+
+def cost_key(target: PreTrainedModel) -> dict[str, Any]:
+    """The identity of a cost measurement: target fingerprint, device, dtype, torch threads, torch version.
+
+    A cached profile is reused only when every field is equal.
+    """
+    return {
+        "target_fingerprint": target_fingerprint(target),
+        "device": device_description(_device_of(target)),
+        "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
+def _file_stem(key: Mapping[str, Any], device: torch.device) -> str:
+    slug = device.type + ("" if device.index is None else str(device.index))
+    return f"{key['target_fingerprint']}-{slug}-{key['dtype']}-t{key['threads']}"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _interleaved_medians(
+    fns: Mapping[Any, Callable[[], None]], repeats: Mapping[Any, int], device: torch.device, desc: str | None = None
+) -> dict[Any, float]:
+    """Median wall ms of each ``fns[k]()`` over ``repeats[k]`` calls, after one untimed call each.
+
+    Calls are interleaved round by round (k1, k2, ..., k1, k2, ...) so that a load change on a busy
+    machine shifts every size alike instead of biasing the sizes measured during it. ``desc``: show a
+    tqdm progress bar with this title.
+    """
+    bar = tqdm(total=len(fns) + sum(repeats.values()), desc=desc, leave=False, disable=desc is None)
+    for fn in fns.values():
+        fn()
+        bar.update()
+    times: dict[Any, list[float]] = {k: [] for k in fns}
+    for r in range(max(repeats.values())):
+        for k, fn in fns.items():
+            if r >= repeats[k]:
+                continue
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[k].append((time.perf_counter() - t0) * 1e3)
+            bar.update()
+    bar.close()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Verification cost
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Verification cost of one target on one machine, by tree size.
+
+    Attributes:
+        target_fingerprint, device, dtype, threads, torch: the measurement's identity (:func:`cost_key`).
+        context_length: tokens in the KV cache before the tree.
+        node_counts: tree sizes N measured (root included), strictly increasing, >= 1.
+        verify_ms: median wall milliseconds of ``Verifier.forward_tree`` + ``Verifier.lm_logits`` at each size with the
+            fastest linear kernel measured there (see ``kernels``).
+        kernels: the kernel kept at each size, one of ``cpu_linear.LINEAR_KERNELS`` (all ``"linear"`` by default).
+        kernel_ms: every measured curve, ``{kernel: [ms or None per node count]}``; ``"linear"`` is always
+            there and complete (None where a kernel was not measured at that size).
+        created_utc: ISO 8601 time of the measurement.
+    """
+
+    target_fingerprint: str
+    device: str
+    dtype: str
+    threads: int
+    torch: str
+    context_length: int
+    node_counts: tuple[int, ...]
+    verify_ms: tuple[float, ...]
+    kernels: tuple[str, ...] = ()
+    kernel_ms: Mapping[str, tuple[float | None, ...]] = field(default_factory=dict)
+    created_utc: str = ""
+
+    def __post_init__(self) -> None:
+        n = self.node_counts
+        if not n or len(n) != len(self.verify_ms):
+            raise ValueError("node_counts and verify_ms must be non-empty and of equal length")
+        if self.threads < 1 or self.context_length < 1:
+            raise ValueError("threads and context_length must be positive integers")
+        if any(not isinstance(x, int) or x < 1 for x in n) or any(a >= b for a, b in zip(n, n[1:])):
+            raise ValueError(f"node_counts must be strictly increasing integers >= 1, got {list(n)}")
+        if not self.kernels:
+            object.__setattr__(self, "kernels", ("linear",) * len(n))
+        curves = {k: tuple(v) for k, v in dict(self.kernel_ms).items()}
+        curves.setdefault("linear", tuple(self.verify_ms))
+        object.__setattr__(self, "kernel_ms", curves)
+        if len(self.kernels) != len(n) or any(k not in cpu_linear.LINEAR_KERNELS for k in self.kernels):
+            raise ValueError(f"kernels must name one of {cpu_linear.LINEAR_KERNELS} per node count, got {list(self.kernels)}")
+
+        def ok(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+        if not all(ok(v) for v in self.verify_ms):
+            raise ValueError("verify_ms must be finite positive numbers, one per node count")
+        for name, values in curves.items():
+            if name not in cpu_linear.LINEAR_KERNELS or len(values) != len(n) or not all(v is None or ok(v) for v in values):
+                raise ValueError(f"kernel_ms[{name!r}] must be a known kernel with a finite positive ms or None "
+                                 "per node count")
+        if any(v is None for v in curves["linear"]):
+            raise ValueError("kernel_ms['linear'] must be measured at every node count")
+        for i, kernel in enumerate(self.kernels):
+            if kernel not in curves or curves[kernel][i] is None:
+                raise ValueError(f"kernel {kernel!r} kept at {n[i]} nodes was not measured there")
+
+    @property
+    def verify_ms_linear(self) -> tuple[float, ...]:
+        """The cost curve with plain ``linear`` everywhere."""
+        return tuple(self.kernel_ms["linear"])
+
+    def kernel_plan(self, max_nodes: int = 64) -> dict[int, str]:
+        """The kernel of every tree size 1..``max_nodes`` for :meth:`~selfspec.decode.verifier.Verifier.set_plan`:
+        a size takes the kernel measured at the largest measured size not above it (``"linear"`` below the
+        smallest); ``"weight_first"`` stops at ``cpu_linear.WEIGHT_FIRST_MAX_ROWS``."""
+        plan: dict[int, str] = {}
+        for size in range(1, max_nodes + 1):
+            below = [i for i, m in enumerate(self.node_counts) if m <= size]
+            kernel = self.kernels[below[-1]] if below else "linear"
+            if kernel != "linear" and cpu_linear.kernel_applies(kernel, size):
+                plan[size] = kernel
+        return plan
+
+    @property
+    def key(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("target_fingerprint", "device", "dtype", "threads", "torch")}
+
+    @property
+    def plain_step_ms(self) -> float:
+        """ms of one plain decoding step: one token with plain ``linear`` (what ``generate`` does), from the
+        1-node measurement; the cheapest measured size's cost when 1 node was not measured."""
+        return float(self.kernel_ms["linear"][0] if self.node_counts[0] == 1 else self.verify_ms[0])
+
+    def verify_cost_ms(self, num_nodes: float) -> float:
+        """Expected ms to verify a tree of ``num_nodes`` nodes (root included).
+
+        Piecewise-linear interpolation between the measured medians, exact at measured sizes. Below the
+        smallest size: that size's cost; above the largest: the last segment's slope. The medians are not
+        forced to grow with the size: on CPUs they do not (BLAS picks kernels by shape; on the 2-core
+        development machine 3-node trees measured slower than 4-node ones in every profile), and a
+        monotone fit then makes the cheaper size look dearer than it is.
+        """
+        xs, ys = self.node_counts, self.verify_ms
+        if num_nodes <= xs[0] or len(xs) == 1:
+            return ys[0] if num_nodes <= xs[0] else ys[-1]
+        for i in range(1, len(xs)):
+            if num_nodes <= xs[i]:
+                t = (num_nodes - xs[i - 1]) / (xs[i] - xs[i - 1])
+                return ys[i - 1] + t * (ys[i] - ys[i - 1])
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return ys[-1] + slope * (num_nodes - xs[-1])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": _COST_FORMAT, "version": COST_PROFILE_VERSION, **self.key, "context_length": self.context_length,
+            "node_counts": list(self.node_counts), "verify_ms": list(self.verify_ms), "kernels": list(self.kernels),
+            "kernel_ms": {k: list(v) for k, v in self.kernel_ms.items()}, "created_utc": self.created_utc,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CostProfile:
+        """Parse :meth:`to_dict`'s layout strictly. Raises ValueError on anything else."""
+        return from_record(cls, data, header={"format": _COST_FORMAT, "version": COST_PROFILE_VERSION})
+
+
+def _profile_parents(num_nodes: int) -> torch.Tensor:
+    """A bushy tree of ``num_nodes`` nodes (node i's parent is ``(i - 1) // 2``): from 3 nodes on it takes
+    the tree-mask path of :meth:`Verifier.forward_tree`, as EAGLE-2 trees do."""
+    return torch.tensor([-1] + [(i - 1) // 2 for i in range(1, num_nodes)], dtype=torch.long)
+
+
+def _default_repeats(num_nodes: int) -> int:
+    return 11 if num_nodes <= 8 else 5 if num_nodes <= 16 else 3
+
+
+def available_kernels(target: PreTrainedModel) -> tuple[str, ...]:
+    """The linear kernels worth measuring for ``target`` where it is: all of ``cpu_linear.LINEAR_KERNELS``
+    on a CPU (``"packed"`` only where :meth:`Verifier.packed_available`), ``("linear",)`` elsewhere."""
+    if _device_of(target).type != "cpu":
+        return ("linear",)
+    return ("linear", "weight_first") + (("packed",) if Verifier(target).packed_available() else ())
+
+
+@torch.inference_mode()
+def measure_cost_profile(
+    target: PreTrainedModel,
+    node_counts: Sequence[int] = DEFAULT_NODE_COUNTS,
+    context_length: int = DEFAULT_CONTEXT_LENGTH,
+    repeats: int | None = None,
+    kernels: Sequence[str] | None = None,
+    progress: bool = False,
+) -> CostProfile:
+    """Measure the verification cost curve of ``target`` where it is (device, dtype, threads).
+
+    For each size N: the median wall ms of :meth:`Verifier.forward_tree` over a tree of N nodes plus
+    :meth:`Verifier.lm_logits` over its N hidden states, on a ``DynamicCache`` prefilled with
+    ``context_length`` random tokens (cropped back after every call); one untimed call per size first,
+    sizes interleaved (CUDA synchronised around each call). Each size is measured with every linear
+    kernel in ``kernels`` (``"weight_first"`` only at 2..32 nodes), interleaved, and the fastest is kept
+    per size. About 40 s for SmolLM2-135M on a 2-core CPU with the defaults. The measurement uses a
+    verifier of its own: its packed weights are freed afterwards, and the target is not modified.
+
+    Args:
+        target: the frozen ``transformers`` causal LM.
+        node_counts: tree sizes N (root included), e.g. ``(1, 2, 4, 8)``; sorted and deduplicated here.
+        context_length: cached prefix length (tokens).
+        repeats: timed calls per size and kernel; None = 11 up to 8 nodes, 5 up to 16, 3 beyond.
+        kernels: the kernels to measure; None = :func:`available_kernels`. ``"linear"`` is always measured.
+        progress: announce the measurement (a log line with its rough duration and memory) and show a
+            progress bar.
+
+    Returns:
+        :class:`CostProfile`.
+
+    Raises:
+        ValueError: empty or non-positive ``node_counts``, ``context_length < 1``, an unknown kernel.
+        RuntimeError: ``"packed"`` asked for where it is not available.
+    """
+    sizes = sorted({int(n) for n in node_counts})
+    if not sizes or sizes[0] < 1 or context_length < 1:
+        raise ValueError("need node counts >= 1 and context_length >= 1")
+    kernels = tuple(dict.fromkeys(("linear", *(available_kernels(target) if kernels is None else kernels))))
+    if any(k not in cpu_linear.LINEAR_KERNELS for k in kernels):
+        raise ValueError(f"unknown kernel in {list(kernels)}; choose from {', '.join(cpu_linear.LINEAR_KERNELS)}")
+    device = _device_of(target)
+    gen = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    verifier = Verifier(target)
+    cache = verifier.new_cache()
+    t0 = time.perf_counter()
+    verifier.prefill(torch.randint(0, vocab, (context_length,), generator=gen).to(device), cache)
+    prefill_s = time.perf_counter() - t0
+
+    def verify(tokens: torch.Tensor, parents: torch.Tensor, kernel: str) -> Callable[[], None]:
+        plan = {tokens.numel(): kernel}
+
+        def step() -> None:
+            verifier.set_plan(plan, keep_packed=True)  # packed once, kept between calls
+            h = verifier.forward_tree(tokens, parents, cache, context_length)
+            verifier.lm_logits(h)
+            kv.crop_cache(cache, context_length)
+
+        return step
+
+    fns, reps = {}, {}
+    for n in sizes:
+        tokens, parents = torch.randint(0, vocab, (n,), generator=gen).to(device), _profile_parents(n).to(device)
+        for kernel in kernels:
+            if cpu_linear.kernel_applies(kernel, n):
+                fns[n, kernel] = verify(tokens, parents, kernel)
+                reps[n, kernel] = repeats or _default_repeats(n)
+    if progress:
+        # A forward of a few nodes costs about what the prefill of 128 tokens costs per 16 tokens (CPU).
+        calls = sum(r + 1 for r in reps.values())
+        rough_s = calls * max(prefill_s * 16 / context_length, 1e-3)
+        extra = verifier.linear_weight_bytes() if "packed" in kernels else 0
+        logger.warning(
+            "measuring this target's verification cost once (tree sizes %s, kernels %s; about %.0f s; cached "
+            "afterwards; pass tune='off' to skip)%s", ", ".join(map(str, sizes)), ", ".join(kernels), rough_s,
+            f"; the packed kernel holds a second copy of the linear weights, {extra / 2**20:.0f} MiB" if extra else "",
+        )
+    try:
+        medians = _interleaved_medians(fns, reps, device, desc="verification cost" if progress else None)
+    finally:
+        verifier.set_plan({})  # frees the packed copies
+    kept = [min((k for k in kernels if (n, k) in medians), key=lambda k: medians[n, k]) for n in sizes]
+    curves = {k: tuple(round(medians[n, k], 4) if (n, k) in medians else None for n in sizes) for k in kernels}
+    return CostProfile(**cost_key(target), context_length=context_length, node_counts=tuple(sizes),
+                       verify_ms=tuple(round(medians[n, k], 4) for n, k in zip(sizes, kept)), kernels=tuple(kept),
+                       kernel_ms=curves, created_utc=now_utc())
+
+
+def tuned_verifier(target: PreTrainedModel, cost: CostProfile) -> Verifier:
+    """A :class:`Verifier` of ``target`` with ``cost``'s kernel plan (:meth:`CostProfile.kernel_plan`), so
+    that verification runs the way its cost was measured. Packs weights when the plan has ``"packed"``.
+
+    Raises:
+        RuntimeError: the profile keeps ``"packed"`` but this torch cannot pack (a profile copied from
+            another installation with the same torch version; measure again with ``refresh=True``).
+    """
+    return Verifier(target, cost.kernel_plan())
+
+
+def cost_profile_path(target: PreTrainedModel) -> Path:
+    """Cache file of ``target``'s cost profile on its device / dtype / threads."""
+    return profiles_dir() / f"verify-{_file_stem(cost_key(target), _device_of(target))}.json"
+
+
+def save_cost_profile(profile: CostProfile, path: str | Path) -> Path:
+    """Write ``profile`` as JSON (atomically). Returns the path."""
+    return write_json(Path(path), profile.to_dict())
+
+
+def load_cost_profile(path: str | Path) -> CostProfile:
+    """Read a cost profile written by :func:`save_cost_profile`.
+
+    Raises:
+        ValueError: not JSON, or not a valid profile (the message says which).
+        OSError: the file does not exist or cannot be read.
+    """
+    return CostProfile.from_dict(read_json(path))
+
+
+def get_cost_profile(
+    target: PreTrainedModel,
+    refresh: bool = False,
+    node_counts: Sequence[int] = DEFAULT_NODE_COUNTS,
+    context_length: int = DEFAULT_CONTEXT_LENGTH,
+) -> CostProfile:
+    """The cached cost profile of ``target`` on this machine, measured (announced, and cached) when there
+    is none.
+
+    A cached file is used only if its identity (:func:`cost_key`: fingerprint, device, dtype, threads,
+    torch version), ``node_counts`` and ``context_length`` all match; a corrupt or mismatched file is
+    measured again with a warning and overwritten. Never raises for a bad cache file.
+
+    Args:
+        target: the frozen target, on the device and in the dtype it will decode with; set the torch
+            threads first.
+        refresh: measure even if a matching profile is cached.
+        node_counts, context_length: see :func:`measure_cost_profile`.
+
+    Returns:
+        :class:`CostProfile`.
+    """
+    path = cost_profile_path(target)
+    wanted = tuple(sorted({int(n) for n in node_counts}))
+    if not refresh and path.exists():
+        try:
+            cached = load_cost_profile(path)
+        except (OSError, ValueError, TypeError) as err:
+            logger.warning("cost profile %s is unreadable (%s): measuring it again", path, err)
+        else:
+            if cached.key != cost_key(target):
+                logger.warning("cost profile %s was measured for %s, not %s: measuring it again",
+                               path, cached.key, cost_key(target))
+            elif (cached.node_counts, cached.context_length) != (wanted, context_length):
+                logger.info("cost profile %s covers other tree sizes: measuring it again", path)
+            else:
+                return cached
+    profile = measure_cost_profile(target, wanted, context_length, progress=True)
+    try:
+        save_cost_profile(profile, path)
+        logger.info("cost profile cached in %s", path)
+    except OSError as err:
+        logger.warning("cannot cache the cost profile in %s (%s); using it uncached", path, err)
+    return profile
+
+
+# --------------------------------------------------------------------------------------------------
+# Drafting cost
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """Median ms of one EAGLE draft by depth, as cached on disk.
+
+    Attributes:
+        key: the measurement's identity (:func:`cost_key`).
+        top_k: the drafter's ``top_k``.
+        draft_ms: ``{str(depth): ms}`` (JSON object keys are strings).
+        created_utc: ISO 8601 time.
+    """
+
+    key: Mapping[str, Any]
+    top_k: int
+    draft_ms: Mapping[str, float]
+    created_utc: str = ""
+
+    def __post_init__(self) -> None:
+        if any(not d.isdigit() or not math.isfinite(v) or v <= 0 for d, v in self.draft_ms.items()):
+            raise ValueError("draft_ms must map depths to positive numbers")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": _DRAFT_FORMAT, "version": DRAFT_COST_VERSION, "key": dict(self.key), "top_k": self.top_k,
+                "draft_ms": dict(self.draft_ms), "created_utc": self.created_utc}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> DraftCost:
+        """Parse :meth:`to_dict`'s layout strictly. Raises ValueError on anything else."""
+        return from_record(cls, data, header={"format": _DRAFT_FORMAT, "version": DRAFT_COST_VERSION})
+
+
+@torch.inference_mode()
+def measure_draft_cost(
+    drafter: EagleDrafter,
+    target: PreTrainedModel,
+    depths: Sequence[int],
+    context_length: int = DEFAULT_CONTEXT_LENGTH,
+    repeats: int = 5,
+) -> dict[int, float]:
+    """Median wall ms of one :meth:`~selfspec.decode.eagle.EagleDrafter.propose` at each draft depth.
+
+    One drafter per depth is built from ``drafter``'s head and ``top_k`` (``drafter`` itself is not
+    used or changed). Each is begun on ``context_length`` random tokens with the target's real features
+    (one untimed propose feeds them); each timed call then feeds one accepted pair, as a decoding step
+    with nothing accepted does, and grows the tree to the depth.
+
+    Args:
+        drafter: an :class:`~selfspec.decode.eagle.EagleDrafter` attached to ``target`` (the template).
+        target: the frozen target.
+        depths: draft depths d >= 1.
+        context_length: prompt tokens before the draft.
+        repeats: timed calls per depth.
+
+    Returns:
+        ``{depth: ms}``.
+
+    Raises:
+        ValueError: an empty ``depths`` or a depth < 1.
+    """
+    depths = sorted({int(d) for d in depths})
+    if not depths or depths[0] < 1:
+        raise ValueError("need draft depths >= 1")
+    device = _device_of(target)
+    gen = torch.Generator().manual_seed(1)
+    context = torch.randint(0, target.config.vocab_size, (context_length + 1,), generator=gen).to(device)
+    verifier = Verifier(target)
+    hidden = verifier.prefill(context[:-1], verifier.new_cache())  # the root, context[-1], is not cached
+    greedy = SamplingConfig()
+
+    def at(depth: int) -> Callable[[], None]:
+        at_depth = EagleDrafter(drafter.head, target, depth, drafter.top_k, drafter.total_tokens)
+        at_depth.begin(context[:-1], hidden)
+        at_depth.propose(context, greedy, None)  # feeds the prompt's pairs: the cache now holds a real context
+
+        def step() -> None:
+            at_depth.accept(context[-1:], hidden[-1:])
+            at_depth.propose(context, greedy, None)
+
+        return step
+
+    medians = _interleaved_medians({d: at(d) for d in depths}, {d: repeats for d in depths}, device)
+    return {d: round(ms, 4) for d, ms in medians.items()}
+
+
+def draft_cost_path(drafter: EagleDrafter, target: PreTrainedModel) -> Path:
+    """Cache file of an EAGLE drafter's cost by depth (it depends on the head's shapes and ``top_k``, not on
+    its weights)."""
+    cfg = drafter.head.config
+    stem = _file_stem(cost_key(target), _device_of(target))
+    return profiles_dir() / f"draft-eagle-{stem}-k{drafter.top_k}-v{cfg.n_draft}-b{int(cfg.fc_bias)}.json"
+
+
+def get_draft_cost(
+    drafter: EagleDrafter, target: PreTrainedModel, depths: Sequence[int], refresh: bool = False
+) -> dict[int, float]:
+    """:func:`measure_draft_cost`, cached like :func:`get_cost_profile` (same identity plus the head's
+    draft vocabulary size, ``fc`` bias and ``top_k``). A bad cache file is re-measured with a warning.
+
+    Returns:
+        ``{depth: ms}`` for every requested depth.
+    """
+    path = draft_cost_path(drafter, target)
+    wanted = sorted({int(d) for d in depths})
+    key = cost_key(target)
+    if not refresh and path.exists():
+        try:
+            cached = DraftCost.from_dict(read_json(path))
+        except (OSError, ValueError) as err:
+            logger.warning("draft cost profile %s is unreadable (%s): measuring it again", path, err)
+        else:
+            ms = {int(d): float(v) for d, v in cached.draft_ms.items()}
+            if dict(cached.key) != key:
+                logger.warning("draft cost profile %s was measured for %s: measuring it again", path, cached.key)
+            elif all(d in ms for d in wanted):
+                return {d: ms[d] for d in wanted}
+    logger.info("measuring EAGLE drafting cost at depths %s ...", wanted)
+    ms = measure_draft_cost(drafter, target, wanted)
+    record = DraftCost(key=key, top_k=drafter.top_k, draft_ms={str(d): v for d, v in ms.items()}, created_utc=now_utc())
+    try:
+        write_json(path, record.to_dict())
+    except OSError as err:
+        logger.warning("cannot cache the draft cost in %s (%s)", path, err)
+    return ms
