@@ -11,7 +11,7 @@ from selfspec import bench, tune
 from selfspec.bench import BenchPrompt, BenchReport, BenchSettings, build_methods, run_bench
 from selfspec.bench import cli as bench_cli
 from selfspec.cli import main as cli_main
-from selfspec.decode import budget as tb
+from selfspec.decode import calibration, costs
 from tests.test_bench import QUESTIONS, CharTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,11 +35,11 @@ def test_tune_tree_cli_writes_profile_and_prints_choice(setup, capsys):
             "--top-k", "2"]
     assert cli_main(argv) == 0
     printed = capsys.readouterr().out
-    profile = tb.load_acceptance_profile(heads, target=t)
+    profile = calibration.load_acceptance_profile(heads, target=t)
     assert profile is not None and (profile.depth_max, profile.total_tokens_max, profile.top_k) == (3, 6, 2)
     assert profile.prompts == 2 and profile.steps >= 2
-    assert "chosen: depth" in printed and "expected speedup" in printed and str(tb.cost_profile_path(t)) in printed
-    assert tb.cost_profile_path(t).is_file()
+    assert "chosen: depth" in printed and "expected speedup" in printed and str(costs.cost_profile_path(t)) in printed
+    assert costs.cost_profile_path(t).is_file()
     # the bench now sizes the tree itself and records it
     settings = BenchSettings(max_new_tokens=8, warmup=0, eos_token_ids=())
     methods = build_methods(t, CharTokenizer(), settings, methods=["baseline"], heads={"eagle": heads})
