@@ -148,7 +148,7 @@ def test_quickstart_command_runs_end_to_end_on_a_tiny_target(tiny_target_dir, tm
 # ------------------------------------------------------------------------------------------ packaging
 PACKAGE_DIRS = ("selfspec", "heads", "decode", "train", "configs", "scripts")
 # Import name -> distribution name, where they differ.
-DISTRIBUTION_OF = {"yaml": "pyyaml", "safetensors": "safetensors", "jinja2": "jinja2"}
+DISTRIBUTION_OF = {"yaml": "pyyaml"}
 
 
 def imported_modules(paths: list[Path]) -> set[str]:
