@@ -4,13 +4,14 @@
     python scripts/fused_features.py train FEATURES.safetensors OUT_DIR --name NAME [--fuse] [--hard-labels]
         [--minutes 10] [--threads 1]
 
-``FEATURES.safetensors`` is a finished EAGLE run's feature cache (``<output_dir>/features/
-eagle-rank0-of1.safetensors``, SmolLM2-135M-Instruct). ``extract`` runs the target once more over every
+``FEATURES.safetensors`` is a finished run's feature cache (``<output_dir>/features/rank0-of1.safetensors``,
+SmolLM2-135M-Instruct). ``extract`` runs the target once more over every
 cached sequence and stores ``hidden_states[l]`` for the given layers, each RMS-normalised, as float16
 (``OUT_DIR/extra.safetensors``). ``train`` then trains a head from ``configs/eagle-smollm2.yaml``'s recipe
 (learning rate, warm-up, time-annealed cosine, clipping, noise, 2,048 pairs a step, 8,192-token draft
-vocabulary) for ``--minutes`` and prints held-out top-1 / top-k and greedy chain acceptance every 100 steps
-and at the end (:func:`selfspec.train.eagle.evaluate`), also written to ``OUT_DIR/NAME.json``:
+vocabulary) for ``--minutes`` with the recipe's own loss step (:func:`selfspec.train.eagle.eagle_step_loss`)
+and prints held-out top-1 / top-k and greedy chain acceptance every 100 steps and at the end
+(:func:`selfspec.train.eagle.evaluate`), also written to ``OUT_DIR/NAME.json``:
 
 * ``--fuse``: the head's input feature becomes ``g_t = f_t + W [h_a; h_b; h_c]`` (``W`` ``[D, 3D]``,
   zero-initialised, trained with the head), a residual form of EAGLE-3's multi-layer fusion (Li et al.
@@ -31,17 +32,17 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from selfspec.decode.kv import backbone
 from selfspec.heads.config import draft_vocab_from_counts
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.target import load_target
+from selfspec.train.clock import lr_factor
 from selfspec.train.config import load_config
-from selfspec.train.eagle import FeatureStore, collate, eagle_option, epoch_rows, evaluate, shift_pairs, summarise_eval
-from selfspec.train.losses import eagle_loss
-from selfspec.train.medusa import lr_factor
+from selfspec.train.eagle import eagle_step_loss, evaluate, summarise_eval
+from selfspec.train.eagle_data import PairStore, collate, epoch_rows, shift_pairs
+from selfspec.train.unroll import UnrolledEagle
 
 TARGET = "smollm2-135m-instruct"
 
@@ -55,7 +56,7 @@ def extract(features: str, out_dir: Path, layers: list[int]) -> None:
     model, _ = load_target(TARGET)
     out, t0 = {}, time.perf_counter()
     for prefix in ("", "eval_"):
-        store = FeatureStore.from_tensors(t, prefix)
+        store = PairStore.from_tensors(t, prefix)
         parts = []
         with torch.inference_mode():
             for i in range(len(store)):
@@ -72,10 +73,10 @@ def extract(features: str, out_dir: Path, layers: list[int]) -> None:
     save_file(out, str(out_dir / "extra.safetensors"), metadata={"layers": ",".join(map(str, layers))})
 
 
-class _FusedStore(FeatureStore):
+class _FusedStore(PairStore):
     """A store whose head inputs are ``G`` (fused features) while its targets stay the target's ``f``."""
 
-    def __init__(self, base: FeatureStore, inputs: torch.Tensor) -> None:
+    def __init__(self, base: PairStore, inputs: torch.Tensor) -> None:
         super().__init__(base.tokens, base.features, base.loss_mask, base.lengths)
         self.inputs = inputs
 
@@ -85,10 +86,10 @@ class _FusedStore(FeatureStore):
         return tok, self.inputs[o : o + n - 1], tgt, scored
 
 
-def _extra_rows(store: FeatureStore, extra: torch.Tensor, rows: list[list[int]], width: int) -> torch.Tensor:
-    """The extras of each pair's input position, packed like :func:`collate` packs rows: ``[B, S, width]``."""
-    S = max(sum(int(store.lengths[i]) - 1 for i in row) for row in rows)
-    out = torch.zeros(len(rows), S, width)
+def _extra_rows(store: PairStore, extra: torch.Tensor, rows: list[list[int]], width: int) -> torch.Tensor:
+    """The extras of each pair's input position, packed like :func:`collate` packs rows: ``[B, T, width]``."""
+    T = max(sum(int(store.lengths[i]) - 1 for i in row) for row in rows)
+    out = torch.zeros(len(rows), T, width)
     for b, row in enumerate(rows):
         o = 0
         for i in row:
@@ -101,7 +102,7 @@ def _extra_rows(store: FeatureStore, extra: torch.Tensor, rows: list[list[int]],
 def train(features: str, out_dir: Path, name: str, fuse_on: bool, hard: bool, minutes: float) -> None:
     cfg = load_config("configs/eagle-smollm2.yaml", [f"max_train_minutes={minutes}"])
     t = load_file(features)
-    store, held = FeatureStore.from_tensors(t), FeatureStore.from_tensors(t, "eval_")
+    store, held = PairStore.from_tensors(t), PairStore.from_tensors(t, "eval_")
     ex = load_file(str(out_dir / "extra.safetensors"))
     target, _ = load_target(TARGET)
     D, V = target.config.hidden_size, target.config.vocab_size
@@ -117,9 +118,10 @@ def train(features: str, out_dir: Path, name: str, fuse_on: bool, hard: bool, mi
     optim = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=True)
     lm = head.lm_weight(torch.float32)
     lm_full = target.get_output_embeddings().weight.detach()
-    rows_per_step = max(1, int(eagle_option(cfg, "batch_tokens")) // cfg.max_length)
+    unrolled = UnrolledEagle(head)
+    rows_per_step = max(1, cfg.eagle.batch_tokens // cfg.max_length)
     steps_per_epoch = max(1, len(epoch_rows(store, cfg.max_length, 0)) // rows_per_step)
-    noise, ce_weight = float(eagle_option(cfg, "noise")), float(eagle_option(cfg, "ce_weight"))
+    noise = cfg.eagle.noise
 
     def held_out() -> dict:
         with torch.no_grad():
@@ -138,14 +140,7 @@ def train(features: str, out_dir: Path, name: str, fuse_on: bool, hard: bool, mi
         feats = b["features"] + (torch.rand(b["features"].shape, generator=g) * 2 - 1) * noise
         if fuse_on:
             feats = feats + fuse(_extra_rows(store, ex["extra"], batch_rows, width))
-        pred = head(feats, b["tokens"], b["positions"], b["mask"])[b["scored"]]
-        with torch.no_grad():
-            tf = b["targets"][b["scored"]]
-            tl = tf @ lm.T
-        if hard:
-            loss = F.smooth_l1_loss(pred, tf) + ce_weight * F.cross_entropy(pred @ lm.T, tl.argmax(-1))
-        else:
-            loss = eagle_loss(pred, tf, pred @ lm.T, tl, ce_weight=ce_weight)[0]
+        loss = eagle_step_loss(unrolled, b, lm, cfg.eagle, features=feats, hard_labels=hard).loss
         for group in optim.param_groups:
             group["lr"] = cfg.lr * lr_factor(cfg, step, 10**9, elapsed)
         optim.zero_grad(set_to_none=True)

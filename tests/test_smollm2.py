@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.decode.kv import packed_linears_available, set_linear_kernels
+from selfspec.decode.verifier import Verifier
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 
 pytestmark = pytest.mark.slow
@@ -60,13 +60,15 @@ def memorising_eagle_head(model, sequences, steps: int = 120):
     so that decoding those prompts accepts long paths and exercises deep tree verification."""
     from selfspec.heads.config import draft_vocab_from_counts
     from selfspec.heads.eagle import EagleConfig, EagleHead
-    from selfspec.train.eagle import FeatureStore, UnrolledEagle, collate, pack_rows
+    from selfspec.train.config import EagleOptions
+    from selfspec.train.eagle import eagle_step_loss
+    from selfspec.train.eagle_data import PairStore, collate, pack_rows
     from selfspec.train.features import hidden_features
-    from selfspec.train.losses import eagle_loss
+    from selfspec.train.unroll import UnrolledEagle
 
     V, D = model.config.vocab_size, model.config.hidden_size
     examples = [{"input_ids": s, "loss_mask": torch.ones(s.numel(), dtype=torch.bool)} for s in sequences]
-    store = FeatureStore.from_examples(examples, hidden_features(model, examples, disable_progress=True), D)
+    store = PairStore.from_examples(examples, hidden_features(model, examples, disable_progress=True), D)
     draft_ids = draft_vocab_from_counts(torch.bincount(store.tokens, minlength=V).float() + 1e-3, 4096)
     torch.manual_seed(0)
     head = EagleHead(EagleConfig(hidden_size=D, vocab_size=V, draft_vocab_size=4096), model.config,
@@ -75,13 +77,10 @@ def memorising_eagle_head(model, sequences, steps: int = 120):
     optim = torch.optim.AdamW(head.parameters(), lr=1e-3)
     b = collate(store, pack_rows([int(n) - 1 for n in store.lengths], 4096))
     lm = head.lm_weight(torch.float32)
+    # two unrolled steps weighted equally, every pair scored (prompts included), no input noise
+    options = EagleOptions(ttt_steps=2, ttt_decay=1.0, ce_weight=1.0, score_prompt=True, noise=0.0)
     for _ in range(steps):
-        preds = unrolled(b["features"], b["tokens"], b["positions"], b["segment"], 2)
-        loss = 0.0
-        for j, pred in enumerate(preds):
-            sel = b["valid"] & (b["positions"] >= j)
-            tf = b["targets"][sel]
-            loss = loss + eagle_loss(pred[sel], tf, pred[sel] @ lm.T, tf @ lm.T, ce_weight=1.0)[0]
+        loss = eagle_step_loss(unrolled, b, lm, options).loss
         optim.zero_grad()
         loss.backward()
         optim.step()
@@ -103,19 +102,16 @@ def test_eagle_greedy_matches_plain_generate(smollm2):
     head = memorising_eagle_head(model, seqs)
     taus = []
     # The settings verify with each linear kernel at every tree size (W @ x^T; oneDNN on packed weights).
-    packed = "packed" if packed_linears_available(model) else "weight_first"
+    packed = "packed" if Verifier(model).packed_available() else "weight_first"
     settings = ((1, 1, 1, "weight_first"), (3, 2, 4, "linear"), (5, 4, 12, packed), (6, 3, 24, "packed"),
                 (4, 4, 8, "weight_first"))
-    try:
-        for depth, top_k, total, kernel in settings:
-            if kernel == "packed" and not packed_linears_available(model):
-                continue
-            spec = selfspec.load(model, head, tokenizer=tok, depth=depth, top_k=top_k, total_tokens=total)
-            set_linear_kernels(model, {n: kernel for n in range(1, 65)})
-            for ids, ref in refs:
-                out = spec.generate(ids, max_new_tokens=48, eos_token_id=[])
-                assert out.tokens == ref, (depth, top_k, total, kernel)
-                taus.append((depth, out.stats.mean_accepted_tokens))
-    finally:
-        set_linear_kernels(model, {})
+    for depth, top_k, total, kernel in settings:
+        if kernel == "packed" and not Verifier(model).packed_available():
+            continue
+        spec = selfspec.load(model, head, tokenizer=tok, depth=depth, top_k=top_k, total_tokens=total)
+        spec.verifier = Verifier(model, {n: kernel for n in range(1, 65)})
+        for ids, ref in refs:
+            out = spec.generate(ids, max_new_tokens=48, eos_token_id=[])
+            assert out.tokens == ref, (depth, top_k, total, kernel)
+            taus.append((depth, out.stats.mean_accepted_tokens))
     assert min(t for d, t in taus if d >= 3) > 2.0, taus  # deep paths were accepted and verified

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -10,8 +11,15 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object, set_seed
 
+from selfspec.target import load_target
 from selfspec.train.config import TrainConfig, load_config
+from selfspec.train.data import load_conversations, split_conversations
+from selfspec.train.eagle import train_eagle
+from selfspec.train.features import self_distill
+from selfspec.train.medusa import train_medusa
 
 logger = logging.getLogger("selfspec.train")
 
@@ -19,16 +27,12 @@ logger = logging.getLogger("selfspec.train")
 def run(cfg: TrainConfig) -> Path:
     """Run one training job end to end (data -> optional self-distillation -> features -> heads).
 
+    Self-distillation runs on each process's share of the prompts; every process then holds the whole
+    data set, and the recipe's loop shards the batches (:mod:`selfspec.train.loop`).
+
     Returns:
         The directory holding the trained heads (``<output_dir>/heads``).
     """
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-
-    from selfspec.target import load_target
-    from selfspec.train.data import load_conversations, split_conversations
-    from selfspec.train.features import self_distill
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
@@ -36,12 +40,13 @@ def run(cfg: TrainConfig) -> Path:
     out_dir = Path(cfg.output_dir)
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "train_config.json").write_text(json.dumps(cfg.__dict__, indent=2, default=list))
+        (out_dir / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     t0 = time.perf_counter()
     target, tokenizer = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=accelerator.device)
     convs = load_conversations(cfg.data, max_conversations=cfg.max_conversations)
     train_convs, eval_convs = split_conversations(convs, eval_fraction=cfg.eval_fraction, seed=cfg.seed)
     logger.info("%d conversations: %d train, %d held out", len(convs), len(train_convs), len(eval_convs))
+    heldout_ids = [c["id"] for c in eval_convs]
     if cfg.self_distill:
         n_eval = max(8, cfg.distill_conversations // 10)
         t1 = time.perf_counter()
@@ -59,22 +64,15 @@ def run(cfg: TrainConfig) -> Path:
                                       disable_progress=not accelerator.is_local_main_process)
         logger.info("self-distillation done in %.1fs", time.perf_counter() - t1)
         start = cfg.distill_conversations
-        written = train_convs[start : start + cfg.original_conversations][rank::world]
+        written = train_convs[start : start + cfg.original_conversations]
         if written:
             logger.info("adding %d conversations as written (not regenerated)", len(written))
-        train_convs, eval_convs = distilled + written, distilled_eval
-    else:
-        # Recipes receive this process's shard only.
-        rank, world = accelerator.process_index, accelerator.num_processes
-        train_convs, eval_convs = train_convs[rank::world], eval_convs[rank::world]
+        # Every process gets the whole regenerated set (in rank order); the recipes shard it again.
+        train_convs, eval_convs = gather_object(distilled) + written, gather_object(distilled_eval)
     if cfg.head == "medusa":
-        from selfspec.train.medusa import train_medusa
-
-        heads_dir = train_medusa(cfg, accelerator, target, tokenizer, train_convs, eval_convs)
+        heads_dir = train_medusa(cfg, accelerator, target, tokenizer, train_convs, eval_convs, heldout_ids)
     else:
-        from selfspec.train.eagle import train_eagle
-
-        heads_dir = train_eagle(cfg, accelerator, target, tokenizer, train_convs, eval_convs)
+        heads_dir = train_eagle(cfg, accelerator, target, tokenizer, train_convs, eval_convs, heldout_ids)
     if accelerator.is_main_process:
         logger.info("done in %.1f min: %s", (time.perf_counter() - t0) / 60, heads_dir)
     return heads_dir

@@ -1,17 +1,70 @@
-"""Training run configuration: one frozen dataclass holds every default; YAML files hold values only.
+"""Training run configuration: frozen dataclasses hold every default; YAML files hold values only.
 
-``load_config(path, overrides)`` reads a YAML mapping, applies ``key=value`` overrides (values parsed
-as YAML scalars), and refuses unknown keys with the list of valid ones.
+``TrainConfig`` holds the options every recipe shares; the options of one head family sit in a nested
+dataclass (``TrainConfig.eagle``: :class:`EagleOptions`, ``TrainConfig.medusa``: :class:`MedusaOptions`),
+written in YAML as a nested mapping (``eagle: {ttt_steps: 2}``) and on the command line with a dotted key
+(``eagle.ttt_steps=2``). ``load_config(path, overrides)`` reads a YAML mapping, applies ``key=value``
+overrides (values parsed as YAML scalars), and refuses unknown keys, nested ones included, with the list of
+valid ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
+
+
+@dataclass(frozen=True)
+class EagleOptions:
+    """EAGLE-1 recipe knobs (Li et al. 2024, arXiv:2401.15077), YAML ``eagle: {...}``.
+
+    Attributes:
+        ce_weight: weight of the token CE against the target distribution (EAGLE: 0.1).
+        feature_weight: weight of the SmoothL1 feature regression (EAGLE: 1.0).
+        noise: half-width ``a`` of the uniform noise ``U(-a, a)`` on input features, in feature units.
+        batch_tokens: head positions (pairs) per optimiser step, packed in rows of ``max_length``.
+        fc_bias: bias on the head's input projection.
+        init_from_target_layer: start the decoder layer from the target's last layer instead of random.
+        ttt_steps: training-time test depth, unrolled drafting steps per position (1 = plain EAGLE-1).
+        ttt_decay: loss weight of unrolled step j is ``ttt_decay ** j``.
+        score_prompt: also score pairs whose drafted token is a prompt token (more data, same cost).
+    """
+
+    ce_weight: float = 0.1
+    feature_weight: float = 1.0
+    noise: float = 0.1
+    batch_tokens: int = 2048
+    fc_bias: bool = True
+    init_from_target_layer: bool = False
+    ttt_steps: int = 1
+    ttt_decay: float = 0.8
+    score_prompt: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ttt_steps < 1:
+            raise ValueError(f"eagle.ttt_steps must be >= 1, got {self.ttt_steps}")
+
+
+@dataclass(frozen=True)
+class MedusaOptions:
+    """Medusa-1 recipe knobs (Cai et al. 2024, arXiv:2401.10774), YAML ``medusa: {...}``.
+
+    Attributes:
+        num_heads / num_layers / own_lm_head: head shape (see :class:`~selfspec.heads.medusa.MedusaConfig`).
+        batch_positions: training positions per optimiser step (heads see one position at a time).
+        head_decay: CE weight of head k is ``head_decay ** k``.
+    """
+
+    num_heads: int = 4
+    num_layers: int = 1
+    own_lm_head: bool = True
+    batch_positions: int = 256
+    head_decay: float = 0.8
 
 
 @dataclass(frozen=True)
@@ -19,12 +72,12 @@ class TrainConfig:
     """Every knob of a head-training run.
 
     Attributes (units in names where they have one):
-        head: head family, ``"medusa"`` (``"eagle"`` where available).
+        head: head family, ``"medusa"`` or ``"eagle"``.
         target: target name (local dir, Hub id or alias, see :func:`selfspec.target.resolve_target`).
         data: ``"sharegpt"`` (packaged), a local .json/.jsonl path, or a Hub dataset id.
         max_conversations: conversations read from ``data`` (before the split).
         eval_fraction: held-out share, split by a hash of the conversation id.
-        max_length: tokens per rendered conversation.
+        max_length: tokens per rendered conversation (also the packed row length of EAGLE batches).
         self_distill: regenerate the assistant answers with the target (greedy) before training.
         distill_conversations: how many training conversations to regenerate.
         distill_max_new_tokens / distill_batch_size: generation budget for self-distillation.
@@ -34,26 +87,22 @@ class TrainConfig:
         distill_dir: where regenerated answers are cached (JSONL per rank); default ``<output_dir>/distill``.
             Point several runs at one directory to train different heads on the same answers.
         dtype: target compute dtype for features and distillation (``"bfloat16"`` or ``"float32"``).
-        num_heads / num_layers / own_lm_head / draft_vocab_size: Medusa head shape (see MedusaConfig).
+        draft_vocab_size: size S of the reduced draft vocabulary (the most frequent answer tokens); None or
+            at least V: the full vocabulary.
         lr, weight_decay, betas, warmup_steps, grad_clip: AdamW + linear warmup + cosine decay.
-        batch_positions: training positions per optimiser step (heads see one position at a time).
         epochs: passes over the cached features; ``max_steps`` caps the total if set.
-        max_train_minutes: stop the optimisation loop after this wall time (features excluded).
-        head_decay: CE weight of head k is ``head_decay ** k``.
+        max_train_minutes: stop the optimisation loop after this wall time (features excluded); the cosine
+            decay then follows the clock when it is further along than the step count.
         eval_every / save_every: in optimiser steps.
-        eval_topk: top-k accuracies recorded per head (used to build the static tree).
+        eval_topk: top-k accuracies recorded (per head for Medusa; used to build the static tree).
         output_dir: checkpoints, features and the final ``heads/`` directory go here.
         seed: all randomness.
         threads: torch intra-op threads (None: torch's default).
         calibrate_prompts / calibrate_max_new_tokens: after training an EAGLE head, decode this many
             held-out prompts (the last ones of the held-out split) greedily with a large draft tree and save
-            the acceptance profile next to the head, from which decoding sizes its tree to the machine
-            (:mod:`selfspec.decode.budget`); 0 prompts skips it.
-        eagle_*: EAGLE-1 recipe knobs: CE weight against the target distribution (0.1), SmoothL1 feature
-            weight (1.0), half-width of the uniform noise on input features (0.1), head positions per
-            optimiser step, fc bias, whether the decoder layer starts from the target's last layer, the
-            training-time-test depth (unrolled steps on the head's own features, 1 = plain EAGLE-1) and
-            its per-step loss decay, and whether pairs that draft prompt tokens are scored too.
+            the acceptance profile next to the head, from which decoding sizes its tree to the machine; 0
+            prompts skips it.
+        eagle: :class:`EagleOptions`. medusa: :class:`MedusaOptions`.
     """
 
     head: str = "medusa"
@@ -69,37 +118,25 @@ class TrainConfig:
     distill_dir: str | None = None
     original_conversations: int = 0
     dtype: str = "float32"
-    num_heads: int = 4
-    num_layers: int = 1
-    own_lm_head: bool = True
     draft_vocab_size: int | None = 8192
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int = 30
     grad_clip: float = 1.0
-    batch_positions: int = 256
     epochs: int = 4
     max_steps: int | None = None
     max_train_minutes: float | None = None
-    head_decay: float = 0.8
     eval_every: int = 100
     save_every: int = 100
     eval_topk: int = 8
     output_dir: str = "runs/medusa-smollm2"
     seed: int = 0
     threads: int | None = None
-    eagle_ce_weight: float = 0.1
-    eagle_feature_weight: float = 1.0
-    eagle_noise: float = 0.1
-    eagle_batch_tokens: int = 2048
-    eagle_fc_bias: bool = True
-    eagle_init_from_target_layer: bool = False
-    eagle_ttt_steps: int = 1
-    eagle_ttt_decay: float = 0.8
-    eagle_score_prompt: bool = False
     calibrate_prompts: int = 8
     calibrate_max_new_tokens: int = 48
+    eagle: EagleOptions = field(default_factory=EagleOptions)
+    medusa: MedusaOptions = field(default_factory=MedusaOptions)
 
     def __post_init__(self) -> None:
         if self.head not in ("medusa", "eagle"):
@@ -110,6 +147,15 @@ class TrainConfig:
             raise ValueError("eval_fraction must be in (0, 1)")
         if isinstance(self.betas, list):
             object.__setattr__(self, "betas", tuple(self.betas))
+        for name, cls in _NESTED.items():
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                object.__setattr__(self, name, _build(cls, value, prefix=f"{name}."))
+            elif not isinstance(value, cls):
+                raise ValueError(f"{name} must be a mapping of {cls.__name__} fields, got {value!r}")
+
+
+_NESTED: dict[str, type] = {"eagle": EagleOptions, "medusa": MedusaOptions}
 
 
 def _parse_override(item: str) -> tuple[str, Any]:
@@ -120,12 +166,13 @@ def _parse_override(item: str) -> tuple[str, Any]:
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Read a YAML config and apply ``key=value`` overrides; every value is checked against its field's type
-    (numbers are coerced for float fields, see :func:`_coerce`).
+    """Read a YAML config and apply ``key=value`` overrides (``eagle.ttt_steps=2`` for a nested field);
+    every value is checked against its field's type (numbers are coerced for float fields, see
+    :func:`_coerce`).
 
     Raises:
-        ValueError: unknown keys (message lists valid keys), malformed overrides, values of the wrong type,
-            invalid values.
+        ValueError: unknown keys, top-level or nested (the message lists the valid keys), malformed
+            overrides, values of the wrong type, invalid values.
         FileNotFoundError: ``path`` does not exist.
     """
     data: dict[str, Any] = {}
@@ -135,17 +182,47 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
             raise ValueError(f"{path} must hold a YAML mapping of TrainConfig fields")
         data.update(loaded)
     for item in overrides:
-        k, v = _parse_override(item)
-        data[k] = v
-    valid = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(data) - valid)
+        key, value = _parse_override(item)
+        section, dot, name = key.partition(".")
+        if dot:
+            if section not in _NESTED:
+                raise ValueError(f"unknown config section {section!r} in {key!r}; sections: {sorted(_NESTED)}")
+            if not isinstance(data.get(section, {}), dict):
+                raise ValueError(f"{section} must be a mapping of {_NESTED[section].__name__} fields")
+            data[section] = {**data.get(section, {}), name: value}
+        else:
+            data[key] = value
+    return _build(TrainConfig, data)
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    """``cls(**data)`` after refusing unknown keys and checking each value's type (nested sections too)."""
+    fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ValueError(f"unknown config keys {unknown}; valid keys: {sorted(valid)}")
-    return TrainConfig(**{k: _coerce(k, v) for k, v in data.items()})
+        hint = [f"{k} is now {s}.{k[len(s) + 1:]}" for k in unknown for s in _NESTED if k.startswith(s + "_")]
+        hint += [f"{k} is now {s}.{k}" for k in unknown for s, c in _NESTED.items() if k in _field_names(c)]
+        raise ValueError(
+            f"unknown config keys {[prefix + k for k in unknown]}; valid keys: {sorted(prefix + k for k in fields)}"
+            + (f" ({'; '.join(hint)})" if hint else "")
+        )
+    values = {}
+    for key, value in data.items():
+        if not prefix and key in _NESTED:
+            if not isinstance(value, Mapping):
+                raise ValueError(f"{key} must be a mapping of {_NESTED[key].__name__} fields, got {value!r}")
+            values[key] = _build(_NESTED[key], value, prefix=f"{key}.")
+        else:
+            values[key] = _coerce(prefix + key, str(fields[key]), value)
+    return cls(**values)
 
 
-def _coerce(key: str, value: Any) -> Any:
-    """``value`` checked against the declared type of TrainConfig field ``key``.
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _coerce(key: str, kind: str, value: Any) -> Any:
+    """``value`` checked against the declared type ``kind`` (as written in the dataclass) of field ``key``.
 
     YAML reads ``3e-4`` (no dot) as a string and ``1`` as an int: numbers written either way are accepted
     for float fields and converted; anything else of the wrong kind raises.
@@ -153,7 +230,6 @@ def _coerce(key: str, value: Any) -> Any:
     Raises:
         ValueError: the value cannot be the field's type (the message names the key and the type).
     """
-    kind = str(_FIELD_TYPES[key])
     optional = "None" in kind
     if value is None:
         if optional:
@@ -176,6 +252,3 @@ def _coerce(key: str, value: Any) -> Any:
     if base == "str" and not isinstance(value, str):
         raise ValueError(f"{key} must be a string, got {value!r}")
     return value
-
-
-_FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(TrainConfig)}

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from tqdm.auto import tqdm
@@ -87,7 +87,7 @@ def self_distill(
                 out = model.generate(
                     **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
                 )
-                for conv, msgs, row in zip(batch, prompts, out[:, enc["input_ids"].shape[1] :]):
+                for conv, msgs, row in zip(batch, prompts, out[:, enc["input_ids"].shape[1] :], strict=True):
                     answer = tokenizer.decode(row, skip_special_tokens=True).strip()
                     rec = {"id": conv["id"], "messages": msgs + [{"role": "assistant", "content": answer}]}
                     done[conv["id"]] = rec

@@ -8,11 +8,13 @@ import torch.nn.functional as F
 IGNORE = -100
 
 
-def medusa_loss(logits: torch.Tensor, labels: torch.Tensor, head_decay: float = 0.8) -> tuple[torch.Tensor, torch.Tensor]:
+def medusa_loss(
+    logits: torch.Tensor, labels: torch.Tensor, head_decay: float = 0.8
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Medusa-1 loss: ``sum_k head_decay**k * CE_k`` (Cai et al. 2024, eq. 1).
 
     Args:
-        logits: ``[K, P, N]`` head logits over the draft vocabulary for P positions.
+        logits: ``[K, P, S]`` head logits over the draft vocabulary for P positions.
         labels: LongTensor ``[P, K]`` of draft-vocabulary ids, ``-100`` where head k has no label
             (past the end, not an assistant token, or a token outside the draft vocabulary).
         head_decay: weight decay across heads (0.8 in Medusa's recipe).
@@ -43,7 +45,7 @@ def topk_hits(logits: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch
     """Cumulative top-1..top-k hit counts per head.
 
     Args:
-        logits: ``[K, P, N]``.
+        logits: ``[K, P, S]``.
         labels: LongTensor ``[P, K]`` draft ids; ``-100`` = not scored; ``-1`` = a real target token that
             lies outside the draft vocabulary (always a miss, but counted).
         k: largest rank.
@@ -69,6 +71,7 @@ def eagle_loss(
     target_logits: torch.Tensor,
     ce_weight: float = 0.1,
     feature_weight: float = 1.0,
+    hard_labels: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """EAGLE-1 loss (Li et al. 2024, arXiv:2401.15077, section 4.2): feature regression plus a token term.
 
@@ -80,9 +83,11 @@ def eagle_loss(
     Args:
         pred_features: ``[P, D]`` predicted features ``f'_{t+1}`` at the scored positions.
         target_features: ``[P, D]`` the target's features ``f_{t+1}`` there (after the final norm).
-        pred_logits: ``[P, N]`` draft logits (``lm_head(f')`` over the draft vocabulary).
-        target_logits: ``[P, N]`` target logits over the same rows (``lm_head(f)``; no gradient needed).
+        pred_logits: ``[P, S]`` draft logits (``lm_head(f')`` over the draft vocabulary).
+        target_logits: ``[P, S]`` target logits over the same rows (``lm_head(f)``; no gradient needed).
         ce_weight, feature_weight: term weights.
+        hard_labels: score the draft against the target's greedy token (``argmax(target_logits)``, a one-hot
+            distribution) instead of its full distribution.
 
     Returns:
         ``(loss, feature_loss, ce_loss)``: float32 scalars; the last two detached. With P = 0 all are 0
@@ -100,7 +105,10 @@ def eagle_loss(
         zero = pred_features.float().sum() * 0.0 + pred_logits.float().sum() * 0.0
         return zero, zero.detach(), zero.detach()
     feat = F.smooth_l1_loss(pred_features.float(), target_features.float())
-    p = torch.softmax(target_logits.float(), dim=-1)
-    ce = -(p * torch.log_softmax(pred_logits.float(), dim=-1)).sum(-1).mean()
+    if hard_labels:
+        ce = F.cross_entropy(pred_logits.float(), target_logits.argmax(-1))
+    else:
+        p = torch.softmax(target_logits.float(), dim=-1)
+        ce = -(p * torch.log_softmax(pred_logits.float(), dim=-1)).sum(-1).mean()
     loss = feature_weight * feat + ce_weight * ce
     return loss, feat.detach(), ce.detach()

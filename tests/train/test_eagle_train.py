@@ -1,4 +1,5 @@
-"""train/eagle.py + losses.eagle_loss: the token/feature/mask shift, packing, the loss, and a tiny run with resume."""
+"""train/eagle.py, eagle_data.py, unroll.py, clock.py + losses.eagle_loss: the token/feature/mask shift,
+packing, the loss, the schedule, and a tiny run with resume."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import torch
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.train import eagle as recipe
 from selfspec.train.config import TrainConfig
-from selfspec.train.eagle import FeatureStore, collate, pack_rows, shift_pairs
+from selfspec.train.eagle_data import PairStore, collate, pack_rows, shift_pairs
+from selfspec.train.feature_store import feature_signature, save_features, store_path
 from selfspec.train.losses import eagle_loss
+from selfspec.train.unroll import UnrolledEagle, chain_hits
 from tests.conftest import tiny_llama
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,7 +54,7 @@ def _store(lengths, D=32, V=96, seed=0):
     ex = [{"input_ids": torch.randint(0, V, (n,), generator=g), "loss_mask": torch.rand(n, generator=g) > 0.3}
           for n in lengths]
     feats = [torch.randn(n, D, generator=g) for n in lengths]
-    return FeatureStore.from_examples(ex, feats, D)
+    return PairStore.from_examples(ex, feats, D)
 
 
 def test_packed_batch_equals_separate_sequences():
@@ -99,7 +101,7 @@ def test_eagle_loss_hand_built():
         eagle_loss(pred, tgt[:1], logits_d, logits_t)
 
 
-def _distilled_store(target, n: int, seed: int) -> FeatureStore:
+def _distilled_store(target, n: int, seed: int) -> PairStore:
     """The tiny target's own greedy answers to random prompts (a self-distilled set), with its features."""
     from selfspec.train.features import hidden_features
 
@@ -112,7 +114,7 @@ def _distilled_store(target, n: int, seed: int) -> FeatureStore:
         mask = torch.zeros(ids.numel(), dtype=torch.bool)
         mask[6:] = True
         examples.append({"input_ids": ids, "loss_mask": mask})
-    return FeatureStore.from_examples(examples, hidden_features(target, examples, disable_progress=True), 32)
+    return PairStore.from_examples(examples, hidden_features(target, examples, disable_progress=True), 32)
 
 
 def _run(cfg: TrainConfig, target):
@@ -122,7 +124,7 @@ def _run(cfg: TrainConfig, target):
 
 
 def test_tiny_training_run_learns_saves_and_resumes_exactly(tmp_path, monkeypatch):
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from selfspec.heads import load_heads
 
@@ -132,11 +134,9 @@ def test_tiny_training_run_learns_saves_and_resumes_exactly(tmp_path, monkeypatc
     (run_a / "features").mkdir(parents=True)
     base = dict(head="eagle", target="tiny", max_length=32, draft_vocab_size=80, lr=3e-3, warmup_steps=2,
                 grad_clip=0.5, epochs=100, eval_every=1000, eval_topk=3, seed=0,
-                eagle_batch_tokens=64)  # 2 rows of 32 pairs per step
+                eagle={"batch_tokens": 64})  # 2 rows of 32 pairs per step
     # Cached features carry the signature of the data they came from (here: no conversations).
-    signature = recipe.feature_signature(TrainConfig(**base), target, [], [])
-    save_file({**train.tensors(), **held.tensors("eval_")}, str(run_a / "features" / "eagle-rank0-of1.safetensors"),
-              metadata={"signature": signature})
+    save_features(store_path(run_a), train, held, feature_signature(target, [], [], 32))
 
     # A quick run must learn: held-out top-1 well above the untrained head's.
     learn = tmp_path / "learn"
@@ -180,7 +180,7 @@ def test_unrolled_steps_equal_chain_drafting():
     b = collate(store, [[0, 1]])
     steps = 3
     with torch.no_grad():
-        preds = recipe.UnrolledEagle(head)(b["features"], b["tokens"], b["positions"], b["segment"], steps)
+        preds = UnrolledEagle(head)(b["features"], b["tokens"], b["positions"], b["segment"], steps)
         o = 0
         checked = 0
         for i in range(2):
@@ -210,33 +210,30 @@ def test_chain_hits_hand_made():
     c1 = torch.tensor([[False, True, True, True]])
     u0 = torch.ones(1, 4, dtype=torch.bool)
     u1 = torch.tensor([[False, True, True, True]])  # step 1 needs one earlier pair
-    hits, counts = recipe.chain_hits([c0, c1], [u0, u1])
+    hits, counts = chain_hits([c0, c1], [u0, u1])
     # depth 1: 3 of 4 starts correct; depth 2: starts 0..2 usable, (c0[0]&c1[1]) and (c0[1]&c1[2]) hold
     assert hits == [3, 2] and counts == [4, 3]
 
 
 def test_feature_signature_tracks_the_data():
     target = tiny_llama()
-    cfg = TrainConfig(head="eagle", max_length=32)
     a = [{"id": "1", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
     b = [{"id": "1", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo!"}]}]
-    s = recipe.feature_signature(cfg, target, a, [])
-    assert s == recipe.feature_signature(cfg, target, a, [])
-    assert len({s, recipe.feature_signature(cfg, target, b, []), recipe.feature_signature(cfg, target, [], a),
-                recipe.feature_signature(TrainConfig(head="eagle", max_length=64), target, a, [])}) == 4
+    s = feature_signature(target, a, [], 32)
+    assert s == feature_signature(target, a, [], 32)
+    assert len({s, feature_signature(target, b, [], 32), feature_signature(target, [], a, 32),
+                feature_signature(target, a, [], 64), feature_signature(target, a, [], 32, layers="15,final_norm"),
+                feature_signature(tiny_llama(seed=1), a, [], 32)}) == 6
 
 
 def test_training_time_test_and_prompt_scoring_learn(tmp_path):
-    from safetensors.torch import save_file
-
     target = tiny_llama()
     train, held = _distilled_store(target, 32, seed=0), _distilled_store(target, 6, seed=1)
     base = dict(head="eagle", target="tiny", max_length=32, draft_vocab_size=80, lr=3e-3, warmup_steps=2,
-                grad_clip=0.5, epochs=100, eval_every=1000, eval_topk=3, seed=0, eagle_batch_tokens=64,
-                eagle_ttt_steps=3, eagle_score_prompt=True, max_steps=120, save_every=1000, output_dir=str(tmp_path))
-    (tmp_path / "features").mkdir()
-    save_file({**train.tensors(), **held.tensors("eval_")}, str(tmp_path / "features" / "eagle-rank0-of1.safetensors"),
-              metadata={"signature": recipe.feature_signature(TrainConfig(**base), target, [], [])})
+                grad_clip=0.5, epochs=100, eval_every=1000, eval_topk=3, seed=0,
+                eagle={"batch_tokens": 64, "ttt_steps": 3, "score_prompt": True}, max_steps=120, save_every=1000,
+                output_dir=str(tmp_path))
+    save_features(store_path(tmp_path), train, held, feature_signature(target, [], [], 32))
     _run(TrainConfig(**base), target)
     summary = json.loads((tmp_path / "train_summary.json").read_text())
     untrained = recipe.summarise_eval(recipe.evaluate(
@@ -249,7 +246,7 @@ def test_training_time_test_and_prompt_scoring_learn(tmp_path):
 
 
 def test_lr_factor_anneals_by_time_or_steps():
-    from selfspec.train.medusa import lr_factor
+    from selfspec.train.clock import lr_factor
 
     cfg = TrainConfig(warmup_steps=10, max_train_minutes=1.0)
     assert lr_factor(cfg, 4, 1010, 0.0) == pytest.approx(0.5)  # warmup: (4 + 1) / 10
@@ -262,17 +259,39 @@ def test_lr_factor_anneals_by_time_or_steps():
     assert lr_factor(no_limit, 20, 1010, 1e9) == pytest.approx(0.5 * (1 + math.cos(math.pi * 10 / 1000)))
 
 
-def test_apply_lr_sets_the_annealed_rate_only_under_a_time_budget():
-    from selfspec.train.medusa import apply_lr
+def test_one_scheduler_reads_the_step_and_the_clock():
+    """The run's scheduler is built once; each step() sets the next rate from the step count and the clock:
+    the time-annealed rate under a time budget, the step rate without one."""
+    from selfspec.train.clock import TrainClock, lr_factor, make_scheduler
+
+    class Clock(TrainClock):
+        now = 0.0
+
+        def elapsed(self) -> float:
+            return self.now
 
     def optim(lr):
         groups = [{"params": [torch.nn.Parameter(torch.zeros(2))]}, {"params": [torch.nn.Parameter(torch.zeros(1))]}]
         return torch.optim.SGD(groups, lr=lr)
 
     timed = TrainConfig(lr=2e-3, warmup_steps=10, max_train_minutes=1.0)
-    opt = optim(0.123)
-    used = apply_lr(timed, opt, 20, 1010, 45.0)
-    assert used == pytest.approx(2e-3 * 0.5 * (1 + math.cos(0.75 * math.pi)))
-    assert [g["lr"] for g in opt.param_groups] == [used, used]
-    opt = optim(0.123)  # no time budget: the step scheduler's rate stays
-    assert apply_lr(TrainConfig(lr=2e-3), opt, 20, 1010, 45.0) == 0.123
+    clock = Clock()
+    opt = optim(timed.lr)
+    sched = make_scheduler(timed, opt, 1010, clock)
+    assert opt.param_groups[0]["lr"] == pytest.approx(2e-3 * 0.1)  # warmup, step 0: (0 + 1) / 10
+    for step in range(20):
+        opt.step()
+        clock.now = 45.0 if step == 19 else 1.0
+        sched.step()
+    want = 2e-3 * 0.5 * (1 + math.cos(0.75 * math.pi))  # step 20, 45 of 60 s: the clock is further along
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([want, want])
+    assert sched.get_last_lr()[0] == pytest.approx(want)
+    assert "lr_lambdas" in sched.state_dict() and sched.state_dict()["lr_lambdas"] == [None, None]  # no clock saved
+    untimed = TrainConfig(lr=2e-3, warmup_steps=10)
+    opt = optim(untimed.lr)
+    sched = make_scheduler(untimed, opt, 1010, clock)
+    for _ in range(20):
+        opt.step()
+        sched.step()
+    clock.now = 1e9
+    assert opt.param_groups[1]["lr"] == pytest.approx(2e-3 * lr_factor(untimed, 20, 1010, 0.0))

@@ -41,8 +41,8 @@ def run(tmp_path, tokenizer, target, name: str, **overrides):
 
     from selfspec.train.medusa import train_medusa
 
-    cfg = TrainConfig(self_distill=False, num_heads=2, draft_vocab_size=128, batch_positions=64, epochs=15,
-                      lr=1e-2, warmup_steps=2, eval_every=4, save_every=4, output_dir=str(tmp_path / name),
+    cfg = TrainConfig(self_distill=False, medusa={"num_heads": 2, "batch_positions": 64}, draft_vocab_size=128,
+                      epochs=15, lr=1e-2, warmup_steps=2, eval_every=4, save_every=4, output_dir=str(tmp_path / name),
                       target="tiny", **overrides)
     convs = conversations(24)
     return train_medusa(cfg, Accelerator(cpu=True), target, tokenizer, convs[:20], convs[20:]), cfg
@@ -69,40 +69,42 @@ def test_training_smoke(tmp_path, tokenizer):
     assert not any(k.startswith(("model.", "lm_head.")) for k in keys)
 
     heads = load_heads(heads_dir, target=target)
-    feats = load_file(str(tmp_path / "a" / "features" / "rank0-of1.safetensors"))
-    from selfspec.train.medusa import evaluate, to_draft_labels
+    from selfspec.train.feature_store import FeatureStore
+    from selfspec.train.medusa import evaluate, position_table, to_draft_labels
 
+    held = FeatureStore.from_tensors(load_file(str(tmp_path / "a" / "features" / "rank0-of1.safetensors")), "eval_")
+    hidden, labels = position_table(held, cfg.medusa.num_heads)
     t2d = torch.full((len(tokenizer),), -1, dtype=torch.long)
     t2d[heads.draft_ids] = torch.arange(heads.draft_ids.numel())
-    acc = evaluate(heads, feats["eval_hidden"], to_draft_labels(feats["eval_labels"], t2d), cfg.eval_topk)
+    acc = evaluate(heads, hidden, to_draft_labels(labels, t2d), cfg.eval_topk)
     assert acc == summary["heldout_topk_accuracy"]  # reloaded heads give the same outputs
 
 
 def test_killed_run_resumes_to_the_same_heads(tmp_path, tokenizer, monkeypatch):
-    import selfspec.train.medusa as recipe
+    import selfspec.train.loop as loop
     from selfspec.heads import load_heads
 
     target = tiny_llama(vocab_size=len(tokenizer), hidden_size=32)
     ref_dir, _ = run(tmp_path, tokenizer, target, "ref")
 
-    real_save = recipe._save_atomic
+    real_save = loop.save_checkpoint
     calls = {"n": 0}
 
-    def save_then_die(accelerator, out, step, elapsed_s=None):
-        real_save(accelerator, out, step, elapsed_s)
+    def save_then_die(*args, **kwargs):
+        real_save(*args, **kwargs)
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt("simulated kill")
 
-    monkeypatch.setattr(recipe, "_save_atomic", save_then_die)
+    monkeypatch.setattr(loop, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path, tokenizer, target, "killed")
     state = json.loads((tmp_path / "killed" / "checkpoint" / "trainer_state.json").read_text())
     assert state["step"] == 8 and state["train_elapsed_s"] > 0  # a time budget resumes where it stopped
-    monkeypatch.setattr(recipe, "_save_atomic", real_save)
+    monkeypatch.setattr(loop, "save_checkpoint", real_save)
     resumed_dir, _ = run(tmp_path, tokenizer, target, "killed")
     a, b = load_heads(ref_dir), load_heads(resumed_dir)
-    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert ka == kb
         torch.testing.assert_close(va, vb, rtol=0, atol=1e-6)
 
@@ -120,13 +122,53 @@ def test_config_values_are_checked_and_numbers_coerced(tmp_path):
     # YAML reads "3e-4" (no dot) as a string; a float field must still get the float.
     path = tmp_path / "c.yaml"
     path.write_text("lr: 3e-4\nmax_train_minutes: 2\nepochs: 3\n")
-    cfg = load_config(path, ["eagle_noise=1e-1", "draft_vocab_size=", "warmup_steps=10.0"])
+    cfg = load_config(path, ["eagle.noise=1e-1", "draft_vocab_size=", "warmup_steps=10.0"])
     assert cfg.lr == pytest.approx(3e-4) and isinstance(cfg.lr, float)
     assert cfg.max_train_minutes == 2.0 and isinstance(cfg.max_train_minutes, float)
-    assert cfg.eagle_noise == pytest.approx(0.1) and cfg.draft_vocab_size is None
+    assert cfg.eagle.noise == pytest.approx(0.1) and cfg.draft_vocab_size is None
     assert cfg.epochs == 3 and cfg.warmup_steps == 10 and isinstance(cfg.warmup_steps, int)
     for bad, message in [("lr=fast", "lr must be a number"), ("epochs=2.5", "epochs must be an integer"),
                          ("self_distill=3", "self_distill must be true or false"), ("lr=", "lr cannot be empty"),
-                         ("output_dir=7", "output_dir must be a string")]:
+                         ("output_dir=7", "output_dir must be a string"),
+                         ("eagle.ttt_steps=1.5", "eagle.ttt_steps must be an integer"),
+                         ("medusa.own_lm_head=2", "medusa.own_lm_head must be true or false")]:
         with pytest.raises(ValueError, match=message):
             load_config(None, [bad])
+
+
+def test_nested_options_from_yaml_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("head: eagle\neagle:\n  ttt_steps: 3\n  noise: 0\nmedusa:\n  num_heads: 2\n")
+    cfg = load_config(path, ["eagle.ttt_steps=2", "medusa.head_decay=0.5"])
+    assert cfg.eagle.ttt_steps == 2 and cfg.eagle.noise == 0.0 and isinstance(cfg.eagle.noise, float)
+    assert cfg.eagle.ce_weight == 0.1  # defaults come from the options dataclass, the one source
+    assert cfg.medusa.num_heads == 2 and cfg.medusa.head_decay == 0.5 and cfg.medusa.batch_positions == 256
+    assert TrainConfig(eagle={"ttt_steps": 2}).eagle == load_config(None, ["eagle.ttt_steps=2"]).eagle
+    # an unknown nested key is an error that lists the valid nested keys
+    with pytest.raises(ValueError, match=r"unknown config keys \['eagle.steps'\].*'eagle.ttt_steps'"):
+        load_config(None, ["eagle.steps=2"])
+    path.write_text("medusa:\n  heads: 2\n")
+    with pytest.raises(ValueError, match=r"unknown config keys \['medusa.heads'\].*'medusa.num_heads'"):
+        load_config(path)
+    # the old flat names are refused with their new place in the message
+    with pytest.raises(ValueError, match="eagle_ttt_steps is now eagle.ttt_steps"):
+        load_config(None, ["eagle_ttt_steps=2"])
+    with pytest.raises(ValueError, match="num_heads is now medusa.num_heads"):
+        load_config(None, ["num_heads=2"])
+    with pytest.raises(ValueError, match="unknown config section 'lora'"):
+        load_config(None, ["lora.rank=2"])
+    with pytest.raises(ValueError, match="eagle.ttt_steps must be >= 1"):
+        load_config(None, ["eagle.ttt_steps=0"])
+    path.write_text("eagle: 3\n")
+    with pytest.raises(ValueError, match="eagle must be a mapping"):
+        load_config(path)
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    eagle = load_config(root / "configs" / "eagle-smollm2.yaml")
+    medusa = load_config(root / "configs" / "medusa-smollm2.yaml")
+    assert eagle.head == "eagle" and eagle.eagle.ce_weight == 1.0 and eagle.eagle.batch_tokens == 2048
+    assert medusa.head == "medusa" and medusa.medusa.num_heads == 4 and medusa.medusa.batch_positions == 256

@@ -39,7 +39,8 @@ def test_two_process_training_resumes_and_saves(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs/accelerate-2cpu.yaml"),
            "--multi_gpu", "-m", "selfspec.train", f"target={target_dir}", f"data={data}", "self_distill=false",
-           "num_heads=2", "draft_vocab_size=256", "batch_positions=32", "epochs=2", "eval_every=5", "save_every=5",
+           "medusa.num_heads=2", "draft_vocab_size=256", "medusa.batch_positions=32", "epochs=2", "eval_every=5",
+           "save_every=5",
            "eval_fraction=0.2", f"output_dir={out}", "threads=1"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)

@@ -1,0 +1,190 @@
+"""One feature store for every recipe: the frozen target's hidden states over the training data, computed
+once and cached, keyed by what they were computed from.
+
+A store holds whole sequences, concatenated: ``tokens`` ``[ΣT]``, ``features`` ``[ΣT, D]`` (the target's
+last hidden states after the final norm, in the target's dtype), ``loss_mask`` ``[ΣT]`` (True at assistant
+tokens) and ``lengths`` ``[E]``. Each recipe derives its own training rows from it (Medusa: one row per
+position, :func:`selfspec.train.medusa.position_table`; EAGLE: shifted pairs packed into rows,
+:mod:`selfspec.train.eagle_data`).
+
+Cache files are ``<output_dir>/features/rank{r}-of{w}.safetensors``: process r of w computes the
+conversations ``r::w`` and every process then reads all w files, so each holds the whole data set and the
+``DataLoader`` that ``accelerate`` prepares shards the batches. Every file carries the signature of its
+inputs (:func:`feature_signature`: target fingerprint, every conversation, ``max_length``, the layers
+taken); a file with another signature is recomputed, never reused, whichever head family wrote it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from selfspec.heads.fingerprint import target_fingerprint
+from selfspec.train.config import TrainConfig
+from selfspec.train.data import build_training_examples
+from selfspec.train.features import hidden_features
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+LAYERS = "final_norm"
+"""The layers a store takes: the last decoder layer's output after the final norm (the lm_head input)."""
+
+
+class FeatureStore:
+    """Concatenated sequences: ``tokens`` Long ``[ΣT]``, ``features`` ``[ΣT, D]``, ``loss_mask`` Bool ``[ΣT]``,
+    ``lengths`` Long ``[E]`` (``offsets`` ``[E]``: where each sequence starts)."""
+
+    def __init__(
+        self, tokens: torch.Tensor, features: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor
+    ) -> None:
+        self.tokens, self.features, self.loss_mask, self.lengths = tokens, features, loss_mask.bool(), lengths.long()
+        starts = torch.cat([self.lengths.new_zeros(1), self.lengths.cumsum(0)[:-1]])
+        self.offsets = starts if self.lengths.numel() else self.lengths
+
+    @classmethod
+    def from_examples(cls, examples: list[dict], feats: list[torch.Tensor], hidden_size: int) -> FeatureStore:
+        """Examples (``input_ids`` Long ``[T]``, ``loss_mask`` Bool ``[T]``) with their features ``[T, D]``;
+        sequences under 2 tokens are dropped (no next-token pair in them)."""
+        keep = [(e, f) for e, f in zip(examples, feats, strict=True) if e["input_ids"].numel() >= 2]
+        if not keep:
+            return cls.empty(hidden_size)
+        return cls(
+            torch.cat([e["input_ids"] for e, _ in keep]),
+            torch.cat([f for _, f in keep]),
+            torch.cat([e["loss_mask"] for e, _ in keep]),
+            torch.tensor([e["input_ids"].numel() for e, _ in keep]),
+        )
+
+    @classmethod
+    def empty(cls, hidden_size: int, dtype: torch.dtype = torch.float32) -> FeatureStore:
+        z = torch.zeros(0, dtype=torch.long)
+        return cls(z, torch.zeros(0, hidden_size, dtype=dtype), z.bool(), z)
+
+    @classmethod
+    def cat(cls, stores: list[FeatureStore]) -> FeatureStore:
+        """The stores' sequences one after another (in list order)."""
+        if len(stores) == 1:
+            return cls(stores[0].tokens, stores[0].features, stores[0].loss_mask, stores[0].lengths)
+        return cls(*(torch.cat([getattr(s, name) for s in stores]) for name in ("tokens", "features", "loss_mask",
+                                                                                   "lengths")))
+
+    def tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        return {prefix + "tokens": self.tokens, prefix + "features": self.features.contiguous(),
+                prefix + "loss_mask": self.loss_mask, prefix + "lengths": self.lengths}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str = "") -> FeatureStore:
+        return cls(t[prefix + "tokens"], t[prefix + "features"], t[prefix + "loss_mask"], t[prefix + "lengths"])
+
+    def __len__(self) -> int:
+        return int(self.lengths.numel())
+
+    def sequence(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(tokens [T], features [T, D], loss_mask [T])`` of sequence i."""
+        o, T = int(self.offsets[i]), int(self.lengths[i])
+        return self.tokens[o : o + T], self.features[o : o + T], self.loss_mask[o : o + T]
+
+
+def feature_signature(
+    target: PreTrainedModel, train_convs: list[dict], eval_convs: list[dict], max_length: int, layers: str = LAYERS
+) -> str:
+    """What a feature cache is computed from, as 16 hex digits: the target's fingerprint, ``max_length``,
+    the layers taken, and every conversation of both splits (ids and text, in order)."""
+    h = hashlib.sha256(f"{target_fingerprint(target)}|{max_length}|{layers}".encode())
+    for conv in [*train_convs, None, *eval_convs]:
+        h.update(b"\0" if conv is None else json.dumps(conv, sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def store_path(output_dir: str | Path, rank: int = 0, world: int = 1) -> Path:
+    """The cache file of process ``rank`` of ``world``."""
+    return Path(output_dir) / "features" / f"rank{rank}-of{world}.safetensors"
+
+
+def save_features(path: Path, train: FeatureStore, held: FeatureStore, signature: str) -> None:
+    """Write both splits to ``path`` atomically (a temporary file renamed), with ``signature`` in the metadata."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file({**train.tensors(), **held.tensors("eval_")}, str(tmp), metadata={"signature": signature,
+                                                                               "layers": LAYERS})
+    os.replace(tmp, path)
+
+
+def load_features(path: Path, signature: str) -> tuple[FeatureStore, FeatureStore] | None:
+    """``(train, held_out)`` from ``path`` when it exists and carries ``signature``; None otherwise (a
+    mismatch is logged as a warning: the cache came from other data, target, length or layers)."""
+    if not path.exists():
+        return None
+    with safe_open(str(path), "pt") as fh:
+        cached = (fh.metadata() or {}).get("signature")
+    if cached != signature:
+        logger.warning("cached features %s were computed from other inputs (signature %s, now %s): recomputing",
+                       path, cached, signature)
+        return None
+    t = load_file(str(path))
+    train, held = FeatureStore.from_tensors(t), FeatureStore.from_tensors(t, "eval_")
+    logger.info("loaded cached features %s (%d train / %d held-out sequences)", path, len(train), len(held))
+    return train, held
+
+
+def target_features(
+    cfg: TrainConfig,
+    accelerator: Accelerator,
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    train_convs: list[dict],
+    eval_convs: list[dict],
+) -> tuple[FeatureStore, FeatureStore, str]:
+    """Target features of both splits (the same on every process), from the cache or computed.
+
+    Process r computes (or finds in its cache file) the conversations ``r::w`` of each split, rendered
+    with :func:`~selfspec.train.data.build_training_examples` at ``cfg.max_length``; then every process
+    reads all w files and concatenates them in rank order.
+
+    Returns:
+        ``(train, held_out, signature)``: the stores and their :func:`feature_signature`.
+
+    Raises:
+        ValueError: a cache file of another process does not carry this run's signature (processes were
+            given different data).
+    """
+    rank, world = accelerator.process_index, accelerator.num_processes
+    signature = feature_signature(target, train_convs, eval_convs, cfg.max_length)
+    mine = store_path(cfg.output_dir, rank, world)
+    own = load_features(mine, signature)
+    if own is None:
+        quiet = not accelerator.is_local_main_process
+        t0 = time.perf_counter()
+        D = target.config.hidden_size
+        parts = []
+        for convs in (train_convs[rank::world], eval_convs[rank::world]):
+            ex = build_training_examples(tokenizer, convs, cfg.max_length)
+            parts.append(FeatureStore.from_examples(ex, hidden_features(target, ex, disable_progress=quiet), D))
+        own = (parts[0], parts[1])
+        n_tok = int(own[0].lengths.sum() + own[1].lengths.sum())
+        dt = time.perf_counter() - t0
+        logger.info("target features: %d tokens in %.1fs (%.0f tokens/s)", n_tok, dt, n_tok / max(dt, 1e-9))
+        save_features(mine, *own, signature)
+    if world == 1:
+        return own[0], own[1], signature
+    accelerator.wait_for_everyone()
+    shards = []
+    for r in range(world):
+        loaded = own if r == rank else load_features(store_path(cfg.output_dir, r, world), signature)
+        if loaded is None:
+            raise ValueError(f"process {r} cached features of other data than process {rank}")
+        shards.append(loaded)
+    return FeatureStore.cat([s[0] for s in shards]), FeatureStore.cat([s[1] for s in shards]), signature
