@@ -9,8 +9,9 @@ A head directory holds the head alone, never target weights::
     training_record.json        optional, written by training beside the head
 
 Writing (:func:`write_head_dir`) builds the whole directory in a temporary sibling, fsyncs every file and
-the directory, then renames it into place; an existing directory is moved aside only once the new one is
-complete, so a reader sees either the old head or the new one, never a mix. Files of the old directory
+the directory, then renames it into place; an existing directory is swapped with the new one only once
+the new one is complete (one atomic ``renameat2(RENAME_EXCHANGE)`` on Linux; elsewhere two renames, with
+the complete old directory kept aside in between), so the path always holds a whole head. Files of the old directory
 that are not head files (:data:`HEAD_FILES`; e.g. the acceptance profile and the training record) are
 carried over unchanged. Every safetensors file carries a SHA-256 of its tensors in its metadata
 (``selfspec_sha256``), so flipped bytes that keep the file well formed are refused too; files written
@@ -23,6 +24,8 @@ trained on another target (:func:`check_fingerprint`).
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
 import logging
@@ -211,6 +214,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths atomically (Linux ``renameat2`` with ``RENAME_EXCHANGE``).
+
+    Returns:
+        False where the C library or the file system does not offer the exchange (nothing was changed).
+
+    Raises:
+        OSError: the exchange was refused for another reason.
+    """
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
 def write_head_dir(
     directory: str | Path,
     config: Mapping[str, Any],
@@ -266,12 +291,15 @@ def write_head_dir(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if out.is_dir():
-        # POSIX cannot rename onto a non-empty directory: move the old one aside first. A crash between the
-        # two renames leaves the complete old head at .<name>.old-*, never a half-written one.
-        old = out.with_name(f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
+        if _exchange(tmp, out):
+            shutil.rmtree(tmp, ignore_errors=True)  # now the old head
+        else:
+            # POSIX cannot rename onto a non-empty directory: move the old one aside first. A crash between
+            # the two renames leaves the complete old head at .<name>.old-*, never a half-written one.
+            old = out.with_name(f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, out)
     _fsync_dir(out.parent)

@@ -112,7 +112,10 @@ def test_eagle_head_saved_by_release_0_1_loads_and_layout_is_unchanged(target, t
 
 
 # ------------------------------------------------------------------------------------------ atomic write
-def test_rewrite_keeps_side_files_and_drops_stale_head_files(target, tmp_path):
+@pytest.mark.parametrize("exchange", ["renameat2", "two renames"])
+def test_rewrite_keeps_side_files_and_drops_stale_head_files(target, tmp_path, monkeypatch, exchange):
+    if exchange == "two renames":  # systems without an atomic exchange of two directories
+        monkeypatch.setattr(io, "_exchange", lambda a, b: False)
     d = tmp_path / "heads"
     eagle(target, draft=24).save_pretrained(d)
     (d / "acceptance_profile.json").write_text('{"x": 1}')
@@ -213,6 +216,15 @@ def test_medusa_refusals_name_the_cause_and_the_fix(target, tmp_path, case):
         load_heads(tmp_path, target=target)
 
 
+@pytest.mark.parametrize("case", sorted(c for c in REFUSALS if "draft ids" not in c))  # EAGLE's sit in their own file
+def test_eagle_refusals_name_the_cause_and_the_fix(target, tmp_path, case):
+    eagle(target).save_pretrained(tmp_path)
+    edit, message = REFUSALS[case]
+    edit(tmp_path)
+    with pytest.raises(HeadFormatError, match=message):
+        load_heads(tmp_path, target=target)
+
+
 def test_all_key_mismatches_are_listed_in_one_error(target, tmp_path):
     medusa(target).save_pretrained(tmp_path)
 
@@ -230,6 +242,20 @@ def test_all_key_mismatches_are_listed_in_one_error(target, tmp_path):
     assert "unexpected=['extra.weight']" in text
     assert "blocks.0.layers.0.weight: file (32, 7) vs config (32, 32)" in text
     assert text.endswith("re-export the heads with save_pretrained (or retrain them)")
+
+
+def test_eagle_key_mismatches_are_listed_in_one_error(target, tmp_path):
+    eagle(target).save_pretrained(tmp_path)
+
+    def edit(state):
+        state.pop("fc.bias")
+        state["layers.0.input_layernorm.weight"] = torch.ones(D)  # EAGLE-1 has no input norm
+        state["fc.weight"] = torch.zeros(D, D)
+
+    _edit_weights(tmp_path, edit)
+    with pytest.raises(HeadFormatError, match=r"missing=\['fc.bias'\] unexpected=\['layers.0.input_layernorm.weight'\] "
+                                              r"wrong_shape=\[fc.weight: file \(32, 32\) vs config \(32, 64\)\]"):
+        load_heads(tmp_path, target=target)
 
 
 def test_eagle_draft_vocab_flipped_bytes_are_refused(target, tmp_path):
