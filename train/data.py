@@ -308,7 +308,7 @@ def load_conversations(source: str | os.PathLike = SHAREGPT_ALIAS, max_conversat
 
 
 def _eval_score(seed: int, conversation_id: str) -> float:
-    digest = hashlib.sha256(f"{seed}:{conversation_id}".encode("utf-8")).digest()
+    digest = hashlib.sha256(f"{seed}:{conversation_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 
 

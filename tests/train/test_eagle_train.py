@@ -117,6 +117,14 @@ def _distilled_store(target, n: int, seed: int) -> PairStore:
     return PairStore.from_examples(examples, hidden_features(target, examples, disable_progress=True), 32)
 
 
+def _untrained(target, held: PairStore) -> dict:
+    """Held-out metrics of the head as training starts it (the recipe seeds its init with ``cfg.seed`` = 0),
+    independent of what training drew from the global random state."""
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig(hidden_size=32, vocab_size=96), target.config, target=target)
+    return recipe.summarise_eval(recipe.evaluate(head, held, target.lm_head.weight, 3))
+
+
 def _run(cfg: TrainConfig, target):
     from accelerate import Accelerator
 
@@ -144,8 +152,7 @@ def test_tiny_training_run_learns_saves_and_resumes_exactly(tmp_path, monkeypatc
     heads_dir = _run(TrainConfig(**base, max_steps=200, save_every=1000, output_dir=str(learn)), target)
     summary = json.loads((learn / "train_summary.json").read_text())
     assert summary["train_tokens_per_s"] > 0 and summary["step"] == 200
-    untrained = recipe.summarise_eval(recipe.evaluate(
-        EagleHead(EagleConfig(hidden_size=32, vocab_size=96), target.config, target=target), held, target.lm_head.weight, 3))
+    untrained = _untrained(target, held)
     assert summary["heldout"]["top1"] > max(0.1, 5 * untrained["top1"]), (summary["heldout"], untrained)
     assert summary["heldout"]["feature_loss"] < 0.8 * untrained["feature_loss"], (summary["heldout"], untrained)
     head = load_heads(heads_dir, target=target)
@@ -236,8 +243,7 @@ def test_training_time_test_and_prompt_scoring_learn(tmp_path):
     save_features(store_path(tmp_path), train, held, feature_signature(target, [], [], 32))
     _run(TrainConfig(**base), target)
     summary = json.loads((tmp_path / "train_summary.json").read_text())
-    untrained = recipe.summarise_eval(recipe.evaluate(
-        EagleHead(EagleConfig(hidden_size=32, vocab_size=96), target.config, target=target), held, target.lm_head.weight, 3))
+    untrained = _untrained(target, held)
     assert summary["options"]["ttt_steps"] == 3 and summary["options"]["score_prompt"] is True
     # every pair is scored with prompt scoring: 18 + 6 - 1 pairs per example
     assert summary["scored_positions_per_epoch"] == 32 * 23
