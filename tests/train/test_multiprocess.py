@@ -50,6 +50,12 @@ def test_two_process_training_resumes_and_saves(tmp_path):
     assert (out / "heads" / "model.safetensors").is_file()
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["step"] >= 2
+    # both processes trained on the whole data set, sharded by the prepared DataLoader; the record names the split
+    from selfspec.train.data import load_conversations, split_conversations
+
+    _, held = split_conversations(load_conversations(str(data)), eval_fraction=0.2, seed=0)
+    record = json.loads((out / "heads" / "training_record.json").read_text())
+    assert record["head"] == "medusa" and record["heldout_ids"] == [c["id"] for c in held]
     # running the same command again finds the finished checkpoint state and features, and completes
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
