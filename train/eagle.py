@@ -214,7 +214,7 @@ class EagleRecipe(Recipe):
         self.head = EagleHead(hcfg, target.config, draft_ids=draft_ids, target=target,
                               init_from_target_layer=opts.init_from_target_layer).float()
         self.rows_per_step = max(1, opts.batch_tokens // cfg.max_length)
-        self.lm32 = self.head.lm_weight(torch.float32)  # [S, D] frozen
+        self._lm32: torch.Tensor | None = None  # [S, D] frozen, on the head's device once training starts
         self.lm_full = target.get_output_embeddings().weight.detach()
 
     def module(self) -> torch.nn.Module:
@@ -234,7 +234,9 @@ class EagleRecipe(Recipe):
             g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step * 31 + self.rank)
             noise = (torch.rand(feats.shape, generator=g) * 2 - 1) * self.cfg.eagle.noise
             feats = feats + noise.to(feats.device)
-        out = eagle_step_loss(model, batch, self.lm32.to(feats.device), self.cfg.eagle, features=feats)
+        if self._lm32 is None:
+            self._lm32 = self.head.lm_weight(torch.float32).to(feats.device)
+        out = eagle_step_loss(model, batch, self._lm32, self.cfg.eagle, features=feats)
         return StepLoss(out.loss, {"feature_loss": round(out.feature_loss.item(), 4),
                                    "ce_loss": round(out.ce_loss.item(), 4)},
                         {"train_tokens": int(batch["valid"].sum()), "scored_tokens": out.scored})

@@ -86,10 +86,11 @@ def evaluate(heads: MedusaHeads, hidden: torch.Tensor, labels_draft: torch.Tenso
     counts = torch.zeros(K, dtype=torch.long)
     was_training = heads.training
     heads.eval()
+    dev = next(heads.parameters()).device
     with torch.no_grad():
         for s in range(0, hidden.shape[0], batch):
-            logits = heads(hidden[s : s + batch].float())
-            h, c = topk_hits(logits, labels_draft[s : s + batch], k)
+            logits = heads(hidden[s : s + batch].float().to(dev))
+            h, c = topk_hits(logits, labels_draft[s : s + batch].to(dev), k)
             hits += h.cpu()
             counts += c.cpu()
     heads.train(was_training)
@@ -183,5 +184,6 @@ def train_medusa(
     """
     train, held, signature = target_features(cfg, accelerator, target, tokenizer, train_convs, eval_convs)
     recipe = MedusaRecipe(cfg, target, train, held, signature)
+    del train, held  # the recipe keeps its position table only
     ids = [c["id"] for c in eval_convs] if heldout_ids is None else heldout_ids
     return train_loop(cfg, accelerator, recipe, ids)
