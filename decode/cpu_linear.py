@@ -19,15 +19,14 @@ plain steps, mostly in the linears. Two kernels avoid the per-call packing:
 
 All three are the same products in other summation orders. Which one wins at which size depends on the
 BLAS, the CPU and the thread count; :mod:`selfspec.decode.costs` measures them and
-:class:`selfspec.decode.verifier.Verifier` applies the winners through :class:`LinearRouter`, a
-``TorchFunctionMode`` scoped to one forward: the model's modules are never patched.
+:class:`selfspec.decode.verifier.Verifier` applies the winners by running a twin of the target's
+backbone in which every ``nn.Linear`` is a :class:`PackedLinear` or a :class:`WeightFirstLinear` (sharing
+the target's tensors): the model's own modules are never patched.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 TORCH_VERSION_WRITTEN_AGAINST = "2.13"
 LINEAR_KERNELS = ("linear", "weight_first", "packed")
@@ -83,41 +82,41 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-class LinearRouter(TorchFunctionMode):
-    """While active, ``F.linear`` calls on the given weights use another kernel; everything else runs as is.
+class PackedLinear(torch.nn.Module):
+    """An ``nn.Linear`` computed by :func:`packed_linear`: holds the original weight and bias (the same
+    tensors, not copies) and the weight's packed copy.
 
     Args:
-        weight_first: weights (by identity) whose products run as :func:`weight_first_linear`.
-        packed: ``{id(weight): (weight, packed)}``: products on ``weight`` run as :func:`packed_linear`
-            on ``packed`` (the weight object is kept to check identity, since ids may be reused).
+        linear: the module it stands in for (not modified).
+        packed: ``pack_weight(linear.weight)``.
 
-    A ``TorchFunctionMode`` sees every torch call of the forward, so the model, its modules and
-    ``nn.Linear`` stay untouched; a call is intercepted only when its function is ``F.linear`` and its
-    weight is one of these.
+    ``forward``: ``x`` ``[..., in]`` float32 -> ``[..., out]`` float32.
     """
 
-    def __init__(
-        self,
-        weight_first: frozenset[int] = frozenset(),
-        packed: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
-    ) -> None:
+    def __init__(self, linear: torch.nn.Linear, packed: torch.Tensor) -> None:
         super().__init__()
-        self.weight_first = weight_first
-        self.packed = packed or {}
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.packed = packed
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        # Called for every torch function of the forward (~2.4k for SmolLM2-135M): keep the common path short.
-        if func is _LINEAR:
-            weight = args[1] if len(args) > 1 else kwargs["weight"]
-            bias = args[2] if len(args) > 2 else (kwargs or {}).get("bias")
-            entry = self.packed.get(id(weight))
-            if entry is not None and entry[0] is weight:
-                return packed_linear(args[0], entry[1], bias)
-            if id(weight) in self.weight_first:
-                return weight_first_linear(args[0], weight, bias)
-        if kwargs:
-            return func(*args, **kwargs)
-        return func(*args)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, self.packed, self.bias)
 
 
-_LINEAR = F.linear
+class WeightFirstLinear(torch.nn.Module):
+    """An ``nn.Linear`` computed by :func:`weight_first_linear` on the original weight and bias (the same
+    tensors, not copies).
+
+    Args:
+        linear: the module it stands in for (not modified).
+
+    ``forward``: ``x`` ``[..., in]`` -> ``[..., out]`` in ``x``'s dtype.
+    """
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return weight_first_linear(x, self.weight, self.bias)

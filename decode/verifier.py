@@ -1,10 +1,13 @@
-"""The verification engine: the target's forward passes of a decode (prefill, tree verification, logits).
+"""The verification engine: the target's forwards of a decode (prefill, tree verification, logits).
 
 A :class:`Verifier` wraps a frozen ``transformers`` causal LM and owns what makes its verification fast
-on this machine: a kernel plan (tree size -> one of :data:`~selfspec.decode.cpu_linear.LINEAR_KERNELS`)
-and the oneDNN-packed weight copies that plan needs. Nothing is stored on or set on the target: the
-plan is applied for the duration of one tree forward by a ``TorchFunctionMode``
-(:class:`~selfspec.decode.cpu_linear.LinearRouter`) that reroutes ``F.linear`` for the packed weights.
+on this machine: a kernel plan (tree size -> one of :data:`~selfspec.decode.cpu_linear.LINEAR_KERNELS`),
+the oneDNN-packed weight copies that plan needs, and, per kernel in the plan, a *twin* of the target's
+backbone: a copy of its module structure that shares every parameter and buffer with the target (no
+tensor is copied) and in which every ``nn.Linear`` is one of :mod:`~selfspec.decode.cpu_linear`'s kernel
+modules. A planned tree forward runs the twin; everything else runs the target's own backbone. Nothing is
+stored on or set on the target, and a forward costs nothing beyond its kernels (no per-call patching or
+interception).
 
 Everything goes through the model's public ``forward``: token ids, a ``DynamicCache``, explicit
 ``position_ids`` and, for trees, a custom 4-D additive attention mask (tree attention, Miao et al. 2024,
@@ -13,14 +16,16 @@ Everything goes through the model's public ``forward``: token ids, a ``DynamicCa
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
 from selfspec.decode import cpu_linear
 from selfspec.decode.kv import backbone, call_with_cache, new_cache
-from selfspec.decode.tree import tree_attention_bias, tree_position_ids
+from selfspec.decode.masks import attention_layout, tree_attention_masks
+from selfspec.decode.tree import tree_position_ids
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
@@ -48,7 +53,9 @@ class Verifier:
         self._plan: dict[int, str] = {}
         self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # id(weight) -> (weight, packed)
         self._packed_head: torch.Tensor | None = None
-        self._weight_first = frozenset(id(m.weight) for m in self._linears)
+        self._twins: dict[str, torch.nn.Module] = {}  # kernel -> twin of the backbone
+        self._shared: tuple[tuple[dict, str, torch.Tensor], ...] = ()  # what the twins share, see _in_sync
+        self._built_for: tuple[torch.device, torch.dtype] | None = None
         if plan:
             self.set_plan(plan)
 
@@ -87,10 +94,13 @@ class Verifier:
         a tree of N nodes is verified: ``plan`` maps N to one of ``cpu_linear.LINEAR_KERNELS``. Sizes not
         in ``plan`` use plain ``linear``; ``"weight_first"`` is ignored outside ``2..WEIGHT_FIRST_MAX_ROWS``.
 
-        The first size planned as ``"packed"`` packs a copy of every backbone linear weight and of the
-        lm_head weight (float32, as much memory again, held here); planning no ``"packed"`` size frees
-        them, unless ``keep_packed`` (used while measuring, to switch plans without repacking). The
-        weights must not change while packed: plan no ``"packed"`` size, then plan again, to repack.
+        Each kernel planned for some size gets one twin of the backbone (:func:`backbone_twin`; module
+        objects only, every tensor shared with the target). The first size planned as ``"packed"`` also
+        packs a copy of every backbone linear weight and of the lm_head weight (float32, as much memory
+        again, held here); planning no ``"packed"`` size frees them and drops the twins no longer
+        planned, unless ``keep_packed`` (used while measuring, to switch plans without repacking). The
+        weights must not change while packed: plan no ``"packed"`` size, then plan again, to repack. A
+        target moved, cast or given new tensors since the twins were built gets new twins (and a repack).
 
         Raises:
             ValueError: a size that is not a positive integer, or an unknown kernel name.
@@ -101,38 +111,70 @@ class Verifier:
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"tree sizes must be positive integers, got {n!r}")
             if kernel not in cpu_linear.LINEAR_KERNELS:
-                raise ValueError(f"unknown linear kernel {kernel!r}; choose from {', '.join(cpu_linear.LINEAR_KERNELS)}")
+                choices = ", ".join(cpu_linear.LINEAR_KERNELS)
+                raise ValueError(f"unknown linear kernel {kernel!r}; choose from {choices}")
             if kernel != "linear" and cpu_linear.kernel_applies(kernel, n):
                 clean[n] = kernel
-        wanted = "packed" in clean.values()
-        if wanted and self._packed is None:
-            if not self.packed_available():
-                raise RuntimeError(
-                    "packed linears need a float32 model on a CPU, a torch built with oneDNN (torch.backends.mkldnn) "
-                    f"and at most {cpu_linear.PACKED_MAX_BYTES >> 30} GiB of linear weights; plan 'linear' or "
-                    "'weight_first' instead"
-                )
+        wanted = set(clean.values())
+        if "packed" in wanted and self._packed is None and not self.packed_available():
+            raise RuntimeError(
+                "packed linears need a float32 model on a CPU, a torch built with oneDNN (torch.backends.mkldnn) "
+                f"and at most {cpu_linear.PACKED_MAX_BYTES >> 30} GiB of linear weights; plan 'linear' or "
+                "'weight_first' instead"
+            )
+        if self._twins and not self._in_sync():
+            self._twins, self._packed, self._packed_head = {}, None, None
+        if not keep_packed:
+            self._twins = {k: twin for k, twin in self._twins.items() if k in wanted}
+            if "packed" not in wanted:
+                self._packed = self._packed_head = None
+        if "packed" in wanted and self._packed is None:
             self._packed = {id(m.weight): (m.weight, cpu_linear.pack_weight(m.weight)) for m in self._linears}
             self._packed_head = cpu_linear.pack_weight(self.target.get_output_embeddings().weight)
-        elif self._packed is not None and not wanted and not keep_packed:
-            self._packed = self._packed_head = None
+        for kernel in wanted - set(self._twins):
+            self._twins[kernel] = self._build_twin(kernel)
         self._plan = dict(sorted(clean.items()))
+
+    def _build_twin(self, kernel: str) -> torch.nn.Module:
+        if kernel == "packed":
+            packed = self._packed
+
+            def replace(linear: torch.nn.Linear) -> torch.nn.Module:
+                return cpu_linear.PackedLinear(linear, packed[id(linear.weight)][1])
+        else:
+            replace = cpu_linear.WeightFirstLinear
+        model = backbone(self.target)
+        # The target's own parameter/buffer tables (read, never written): _in_sync compares them by
+        # identity on every planned forward, ~300 dict lookups for SmolLM2-135M (the public iterators
+        # walk the module tree and cost ~10x more).
+        self._shared = tuple(
+            (table, name, t)
+            for m in model.modules()
+            for table in (m._parameters, m._buffers)
+            for name, t in table.items()
+            if t is not None
+        )
+        p = next(self.target.parameters())
+        self._built_for = (p.device, p.dtype)
+        return backbone_twin(model, replace)
+
+    def _in_sync(self) -> bool:
+        """Whether the twins still compute with the target's tensors: same device and dtype as when they
+        were built, and every parameter and buffer of the target the very tensor they share."""
+        p = next(self.target.parameters())
+        if (p.device, p.dtype) != self._built_for:
+            return False
+        return all(table.get(name) is t for table, name, t in self._shared)
 
     def kernel_for(self, rows: int) -> str:
         """The kernel a verification of ``rows`` nodes uses now: the plan's, or ``"linear"`` when the
-        target was moved off the CPU or (for ``"packed"``) cast from float32 after planning."""
+        target was moved off the CPU, cast, or given new parameter or buffer tensors after planning."""
         kernel = self._plan.get(rows, "linear")
         if kernel == "linear":
             return kernel
-        p = next(self.target.parameters())
-        if p.device.type != "cpu" or (kernel == "packed" and (p.dtype != torch.float32 or self._packed is None)):
+        if self._built_for is None or self._built_for[0].type != "cpu" or not self._in_sync():
             return "linear"
         return kernel
-
-    def _router(self, kernel: str) -> cpu_linear.LinearRouter:
-        if kernel == "packed":
-            return cpu_linear.LinearRouter(packed=self._packed)
-        return cpu_linear.LinearRouter(weight_first=self._weight_first)
 
     # ------------------------------------------------------------------ forwards
     def new_cache(self) -> DynamicCache:
@@ -175,30 +217,74 @@ class Verifier:
             positions = torch.arange(past_length, past_length + n, device=device).unsqueeze(0)
             mask = None
         else:
+            # One mask per attention-layer type: sliding layers see only their window (selfspec.decode.masks).
             positions = tree_position_ids(parents.cpu(), past_length).to(device)
-            mask = tree_attention_bias(parents.cpu(), past_length, dtype).to(device)
+            layout = attention_layout(self.target.config)
+            mask = tree_attention_masks(parents.cpu(), past_length, dtype, layout, device)
         kwargs = dict(input_ids=tokens.unsqueeze(0), attention_mask=mask, position_ids=positions)
         kernel = self.kernel_for(n)
-        if kernel == "linear":
-            out = call_with_cache(backbone(self.target), cache, **kwargs)
-        else:
-            with self._router(kernel):
-                out = call_with_cache(backbone(self.target), cache, **kwargs)
-        return out.last_hidden_state[0]
+        model = backbone(self.target) if kernel == "linear" else self._twins[kernel]
+        return call_with_cache(model, cache, **kwargs).last_hidden_state[0]
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target logits from last hidden states: ``[N, D] -> [N, V]`` float32.
 
         For 2..32 rows on a CPU the product is ``W @ h^T`` (:func:`~selfspec.decode.cpu_linear.project`);
         where the plan has ``"packed"`` for N rows, oneDNN computes it on the packed lm_head weight.
-        Same math, another summation order.
+        Same math, another summation order. A config's ``final_logit_softcapping`` (Gemma-2) is applied
+        as the model's own forward applies it.
         """
         head = self.target.get_output_embeddings()
         if self._packed_head is not None and hidden.dim() == 2 and self.kernel_for(hidden.shape[0]) == "packed":
-            return cpu_linear.packed_linear(hidden, self._packed_head, head.bias).float()
-        if head.bias is None:
-            return cpu_linear.project(hidden, head.weight).float()
-        return head(hidden).float()
+            logits = cpu_linear.packed_linear(hidden, self._packed_head, head.bias)
+        elif head.bias is None:
+            logits = cpu_linear.project(hidden, head.weight)
+        else:
+            logits = head(hidden)
+        cap = getattr(self.target.config, "final_logit_softcapping", None)
+        if cap is not None:
+            # Gemma-2 / Gemma-3 soft-cap their logits in the forward, in the model dtype: cap * tanh(logits / cap).
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+
+def backbone_twin(
+    module: torch.nn.Module, replace: Callable[[torch.nn.Linear], torch.nn.Module]
+) -> torch.nn.Module:
+    """A twin of ``module``: a copy of its module structure that shares every tensor with it, in which each
+    ``nn.Linear`` (exactly that type, without a ``forward`` of its own) is ``replace(linear)``.
+
+    ``copy.deepcopy`` with a memo holding every parameter, buffer and tensor attribute of ``module``'s
+    modules, and their ``config`` objects: those are the originals in the twin (same tensors, same
+    storage), so the twin costs only module objects and computes with the module's current weights.
+    ``module`` is not modified (only read).
+
+    Args:
+        module: e.g. a causal LM's decoder stack.
+        replace: builds the stand-in of one ``nn.Linear`` (given the twin's copy, which holds the
+            original weight and bias tensors).
+
+    Returns:
+        The twin, an ``nn.Module`` of ``module``'s class.
+    """
+    memo: dict[int, object] = {}
+    for m in module.modules():
+        for value in m.__dict__.values():
+            if isinstance(value, torch.Tensor):
+                memo[id(value)] = value
+        config = m.__dict__.get("config")
+        if config is not None:
+            memo[id(config)] = config
+    for _, t in module.named_parameters(remove_duplicate=False):
+        memo[id(t)] = t
+    for _, t in module.named_buffers(remove_duplicate=False):
+        memo[id(t)] = t
+    twin = copy.deepcopy(module, memo)
+    for parent in list(twin.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and "forward" not in child.__dict__:
+                setattr(parent, name, replace(child))
+    return twin
 
 
 def as_verifier(target: PreTrainedModel | Verifier) -> Verifier:

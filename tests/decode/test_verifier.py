@@ -42,6 +42,9 @@ def test_weight_first_equals_linear(bias, shape):
     got = cpu_linear.weight_first_linear(x, lin.weight, lin.bias)
     assert got.shape == (*shape[:-1], 40)
     torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    module = cpu_linear.WeightFirstLinear(lin)
+    assert module.weight is lin.weight and module.bias is lin.bias
+    torch.testing.assert_close(module(x), got)
 
 
 @needs_packed
@@ -58,8 +61,9 @@ def test_packed_equals_linear(bias, shape):
     x_t = torch.randn(24, 3).T  # a non-contiguous input
     torch.testing.assert_close(cpu_linear.packed_linear(x_t, packed, lin.bias), F.linear(x_t, lin.weight, lin.bias),
                                rtol=1e-5, atol=1e-5)
-    with cpu_linear.LinearRouter(packed={id(lin.weight): (lin.weight, packed)}):
-        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    module = cpu_linear.PackedLinear(lin, packed)
+    assert module.weight is lin.weight and module.bias is lin.bias
+    torch.testing.assert_close(module(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 
 
 def test_plan_validation_and_kernel_choice(target):
@@ -217,3 +221,41 @@ def test_packed_plan_ignored_after_a_cast(target):
     assert v.kernel_for(3) == "packed"
     target.to(torch.float64)
     assert v.kernel_for(3) == "linear"
+
+
+@pytest.mark.parametrize("kernel", ["weight_first", pytest.param("packed", marks=needs_packed)])
+def test_twin_shares_every_tensor_with_the_target(target, kernel):
+    """The planned kernel runs in a twin of the backbone that copies no tensor: each of its parameters
+    and buffers is the target's own (same object, same storage), and its linears are ours."""
+    from selfspec.decode.kv import backbone
+
+    before = snapshot(target)
+    v = Verifier(target, {4: kernel})
+    twin, model = v._twins[kernel], backbone(target)
+    assert twin is not model and type(twin) is type(model)
+    ours = dict(twin.named_parameters(remove_duplicate=False))
+    theirs = dict(model.named_parameters(remove_duplicate=False))
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k] is theirs[k] and ours[k].data_ptr() == theirs[k].data_ptr() for k in theirs)
+    bufs, target_bufs = dict(twin.named_buffers()), dict(model.named_buffers())
+    assert bufs.keys() == target_bufs.keys() and all(bufs[k].data_ptr() == target_bufs[k].data_ptr() for k in bufs)
+    stand_in = cpu_linear.PackedLinear if kernel == "packed" else cpu_linear.WeightFirstLinear
+    assert not any(type(m) is torch.nn.Linear for m in twin.modules())
+    assert sum(type(m) is stand_in for m in twin.modules()) == len(v._linears) > 0
+    assert type(model.layers[0].mlp.up_proj) is torch.nn.Linear
+    assert snapshot(target) == before
+
+
+def test_new_tensors_on_the_target_make_the_twin_stale(target):
+    """A target given new parameter tensors after planning (``load_state_dict(assign=True)``) verifies
+    with plain linear (the twin holds the old ones) until planned again, which builds a new twin."""
+    v = Verifier(target, {3: "weight_first"})
+    assert v.kernel_for(3) == "weight_first"
+    state = {k: t.clone() for k, t in target.state_dict().items()}
+    target.load_state_dict(state, assign=True)
+    assert v.kernel_for(3) == "linear"
+    old = v._twins["weight_first"]
+    v.set_plan({3: "weight_first"})
+    assert v.kernel_for(3) == "weight_first" and v._twins["weight_first"] is not old
+    w = target.model.layers[0].self_attn.q_proj.weight
+    assert v._twins["weight_first"].layers[0].self_attn.q_proj.weight is w
