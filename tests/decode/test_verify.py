@@ -255,14 +255,8 @@ def _paths(parents: list[int]) -> list[list[int]]:
     return paths
 
 
-def _assert_lossless(
-    dist: dict[tuple[int, ...], float], prefix0: tuple[int, ...], v: int, length: int, expect_longest: int
-) -> None:
-    """Complete each emitted sequence to `length` tokens with the target; compare to prod p exactly.
-
-    `expect_longest` guards against a vacuous pass: the longest emitted sequence (length when some
-    draw accepts every draft on a deepest path; 1 when drafts can never be accepted)."""
-    assert abs(sum(dist.values()) - 1.0) < 1e-12
+def _completed(dist: dict[tuple[int, ...], float], prefix0: tuple[int, ...], v: int, length: int):
+    """Complete each emitted sequence to `length` tokens with the target: the law of the first `length` tokens."""
     completed: dict[tuple[int, ...], float] = defaultdict(float)
     for seq, prob in dist.items():
         assert 1 <= len(seq) <= length
@@ -275,10 +269,36 @@ def _assert_lossless(
             for x, px in enumerate(target(prefix0 + s, v).tolist()):
                 if px > 0:
                     stack.append((s + (x,), w * px))
+    return completed
+
+
+def _expected(seq: tuple[int, ...], prefix0: tuple[int, ...], v: int) -> float:
+    expected = 1.0
+    for t in range(len(seq)):
+        expected *= float(target(prefix0 + seq[:t], v)[seq[t]])
+    return expected
+
+
+def _lossless_error(dist: dict[tuple[int, ...], float], prefix0: tuple[int, ...], v: int, length: int) -> float:
+    """The largest deviation of the completed law from prod p over all V^length sequences, or of the total
+    mass from 1."""
+    completed = _completed(dist, prefix0, v, length)
+    sequences = itertools.product(range(v), repeat=length)
+    errors = [abs(completed.get(seq, 0.0) - _expected(seq, prefix0, v)) for seq in sequences]
+    return max([abs(sum(dist.values()) - 1.0), *errors])
+
+
+def _assert_lossless(
+    dist: dict[tuple[int, ...], float], prefix0: tuple[int, ...], v: int, length: int, expect_longest: int
+) -> None:
+    """Complete each emitted sequence to `length` tokens with the target; compare to prod p exactly.
+
+    `expect_longest` guards against a vacuous pass: the longest emitted sequence (length when some
+    draw accepts every draft on a deepest path; 1 when drafts can never be accepted)."""
+    assert abs(sum(dist.values()) - 1.0) < 1e-12
+    completed = _completed(dist, prefix0, v, length)
     for seq in itertools.product(range(v), repeat=length):
-        expected = 1.0
-        for t in range(length):
-            expected *= float(target(prefix0 + seq[:t], v)[seq[t]])
+        expected = _expected(seq, prefix0, v)
         assert abs(completed.get(seq, 0.0) - expected) < 1e-9, (seq, completed.get(seq, 0.0), expected)
     longest = max(len(s) for s in dist)
     assert longest == expect_longest, f"longest emitted sequence {longest}, expected {expect_longest}"
@@ -292,10 +312,13 @@ def _tree_case(parents: list[int], tokens: list[int], prefix0: tuple[int, ...], 
     return contexts, p, q
 
 
-@pytest.mark.parametrize("kind", ["far", "zeros", "onehot_bad", "onehot", "mixed"])
-def test_exact_chain_sampling_is_lossless(kind):
-    """verify_chain_sampling, K = 3, V = 5: the law of the emitted tokens is exactly prod p."""
-    v, k, prefix0 = 5, 3, (2,)
+CHAIN_V, CHAIN_K, CHAIN_PREFIX = 5, 3, (2,)
+
+
+def _chain_dist(kind: str) -> dict[tuple[int, ...], float]:
+    """The exact law of one step of verify_chain_sampling, K = 3, V = 5: every draft chain x ~ q
+    enumerated with its probability, every accept/reject and residual/bonus draw by _enumerate."""
+    v, k, prefix0 = CHAIN_V, CHAIN_K, CHAIN_PREFIX
     dist: dict[tuple[int, ...], float] = defaultdict(float)
 
     def expand(drafts: tuple[int, ...], weight: float) -> None:
@@ -318,19 +341,27 @@ def test_exact_chain_sampling_is_lossless(kind):
             dist[seq] += weight * w
 
     expand((), 1.0)
-    _assert_lossless(dist, prefix0, v, k + 1, expect_longest=1 if kind == "onehot_bad" else k + 1)
+    return dist
+
+
+@pytest.mark.parametrize("kind", ["far", "zeros", "onehot_bad", "onehot", "mixed"])
+def test_exact_chain_sampling_is_lossless(kind):
+    """verify_chain_sampling, K = 3, V = 5: the law of the emitted tokens is exactly prod p."""
+    _assert_lossless(_chain_dist(kind), CHAIN_PREFIX, CHAIN_V, CHAIN_K + 1,
+                     expect_longest=1 if kind == "onehot_bad" else CHAIN_K + 1)
 
 
 TREE = [-1, 0, 0, 0, 1, 4]  # root: 3 children; node 1: 1 child; node 4: 1 child (depth 3)
 
 
-@pytest.mark.parametrize("kind", ["far", "zeros", "onehot", "mixed"])
-def test_exact_tree_sampling_is_lossless(kind):
-    """verify_tree_sampling with children drawn i.i.d. from q (with replacement), V = 4, depth 3.
+TREE_V, TREE_PREFIX = 4, (1,)
 
-    Every assignment of draft tokens is enumerated with probability prod q(x_i | context of parent);
-    the targets differ per node (they depend on the path's tokens)."""
-    v, prefix0 = 4, (1,)
+
+def _tree_dist(kind: str) -> dict[tuple[int, ...], float]:
+    """The exact law of one step of verify_tree_sampling on TREE, children drawn i.i.d. from q (with
+    replacement), V = 4: every assignment of draft tokens enumerated with probability
+    prod q(x_i | context of parent), every accept/reject and residual/bonus draw by _enumerate."""
+    v, prefix0 = TREE_V, TREE_PREFIX
     parents = torch.tensor(TREE)
     dist: dict[tuple[int, ...], float] = defaultdict(float)
 
@@ -354,7 +385,16 @@ def test_exact_tree_sampling_is_lossless(kind):
                 expand(tokens + [x], weight * qx)
 
     expand([prefix0[-1]], 1.0)
-    _assert_lossless(dist, prefix0, v, 4, expect_longest=4)
+    return dist
+
+
+@pytest.mark.parametrize("kind", ["far", "zeros", "onehot", "mixed"])
+def test_exact_tree_sampling_is_lossless(kind):
+    """verify_tree_sampling with children drawn i.i.d. from q (with replacement), V = 4, depth 3.
+
+    Every assignment of draft tokens is enumerated with probability prod q(x_i | context of parent);
+    the targets differ per node (they depend on the path's tokens)."""
+    _assert_lossless(_tree_dist(kind), TREE_PREFIX, TREE_V, 4, expect_longest=4)
 
 
 @pytest.mark.parametrize("pick", ["top", "worst", "duplicates"])
@@ -392,18 +432,53 @@ def test_exact_tree_sampling_deterministic_candidates(pick):
     _assert_lossless(_enumerate(run), prefix0, v, 4, expect_longest=4)
 
 
-def test_exact_check_catches_a_wrong_verifier():
-    """The enumeration is sensitive: accepting drafts without the min(1, p/q) test is detected."""
-    v, prefix0 = 4, (1,)
-    p_root = target(prefix0, v)
-    dist: dict[tuple[int, ...], float] = defaultdict(float)
-    q = draft(prefix0, v, "far")
-    for x, qx in enumerate(q.tolist()):
-        dist[(x, 0)] += qx  # "always accept" sampler, second token fixed
-    first = defaultdict(float)
-    for seq, w in dist.items():
-        first[seq[0]] += w
-    assert max(abs(first[x] - float(p_root[x])) for x in range(v)) > 1e-3
+def _bonus_from_p(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    return p
+
+
+def _ratio_without_min(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+    return torch.where(q_x > 0, p_x / torch.where(q_x > 0, q_x, torch.ones_like(q_x)), (p_x > 0).to(p_x.dtype))
+
+
+def _inverted_ratio(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+    return torch.where(p_x > 0, (q_x / torch.where(p_x > 0, p_x, torch.ones_like(p_x))).clamp(max=1.0),
+                       torch.zeros_like(p_x))
+
+
+MUTANTS = {
+    # After a rejection the correction is drawn from p instead of norm(max(p - q, 0)) (and, in a tree,
+    # the next sibling is tried against p instead of the residual): the tokens q over-proposes are
+    # emitted twice over, once accepted and once again from p.
+    "correction_from_p": ("residual_distribution", _bonus_from_p),
+    # Keep with "probability" p/q without the min(1, .): where p > q the accept weight exceeds 1 and
+    # the reject branch vanishes, so the step's total mass is no longer 1.
+    "ratio_without_min": ("acceptance_probability", _ratio_without_min),
+    # Keep with min(1, q/p): the test inverted, which favours exactly the tokens the draft over-proposes.
+    "inverted_ratio": ("acceptance_probability", _inverted_ratio),
+}
+
+
+@pytest.mark.parametrize("case", ["chain", "tree"])
+def test_exact_check_fails_for_a_broken_verifier(monkeypatch, case):
+    """Mutation test of the enumeration: the very enumeration of test_exact_chain_sampling_is_lossless /
+    test_exact_tree_sampling_is_lossless (adversarial draft "far") passes the exactness check for the
+    real verifier, and fails it, by far more than its tolerance, for each verifier of MUTANTS: one step
+    of Leviathan et al.'s rejection sampling broken by replacing one of the two functions the rejection
+    walk calls (what each mutant breaks is said beside it)."""
+    import selfspec.decode.verify as verify_module
+
+    enumerate_case = {"chain": _chain_dist, "tree": _tree_dist}[case]
+    prefix0, v, length = (CHAIN_PREFIX, CHAIN_V, CHAIN_K + 1) if case == "chain" else (TREE_PREFIX, TREE_V, 4)
+    real = enumerate_case("far")
+    _assert_lossless(real, prefix0, v, length, expect_longest=length)
+    assert _lossless_error(real, prefix0, v, length) < 1e-9
+    for mutant, (name, broken) in MUTANTS.items():
+        with monkeypatch.context() as patch:
+            patch.setattr(verify_module, name, broken)
+            wrong = enumerate_case("far")
+        with pytest.raises(AssertionError):
+            _assert_lossless(wrong, prefix0, v, length, expect_longest=length)
+        assert _lossless_error(wrong, prefix0, v, length) > 1e-3, mutant
 
 
 # ------------------------------------------------------------------------------------------------
