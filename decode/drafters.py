@@ -18,7 +18,8 @@ from typing import Protocol
 
 import torch
 
-from selfspec.decode.kv import call_with_cache, crop_cache
+from selfspec.decode.kv import call_with_cache, crop_cache, new_cache
+from selfspec.decode.masks import attention_layout
 from selfspec.decode.sampling import SamplingConfig, probs_from_logits, process_logits
 from selfspec.decode.tree import StaticTree
 
@@ -142,23 +143,26 @@ class DraftModelDrafter:
     Greedy: argmax drafts (``q = None``). Sampling: each draft token is sampled from q, the draft
     model's distribution after the same processing as the target's (temperature, top-k/p, ...), and
     q is returned for the verifier (Leviathan et al. 2023, Algorithm 1). The draft model keeps its own
-    KV cache, cropped to the longest prefix it shares with the context each step.
+    KV cache (:func:`~selfspec.decode.kv.new_cache`: every layer keeps every key, sliding-window layers
+    masked by position), cropped to the longest prefix it shares with the context each step.
+
+    Raises:
+        selfspec.decode.masks.UnsupportedLayoutError: a draft model whose attention layers the cache
+            cannot crop by position (see :func:`~selfspec.decode.masks.attention_layout`).
     """
 
     name = "draft_model"
 
     def __init__(self, model, num_tokens: int = 4, logits_processor=None) -> None:
-        from selfspec.decode.kv import new_cache
-
+        attention_layout(model.config)  # refuses, now rather than at the first step, a cache it cannot crop
         self.model = model
         self.num_tokens = num_tokens
         self.logits_processor = logits_processor
-        self._new_cache = lambda: new_cache(model)
         self._cache = None
         self._cached: list[int] = []
 
     def begin(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
-        self._cache = self._new_cache()
+        self._cache = new_cache(self.model)
         self._cached = []
 
     @torch.inference_mode()

@@ -1,8 +1,10 @@
 """KV-cache operations of a decode: a fresh ``DynamicCache``, calling a model with one, cropping and
 compacting it after a verification.
 
-Works across ``transformers`` versions through public attributes only (``cache.layers[i].keys`` /
-``.values``, ``[B, heads, T, head_dim]``). The target's forwards live in :mod:`selfspec.decode.verifier`.
+Every layer of a decode's cache is a plain ``DynamicLayer`` that keeps all its keys and values
+(``cache.layers[i].keys`` / ``.values``, ``[B, heads, T, head_dim]``), sliding-window layers included
+(they are restricted by their masks, :mod:`selfspec.decode.masks`), so a cache is edited by position and
+every layer's own bookkeeping (its length) stays right. The target's forwards live in :mod:`selfspec.decode.verifier`.
 """
 
 from __future__ import annotations
@@ -13,15 +15,35 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from selfspec.decode.masks import attention_layout
+
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
-    """A fresh ``transformers.DynamicCache`` for ``model``."""
-    from transformers import DynamicCache  # heavy import, only when a cache is made
+    """A fresh ``transformers.DynamicCache`` for ``model`` in which every layer keeps every key and value.
 
-    return DynamicCache(config=model.config)
+    ``DynamicCache(config=...)`` gives sliding-window layers a ``DynamicSlidingWindowLayer`` that keeps only
+    the last window of keys and counts tokens on its own; a decode crops and reorders entries by position
+    (:func:`compact_cache`, :func:`crop_cache`), which such a layer cannot follow. Here every layer is a plain
+    ``DynamicLayer`` (its length is its keys' length, so every edit keeps its bookkeeping) and sliding layers
+    are restricted by their mask instead: the model's own sliding-window mask for prompts and chains, and
+    :func:`selfspec.decode.masks.tree_attention_masks` for trees. Masked keys get zero weight, so attention
+    is the one a windowed cache gives; the memory of a sliding layer grows with the context, like a full one.
+
+    Raises:
+        selfspec.decode.masks.UnsupportedLayoutError: a layer type whose cache is not keys and values
+            (linear or recurrent attention, KV-sharing layers, chunked attention, ...); see
+            :func:`selfspec.decode.masks.attention_layout`.
+    """
+    from transformers import DynamicCache  # heavy import, only when a cache is made
+    from transformers.cache_utils import DynamicLayer
+
+    layout = attention_layout(model.config)
+    cache = DynamicCache()
+    cache.layers = [DynamicLayer() for _ in layout.layer_types]
+    return cache
 
 
 def backbone(model: PreTrainedModel) -> torch.nn.Module:
@@ -43,34 +65,71 @@ def call_with_cache(module: torch.nn.Module, cache: DynamicCache, **kwargs):
     return module(use_cache=True, **kwargs)
 
 
+def _full_layers(cache: DynamicCache) -> list:
+    """The cache's layers, each checked to keep every key (a plain ``DynamicLayer``, as :func:`new_cache` makes)."""
+    from transformers.cache_utils import DynamicLayer  # heavy import, only when a cache is edited
+
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is not DynamicLayer:
+            raise TypeError(
+                f"cache layer {i} is a {type(layer).__name__}, which does not keep every key by position; "
+                "make the cache with selfspec.decode.kv.new_cache"
+            )
+    return cache.layers
+
+
 def compact_cache(cache: DynamicCache, past_length: int, accepted_nodes: torch.Tensor) -> None:
     """Keep the cached prefix plus the KV entries of the accepted tree nodes, in path order.
 
     After :meth:`~selfspec.decode.verifier.Verifier.forward_tree` the cache holds ``past_length + N``
-    entries; afterwards it holds ``past_length + A`` where ``A = len(accepted_nodes)``. When the accepted nodes are already the first
-    A nodes (a chain, or the first branch) this is a pure crop; otherwise A entries are moved.
+    entries; afterwards it holds ``past_length + A`` where ``A = len(accepted_nodes)``. When the accepted
+    nodes are already the first A nodes (a chain, or the first branch) this is a pure crop; otherwise A
+    entries are moved. Every layer's length is its keys' length, so its bookkeeping stays consistent.
 
     Args:
-        cache: ``DynamicCache``.
+        cache: a ``DynamicCache`` from :func:`new_cache`.
         past_length: the prefix length before the tree.
         accepted_nodes: LongTensor ``[A]`` of node indices, starting with 0.
+
+    Raises:
+        TypeError: a layer that is not a plain ``DynamicLayer`` (e.g. a sliding-window layer that has
+            dropped keys), which cannot be edited by position.
     """
     a = accepted_nodes.numel()
     contiguous = bool((accepted_nodes == torch.arange(a, device=accepted_nodes.device)).all())
     keep = past_length + a
     src = None if contiguous else (accepted_nodes + past_length)
-    for layer in cache.layers:
+    for layer in _full_layers(cache):
+        if layer.keys is None or not layer.keys.numel():
+            continue
         if src is not None:
             idx = src.to(layer.keys.device)
             layer.keys[:, :, past_length:keep] = layer.keys.index_select(2, idx)
             layer.values[:, :, past_length:keep] = layer.values.index_select(2, idx)
-        layer.keys = layer.keys[:, :, :keep]
-        layer.values = layer.values[:, :, :keep]
+        layer.crop(keep - layer.get_seq_length())
 
 
 def crop_cache(cache: DynamicCache, length: int) -> None:
-    """Keep the first ``length`` cached tokens of every layer (works across ``transformers`` versions)."""
-    for layer in cache.layers:
-        if layer.keys is not None and layer.keys.numel():
-            layer.keys = layer.keys[:, :, :length]
-            layer.values = layer.values[:, :, :length]
+    """Keep the first ``length`` cached tokens of every layer (each layer's own ``crop``).
+
+    A sliding-window layer (``DynamicSlidingWindowLayer``, as ``DynamicCache(config=...)`` makes for some
+    models) is cropped only while it still holds every token it has seen; once it has dropped keys the crop
+    cannot be exact and is refused.
+
+    Raises:
+        TypeError: a sliding-window layer that has dropped keys, or a layer type without keys and values.
+    """
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # heavy import, only when used
+
+    for i, layer in enumerate(cache.layers):
+        if not isinstance(layer, DynamicLayer):
+            raise TypeError(f"cache layer {i} is a {type(layer).__name__}, which cannot be cropped by position")
+        if layer.keys is None or not layer.keys.numel():
+            continue
+        if isinstance(layer, DynamicSlidingWindowLayer) and layer.get_seq_length() > layer.keys.shape[-2]:
+            raise TypeError(
+                f"cache layer {i} is a sliding-window layer that has dropped keys; it cannot be cropped to "
+                f"{length} tokens (make the cache with selfspec.decode.kv.new_cache)"
+            )
+        if length < layer.get_seq_length():
+            layer.crop(length - layer.get_seq_length())
