@@ -182,7 +182,7 @@ class DraftModelDrafter:
     def propose(self, context: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
         ctx = context.tolist()
         common = 0
-        for a, b in zip(self._cached, ctx):
+        for a, b in zip(self._cached, ctx, strict=False):
             if a != b:
                 break
             common += 1

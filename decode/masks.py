@@ -80,7 +80,7 @@ def attention_layout(config: PretrainedConfig) -> AttentionLayout:
         raise UnsupportedLayoutError(
             f"layer types {other} (only {' and '.join(SUPPORTED_LAYER_TYPES)} layers can be verified exactly)"
         )
-    windows = {int(kw["sliding_window"]) for t, kw in zip(types, kwargs) if t == SLIDING}
+    windows = {int(kw["sliding_window"]) for t, kw in zip(types, kwargs, strict=True) if t == SLIDING}
     if len(windows) > 1:
         raise UnsupportedLayoutError(f"sliding layers of different windows {sorted(windows)}")
     return AttentionLayout(tuple(types), windows.pop() if windows else None)

@@ -16,6 +16,7 @@ from selfspec.decode.drafters import DraftModelDrafter, MedusaDrafter, PromptLoo
 from selfspec.decode.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, EagleDrafter
 from selfspec.decode.generate import GenerationOutput, speculative_generate
 from selfspec.decode.sampling import SamplingConfig
+from selfspec.decode.target_check import check_target
 from selfspec.decode.tree import greedy_tree_from_accuracy, static_tree
 from selfspec.decode.verifier import Verifier
 
@@ -328,6 +329,9 @@ def load(
 
     Raises:
         ValueError: ``tune`` not ``"auto"`` / ``"off"``, or see :func:`make_drafter`.
+        selfspec.decode.target_check.UnsupportedTargetError: (a ``ValueError``) a target that cannot be
+            decoded exactly (an unsupported attention-layer type, or a forward that does not apply the tree
+            mask); the message names the model class and the reason (:func:`~selfspec.decode.target_check.check_target`).
     """
     if tune not in TUNE_MODES:
         raise ValueError(f"tune must be one of {TUNE_MODES}, got {tune!r}")
@@ -337,6 +341,7 @@ def load(
         from selfspec.target import load_target  # selfspec.target imports transformers' Auto classes
 
         target, tokenizer = load_target(target, dtype=dtype, device=device)
+    check_target(target)  # refuses a target whose decoding would not be exactly its own
     drafter = make_drafter(target, heads, tune=tune, **drafter_options)
     return SpeculativeModel(target, tokenizer, drafter, make_verifier(target, drafter, tune))
 
