@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from selfspec.decode.calibration import AcceptanceProfile, num_candidates
-from selfspec.decode.costs import DEFAULT_NODE_COUNTS, CostProfile, get_cost_profile, get_draft_cost
+from selfspec.decode.costs import DEFAULT_NODE_COUNTS, CostProfile, get_cost_profile
+from selfspec.decode.draft_costs import get_draft_cost
 from selfspec.decode.tree import greedy_tree_scores
 
 if TYPE_CHECKING:

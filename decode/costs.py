@@ -1,4 +1,4 @@
-"""What a decoding step costs here: verification by tree size, EAGLE drafting by depth; profiles on disk.
+"""What a verification costs here, by tree size; cost profiles on disk.
 
 A bigger draft tree accepts more tokens per step but costs more to verify, and how much more depends on
 the device: on a 2-core CPU a 16-node verification costs ~1.7 single-token passes, on an H200 128 nodes
@@ -10,10 +10,11 @@ al. 2024, arXiv:2402.12374) needs both costs measured on this machine:
   CPU each size is measured with every kernel of :data:`~selfspec.decode.cpu_linear.LINEAR_KERNELS`; the
   fastest is kept per size and becomes the verifier's kernel plan (:func:`tuned_verifier`), so decoding
   runs the way the cost was measured.
-* the drafting cost by depth (:func:`measure_draft_cost`): ``EagleDrafter.propose`` at each depth.
+* the drafting cost by depth: :mod:`selfspec.decode.draft_costs`.
 
 Both are cached as JSON under ``<cache root>/profiles`` (:func:`~selfspec.decode.files.profiles_dir`),
-keyed by :func:`cost_key`.
+keyed by :func:`cost_key`; the measurement helpers here (:func:`cost_key`, :func:`profile_stem`,
+:func:`interleaved_medians`) serve both.
 """
 
 from __future__ import annotations
@@ -33,9 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from selfspec.decode import cpu_linear, kv
-from selfspec.decode.eagle import EagleDrafter
 from selfspec.decode.files import from_record, now_utc, profiles_dir, read_json, write_json
-from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.verifier import Verifier
 from selfspec.heads.fingerprint import target_fingerprint
 
@@ -47,9 +46,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_NODE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 DEFAULT_CONTEXT_LENGTH = 128
 COST_PROFILE_VERSION = 3  # 3: verify_ms is the fastest of the linear kernels measured
-DRAFT_COST_VERSION = 1
 _COST_FORMAT = "selfspec-verify-cost"
-_DRAFT_FORMAT = "selfspec-draft-cost"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -81,7 +78,9 @@ def cost_key(target: PreTrainedModel) -> dict[str, Any]:
     }
 
 
-def _file_stem(key: Mapping[str, Any], device: torch.device) -> str:
+def profile_stem(key: Mapping[str, Any], device: torch.device) -> str:
+    """The file name stem of a profile measured with ``key`` (:func:`cost_key`) on ``device``:
+    ``"<fingerprint>-cpu-float32-t2"``."""
     slug = device.type + ("" if device.index is None else str(device.index))
     return f"{key['target_fingerprint']}-{slug}-{key['dtype']}-t{key['threads']}"
 
@@ -91,7 +90,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _interleaved_medians(
+def interleaved_medians(
     fns: Mapping[Any, Callable[[], None]], repeats: Mapping[Any, int], device: torch.device, desc: str | None = None
 ) -> dict[Any, float]:
     """Median wall ms of each ``fns[k]()`` over ``repeats[k]`` calls, after one untimed call each.
@@ -338,7 +337,7 @@ def measure_cost_profile(
             f"; the packed kernel holds a second copy of the linear weights, {extra / 2**20:.0f} MiB" if extra else "",
         )
     try:
-        medians = _interleaved_medians(fns, reps, device, desc="verification cost" if progress else None)
+        medians = interleaved_medians(fns, reps, device, desc="verification cost" if progress else None)
     finally:
         verifier.set_plan({})  # frees the packed copies
     kept = [min((k for k in kernels if (n, k) in medians), key=lambda k: medians[n, k]) for n in sizes]
@@ -361,7 +360,7 @@ def tuned_verifier(target: PreTrainedModel, cost: CostProfile) -> Verifier:
 
 def cost_profile_path(target: PreTrainedModel) -> Path:
     """Cache file of ``target``'s cost profile on its device / dtype / threads."""
-    return profiles_dir() / f"verify-{_file_stem(cost_key(target), _device_of(target))}.json"
+    return profiles_dir() / f"verify-{profile_stem(cost_key(target), _device_of(target))}.json"
 
 
 def save_cost_profile(profile: CostProfile, path: str | Path) -> Path:
@@ -423,131 +422,3 @@ def get_cost_profile(
     except OSError as err:
         logger.warning("cannot cache the cost profile in %s (%s); using it uncached", path, err)
     return profile
-
-
-# --------------------------------------------------------------------------------------------------
-# Drafting cost
-
-
-@dataclass(frozen=True)
-class DraftCost:
-    """Median ms of one EAGLE draft by depth, as cached on disk.
-
-    Attributes:
-        key: the measurement's identity (:func:`cost_key`).
-        top_k: the drafter's ``top_k``.
-        draft_ms: ``{str(depth): ms}`` (JSON object keys are strings).
-        created_utc: ISO 8601 time.
-    """
-
-    key: Mapping[str, Any]
-    top_k: int
-    draft_ms: Mapping[str, float]
-    created_utc: str = ""
-
-    def __post_init__(self) -> None:
-        if any(not d.isdigit() or not math.isfinite(v) or v <= 0 for d, v in self.draft_ms.items()):
-            raise ValueError("draft_ms must map depths to positive numbers")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"format": _DRAFT_FORMAT, "version": DRAFT_COST_VERSION, "key": dict(self.key), "top_k": self.top_k,
-                "draft_ms": dict(self.draft_ms), "created_utc": self.created_utc}
-
-    @classmethod
-    def from_dict(cls, data: Any) -> DraftCost:
-        """Parse :meth:`to_dict`'s layout strictly. Raises ValueError on anything else."""
-        return from_record(cls, data, header={"format": _DRAFT_FORMAT, "version": DRAFT_COST_VERSION})
-
-
-@torch.inference_mode()
-def measure_draft_cost(
-    drafter: EagleDrafter,
-    target: PreTrainedModel,
-    depths: Sequence[int],
-    context_length: int = DEFAULT_CONTEXT_LENGTH,
-    repeats: int = 5,
-) -> dict[int, float]:
-    """Median wall ms of one :meth:`~selfspec.decode.eagle.EagleDrafter.propose` at each draft depth.
-
-    One drafter per depth is built from ``drafter``'s head and ``top_k`` (``drafter`` itself is not
-    used or changed). Each is begun on ``context_length`` random tokens with the target's real features
-    (one untimed propose feeds them); each timed call then feeds one accepted pair, as a decoding step
-    with nothing accepted does, and grows the tree to the depth.
-
-    Args:
-        drafter: an :class:`~selfspec.decode.eagle.EagleDrafter` attached to ``target`` (the template).
-        target: the frozen target.
-        depths: draft depths d >= 1.
-        context_length: prompt tokens before the draft.
-        repeats: timed calls per depth.
-
-    Returns:
-        ``{depth: ms}``.
-
-    Raises:
-        ValueError: an empty ``depths`` or a depth < 1.
-    """
-    depths = sorted({int(d) for d in depths})
-    if not depths or depths[0] < 1:
-        raise ValueError("need draft depths >= 1")
-    device = _device_of(target)
-    gen = torch.Generator().manual_seed(1)
-    context = torch.randint(0, target.config.vocab_size, (context_length + 1,), generator=gen).to(device)
-    verifier = Verifier(target)
-    hidden = verifier.prefill(context[:-1], verifier.new_cache())  # the root, context[-1], is not cached
-    greedy = SamplingConfig()
-
-    def at(depth: int) -> Callable[[], None]:
-        at_depth = EagleDrafter(drafter.head, target, depth, drafter.top_k, drafter.total_tokens)
-        at_depth.begin(context[:-1], hidden)
-        at_depth.propose(context, greedy, None)  # feeds the prompt's pairs: the cache now holds a real context
-
-        def step() -> None:
-            at_depth.accept(context[-1:], hidden[-1:])
-            at_depth.propose(context, greedy, None)
-
-        return step
-
-    medians = _interleaved_medians({d: at(d) for d in depths}, {d: repeats for d in depths}, device)
-    return {d: round(ms, 4) for d, ms in medians.items()}
-
-
-def draft_cost_path(drafter: EagleDrafter, target: PreTrainedModel) -> Path:
-    """Cache file of an EAGLE drafter's cost by depth (it depends on the head's shapes and ``top_k``, not on
-    its weights)."""
-    cfg = drafter.head.config
-    stem = _file_stem(cost_key(target), _device_of(target))
-    return profiles_dir() / f"draft-eagle-{stem}-k{drafter.top_k}-v{cfg.n_draft}-b{int(cfg.fc_bias)}.json"
-
-
-def get_draft_cost(
-    drafter: EagleDrafter, target: PreTrainedModel, depths: Sequence[int], refresh: bool = False
-) -> dict[int, float]:
-    """:func:`measure_draft_cost`, cached like :func:`get_cost_profile` (same identity plus the head's
-    draft vocabulary size, ``fc`` bias and ``top_k``). A bad cache file is re-measured with a warning.
-
-    Returns:
-        ``{depth: ms}`` for every requested depth.
-    """
-    path = draft_cost_path(drafter, target)
-    wanted = sorted({int(d) for d in depths})
-    key = cost_key(target)
-    if not refresh and path.exists():
-        try:
-            cached = DraftCost.from_dict(read_json(path))
-        except (OSError, ValueError) as err:
-            logger.warning("draft cost profile %s is unreadable (%s): measuring it again", path, err)
-        else:
-            ms = {int(d): float(v) for d, v in cached.draft_ms.items()}
-            if dict(cached.key) != key:
-                logger.warning("draft cost profile %s was measured for %s: measuring it again", path, cached.key)
-            elif all(d in ms for d in wanted):
-                return {d: ms[d] for d in wanted}
-    logger.info("measuring EAGLE drafting cost at depths %s ...", wanted)
-    ms = measure_draft_cost(drafter, target, wanted)
-    record = DraftCost(key=key, top_k=drafter.top_k, draft_ms={str(d): v for d, v in ms.items()}, created_utc=now_utc())
-    try:
-        write_json(path, record.to_dict())
-    except OSError as err:
-        logger.warning("cannot cache the draft cost in %s (%s)", path, err)
-    return ms

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from selfspec.decode import budget as tree_budget
-from selfspec.decode import calibration, costs
+from selfspec.decode import calibration, costs, draft_costs
 from selfspec.decode.eagle import DEFAULT_TOP_K, EagleDrafter
 from selfspec.heads import load_heads
 from selfspec.heads.config import HeadFormatError, read_json
@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     path = calibration.save_acceptance_profile(profile, heads_dir)
     cost = costs.get_cost_profile(target, refresh=args.refresh_cost)
-    draft = costs.get_draft_cost(drafter, target, range(1, args.depth_max + 1), refresh=args.refresh_cost)
+    draft = draft_costs.get_draft_cost(drafter, target, range(1, args.depth_max + 1), refresh=args.refresh_cost)
     budget = tree_budget.choose_tree_budget(cost, profile, draft)
     print(f"acceptance profile: {path} ({profile.steps} steps over {profile.prompts} prompts, top_k {profile.top_k})")
     inexact = sum(map(sum, profile.inexact_steps))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from selfspec.api import make_drafter, make_verifier
-from selfspec.decode import budget, calibration, costs, files
+from selfspec.decode import budget, calibration, costs, draft_costs, files
 from selfspec.decode.budget import choose_tree_budget
 from selfspec.decode.calibration import AcceptanceProfile
 from selfspec.decode.costs import CostProfile
@@ -316,7 +316,7 @@ def test_measure_cost_profile_keeps_the_fastest_kernel_per_size(oracle, monkeypa
             fn()  # each runs a real verification, with its kernel installed
         return {k: fake[k] for k in fns}
 
-    monkeypatch.setattr(costs, "_interleaved_medians", medians)
+    monkeypatch.setattr(costs, "interleaved_medians", medians)
     before = {name: dict(m.__dict__) for name, m in t.named_modules()}
     p = costs.measure_cost_profile(t, node_counts=(1, 2, 4, 40), context_length=8)
     assert seen[-1] == set(fake)
@@ -380,12 +380,12 @@ def test_cost_profile_is_cached_and_remeasured_on_mismatch_or_corruption(oracle,
 def test_draft_cost_measured_per_depth_and_cached(oracle):
     t, head = oracle
     drafter = EagleDrafter(head, t, 3, 2, 5)
-    ms = costs.get_draft_cost(drafter, t, [1, 2, 3])
+    ms = draft_costs.get_draft_cost(drafter, t, [1, 2, 3])
     assert set(ms) == {1, 2, 3} and all(v > 0 for v in ms.values()) and drafter.depth == 3
-    assert costs.draft_cost_path(drafter, t).is_file()
-    assert costs.get_draft_cost(drafter, t, [2]) == {2: ms[2]}
-    costs.draft_cost_path(drafter, t).write_text("[]")
-    assert set(costs.get_draft_cost(drafter, t, [1])) == {1}  # corrupt: re-measured, no crash
+    assert draft_costs.draft_cost_path(drafter, t).is_file()
+    assert draft_costs.get_draft_cost(drafter, t, [2]) == {2: ms[2]}
+    draft_costs.draft_cost_path(drafter, t).write_text("[]")
+    assert set(draft_costs.get_draft_cost(drafter, t, [1])) == {1}  # corrupt: re-measured, no crash
 
 
 @pytest.fixture

@@ -1,0 +1,157 @@
+"""What drafting costs here: median ms of one EAGLE draft by depth, cached on disk.
+
+The tree budget (:func:`selfspec.decode.budget.tune_tree_budget`) weighs the verification cost of a tree
+(:mod:`selfspec.decode.costs`) against the cost of drafting it; for EAGLE that grows with the draft
+depth (one head forward per level). Measured like the verification cost (interleaved medians, same
+identity :func:`~selfspec.decode.costs.cost_key`) and cached as JSON beside it under
+``<cache root>/profiles``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from selfspec.decode.costs import DEFAULT_CONTEXT_LENGTH, cost_key, interleaved_medians, profile_stem
+from selfspec.decode.eagle import EagleDrafter
+from selfspec.decode.files import from_record, now_utc, profiles_dir, read_json, write_json
+from selfspec.decode.sampling import SamplingConfig
+from selfspec.decode.verifier import Verifier
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+logger = logging.getLogger(__name__)
+
+DRAFT_COST_VERSION = 1
+_DRAFT_FORMAT = "selfspec-draft-cost"
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """Median ms of one EAGLE draft by depth, as cached on disk.
+
+    Attributes:
+        key: the measurement's identity (:func:`cost_key`).
+        top_k: the drafter's ``top_k``.
+        draft_ms: ``{str(depth): ms}`` (JSON object keys are strings).
+        created_utc: ISO 8601 time.
+    """
+
+    key: Mapping[str, Any]
+    top_k: int
+    draft_ms: Mapping[str, float]
+    created_utc: str = ""
+
+    def __post_init__(self) -> None:
+        if any(not d.isdigit() or not math.isfinite(v) or v <= 0 for d, v in self.draft_ms.items()):
+            raise ValueError("draft_ms must map depths to positive numbers")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": _DRAFT_FORMAT, "version": DRAFT_COST_VERSION, "key": dict(self.key), "top_k": self.top_k,
+                "draft_ms": dict(self.draft_ms), "created_utc": self.created_utc}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> DraftCost:
+        """Parse :meth:`to_dict`'s layout strictly. Raises ValueError on anything else."""
+        return from_record(cls, data, header={"format": _DRAFT_FORMAT, "version": DRAFT_COST_VERSION})
+
+
+@torch.inference_mode()
+def measure_draft_cost(
+    drafter: EagleDrafter,
+    target: PreTrainedModel,
+    depths: Sequence[int],
+    context_length: int = DEFAULT_CONTEXT_LENGTH,
+    repeats: int = 5,
+) -> dict[int, float]:
+    """Median wall ms of one :meth:`~selfspec.decode.eagle.EagleDrafter.propose` at each draft depth.
+
+    One drafter per depth is built from ``drafter``'s head and ``top_k`` (``drafter`` itself is not
+    used or changed). Each is begun on ``context_length`` random tokens with the target's real features
+    (one untimed propose feeds them); each timed call then feeds one accepted pair, as a decoding step
+    with nothing accepted does, and grows the tree to the depth.
+
+    Args:
+        drafter: an :class:`~selfspec.decode.eagle.EagleDrafter` attached to ``target`` (the template).
+        target: the frozen target.
+        depths: draft depths d >= 1.
+        context_length: prompt tokens before the draft.
+        repeats: timed calls per depth.
+
+    Returns:
+        ``{depth: ms}``.
+
+    Raises:
+        ValueError: an empty ``depths`` or a depth < 1.
+    """
+    depths = sorted({int(d) for d in depths})
+    if not depths or depths[0] < 1:
+        raise ValueError("need draft depths >= 1")
+    device = next(target.parameters()).device
+    gen = torch.Generator().manual_seed(1)
+    context = torch.randint(0, target.config.vocab_size, (context_length + 1,), generator=gen).to(device)
+    verifier = Verifier(target)
+    hidden = verifier.prefill(context[:-1], verifier.new_cache())  # the root, context[-1], is not cached
+    greedy = SamplingConfig()
+
+    def at(depth: int) -> Callable[[], None]:
+        at_depth = EagleDrafter(drafter.head, target, depth, drafter.top_k, drafter.total_tokens)
+        at_depth.begin(context[:-1], hidden)
+        at_depth.propose(context, greedy, None)  # feeds the prompt's pairs: the cache now holds a real context
+
+        def step() -> None:
+            at_depth.accept(context[-1:], hidden[-1:])
+            at_depth.propose(context, greedy, None)
+
+        return step
+
+    medians = interleaved_medians({d: at(d) for d in depths}, {d: repeats for d in depths}, device)
+    return {d: round(ms, 4) for d, ms in medians.items()}
+
+
+def draft_cost_path(drafter: EagleDrafter, target: PreTrainedModel) -> Path:
+    """Cache file of an EAGLE drafter's cost by depth (it depends on the head's shapes and ``top_k``, not on
+    its weights)."""
+    cfg = drafter.head.config
+    stem = profile_stem(cost_key(target), next(target.parameters()).device)
+    return profiles_dir() / f"draft-eagle-{stem}-k{drafter.top_k}-v{cfg.n_draft}-b{int(cfg.fc_bias)}.json"
+
+
+def get_draft_cost(
+    drafter: EagleDrafter, target: PreTrainedModel, depths: Sequence[int], refresh: bool = False
+) -> dict[int, float]:
+    """:func:`measure_draft_cost`, cached like :func:`get_cost_profile` (same identity plus the head's
+    draft vocabulary size, ``fc`` bias and ``top_k``). A bad cache file is re-measured with a warning.
+
+    Returns:
+        ``{depth: ms}`` for every requested depth.
+    """
+    path = draft_cost_path(drafter, target)
+    wanted = sorted({int(d) for d in depths})
+    key = cost_key(target)
+    if not refresh and path.exists():
+        try:
+            cached = DraftCost.from_dict(read_json(path))
+        except (OSError, ValueError) as err:
+            logger.warning("draft cost profile %s is unreadable (%s): measuring it again", path, err)
+        else:
+            ms = {int(d): float(v) for d, v in cached.draft_ms.items()}
+            if dict(cached.key) != key:
+                logger.warning("draft cost profile %s was measured for %s: measuring it again", path, cached.key)
+            elif all(d in ms for d in wanted):
+                return {d: ms[d] for d in wanted}
+    logger.info("measuring EAGLE drafting cost at depths %s ...", wanted)
+    ms = measure_draft_cost(drafter, target, wanted)
+    record = DraftCost(key=key, top_k=drafter.top_k, draft_ms={str(d): v for d, v in ms.items()}, created_utc=now_utc())
+    try:
+        write_json(path, record.to_dict())
+    except OSError as err:
+        logger.warning("cannot cache the draft cost in %s (%s)", path, err)
+    return ms
