@@ -17,8 +17,11 @@ The token embedding, lm_head and rotary embedding are the target's and frozen; t
 (never registered, never saved) through :meth:`EagleHead.attach_target`.
 
 The decoder layer is built through ``transformers``' public classes from the target's config (the class
-of ``target.model.layers[0]``, or of a meta-device model of the saved config), so any Llama-like target
-works without copying a modeling file.
+of ``target.model.layers[0]``, or of a meta-device model of the saved config), so a target of any family
+with a ``model.layers`` stack and a rotary embedding works without copying a modeling file: its norms,
+q/k norms and attention scalings come with the class. The head's own attention is always full-context
+(layer type ``full_attention``, no sliding window, whatever the target's layers use), and a rotary embedding
+with per-layer-type frequencies (Gemma-3) is called for that type.
 
 Files (``save_pretrained``), laid out so EAGLE-1 serving engines load them (vLLM ``EagleLlamaForCausalLM``,
 SGLang ``LlamaForCausalLMEagle``):
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from selfspec.decode.cpu_linear import project
 from selfspec.heads.config import config_from_dict
@@ -61,7 +66,10 @@ from selfspec.heads.io import (
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
-__all__ = ["CONFIG_NAME", "DRAFT_VOCAB_NAME", "WEIGHTS_NAME", "EagleConfig", "EagleHead", "decoder_layer_class"]
+__all__ = [
+    "CONFIG_NAME", "DRAFT_VOCAB_NAME", "FULL_ATTENTION", "WEIGHTS_NAME", "EagleConfig", "EagleHead",
+    "decoder_layer_class", "logit_softcap", "rotary_layer_type", "softcap",
+]
 
 
 @dataclass(frozen=True)
@@ -99,15 +107,58 @@ class EagleConfig:
         return self.draft_vocab_size or self.vocab_size
 
 
+FULL_ATTENTION = "full_attention"
+"""The layer type of the head's own attention: full context, never a sliding window."""
+
+
 def _one_layer_config(arch_config: PretrainedConfig) -> PretrainedConfig:
-    """A deep copy of a transformers config with ``num_hidden_layers = 1`` (and SDPA attention)."""
+    """A deep copy of a transformers config with one full-attention layer (SDPA attention where the family
+    has it, else eager).
+
+    ``num_hidden_layers = 1``; ``layer_types`` (where the family has them) ``["full_attention"]`` and every
+    sliding-window field cleared (``sliding_window = None``, ``use_sliding_window = False``): the head drafts
+    from its whole context, whatever window the target's own layers use (a copied sliding layer would make
+    the head's cache drop keys). Everything else (q/k norms, attention soft-capping, scalings) is the
+    target's.
+    """
     cfg = copy.deepcopy(arch_config)
     cfg.num_hidden_layers = 1
-    if getattr(cfg, "layer_types", None):
-        cfg.layer_types = list(cfg.layer_types[:1])
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = [FULL_ATTENTION]
+    for name, off in (("sliding_window", None), ("use_sliding_window", False)):
+        if getattr(cfg, name, None) is not None:
+            setattr(cfg, name, off)
     if getattr(cfg, "_attn_implementation", None) not in ("sdpa", "eager"):
-        cfg._attn_implementation = "sdpa"
+        cfg._attn_implementation = "sdpa" if _supports_sdpa(cfg) else "eager"
     return cfg
+
+
+def _supports_sdpa(config: PretrainedConfig) -> bool:
+    """Whether the family's causal LM class runs SDPA attention (Gemma-2's soft-capped attention does not)."""
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return bool(getattr(model_cls, "_supports_sdpa", True)) if model_cls is not None else True
+
+
+def rotary_layer_type(rotary: nn.Module) -> str | None:
+    """The ``layer_type`` argument the head passes to the target's rotary embedding: None when its
+    ``forward`` takes no such argument (one set of frequencies for every layer, as in Llama); otherwise
+    ``"full_attention"`` when the rotary has parameters for that type (Gemma-3: the global base), else the
+    first type it has (``rotary.layer_types``)."""
+    if "layer_type" not in inspect.signature(rotary.forward).parameters:
+        return None
+    types = list(getattr(rotary, "layer_types", None) or [FULL_ATTENTION])
+    return FULL_ATTENTION if FULL_ATTENTION in types else types[0]
+
+
+def logit_softcap(config: PretrainedConfig) -> float | None:
+    """The target's ``final_logit_softcapping`` (Gemma-2: logits ``cap * tanh(z / cap)``), or None."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(logits / cap)`` (the identity when ``cap`` is None); any shape and float dtype."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def decoder_layer_class(arch_config: PretrainedConfig, target: PreTrainedModel | None = None) -> type[nn.Module]:
@@ -178,12 +229,18 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList([layer])
         self._target: tuple[Any, ...] | None = None  # (embed, rotary, lm_head weight [S, D]); not registered
         self._lm_cast: dict[torch.dtype, torch.Tensor] = {}
+        self._rotary_kwargs: dict[str, str] = {}  # {"layer_type": ...} for per-layer-type rotary embeddings
+        self.logit_softcap: float | None = None  # the target's final_logit_softcapping, set on attach
         if target is not None:
             self.attach_target(target)
 
     # ---------------------------------------------------------------- target
     def attach_target(self, target: PreTrainedModel) -> None:
         """Reference the frozen target's token embedding, rotary embedding and lm_head (rows ``draft_ids``).
+
+        A rotary embedding with per-layer-type frequencies (its ``forward`` takes ``layer_type``, as
+        Gemma-3's) is called for the head's own type, full attention (:func:`rotary_layer_type`); the
+        target's ``final_logit_softcapping`` is kept for :meth:`draft_logits`.
 
         Raises:
             HeadFormatError: the target's sizes or model type differ from the head's.
@@ -206,6 +263,9 @@ class EagleHead(nn.Module):
         lm = lm if ids.numel() == lm.shape[0] else lm[ids]
         self._target = (target.get_input_embeddings(), rotary, lm)
         self._lm_cast = {}
+        layer_type = rotary_layer_type(rotary)
+        self._rotary_kwargs = {} if layer_type is None else {"layer_type": layer_type}
+        self.logit_softcap = logit_softcap(cfg)
 
     def _require_target(self) -> tuple[Any, ...]:
         if self._target is None:
@@ -248,7 +308,7 @@ class EagleHead(nn.Module):
         with torch.no_grad():
             emb = embed(input_ids).to(dtype)
         x = self.fc(torch.cat([emb, features.to(dtype)], dim=-1))
-        position_embeddings = rotary(x, position_ids)
+        position_embeddings = rotary(x, position_ids, **self._rotary_kwargs)
         kwargs: dict[str, Any] = {}
         if cache is not None:
             kwargs = {"cache": cache, "use_cache": True}
@@ -264,8 +324,10 @@ class EagleHead(nn.Module):
     def draft_logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """``[..., D]`` predicted features -> ``[..., S]`` logits over the draft vocabulary (row i scores
         target token ``draft_ids[i]``), in the features' dtype (:func:`selfspec.decode.cpu_linear.project`:
-        ``W @ h^T`` for 2..32 rows on a CPU)."""
-        return project(predicted, self.lm_weight(predicted.dtype))
+        ``W @ h^T`` for 2..32 rows on a CPU), soft-capped as the target's own logits are (Gemma-2's
+        ``final_logit_softcapping``), so the draft distribution is the target's lm_head applied to the
+        predicted feature."""
+        return softcap(project(predicted, self.lm_weight(predicted.dtype)), self.logit_softcap)
 
     # ---------------------------------------------------------------- files
     def save_pretrained(self, directory: str | Path) -> Path:
