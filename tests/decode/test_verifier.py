@@ -259,3 +259,32 @@ def test_new_tensors_on_the_target_make_the_twin_stale(target):
     assert v.kernel_for(3) == "weight_first" and v._twins["weight_first"] is not old
     w = target.model.layers[0].self_attn.q_proj.weight
     assert v._twins["weight_first"].layers[0].self_attn.q_proj.weight is w
+
+
+@pytest.mark.parametrize("kernel", ["weight_first", pytest.param("packed", marks=needs_packed)])
+def test_twin_of_every_family_verifies_like_the_target(kernel):
+    """For every family of tests/archs.py (sliding windows, soft-capping, fused projections): the twin
+    shares every parameter's storage with the target, and a tree verified with the planned kernel gives
+    plain linear's logits (fp32, 1e-5: another summation order)."""
+    from selfspec.decode.kv import backbone, crop_cache
+    from tests.archs import ARCHS, tiny_target
+
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 5, 3])
+    for arch in ARCHS:
+        t = tiny_target(arch)
+        before = snapshot(t)
+        plain, planned = Verifier(t), Verifier(t, {parents.numel(): kernel})
+        assert planned.kernel_for(parents.numel()) == kernel, arch
+        twin_params = list(planned._twins[kernel].parameters())
+        assert [p.data_ptr() for p in twin_params] == [p.data_ptr() for p in backbone(t).parameters()], arch
+        g = torch.Generator().manual_seed(4)
+        ids = torch.randint(3, t.config.vocab_size, (12,), generator=g)
+        tokens = torch.randint(3, t.config.vocab_size, (parents.numel(),), generator=g)
+        with torch.inference_mode():
+            cache = plain.new_cache()
+            plain.prefill(ids, cache)
+            want = plain.lm_logits(plain.forward_tree(tokens, parents, cache, ids.numel()))
+            crop_cache(cache, ids.numel())
+            got = planned.lm_logits(planned.forward_tree(tokens, parents, cache, ids.numel()))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=arch)
+        assert snapshot(t) == before, arch
