@@ -13,7 +13,8 @@ Two checks, both cheap:
    (:meth:`~selfspec.decode.verifier.Verifier.lm_logits`) must equal the model's own logits for that
    branch run alone. A forward that ignores a custom 4-D mask or explicit position ids, a cache the model
    does not read by position, or logits the model computes differently (scaling, soft-capping) fail it.
-   Four forwards of at most 9 tokens: milliseconds on small models.
+   Six forwards of at most 11 tokens: milliseconds on tiny models, under a second for a 135M model on
+   a CPU.
 """
 
 from __future__ import annotations
@@ -113,11 +114,13 @@ def _probe_error(target: PreTrainedModel) -> float:
     cache = verifier.new_cache()
     verifier.prefill(prefix, cache)
     parents = torch.tensor(PROBE_PARENTS, device=device)
-    got = [verifier.lm_logits(verifier.forward_tree(tree, parents, cache, PROBE_PREFIX))]
-    want = []
-    for node in range(n):
-        seq = torch.cat([prefix, tree[_branch(PROBE_PARENTS, node)]])
-        want.append(target(input_ids=seq.unsqueeze(0)).logits[0, -1].float())
+    tree_logits = verifier.lm_logits(verifier.forward_tree(tree, parents, cache, PROBE_PREFIX))
+    got, want = [], []
+    for leaf in sorted(set(range(n)) - set(PROBE_PARENTS)):  # each leaf's branch alone gives all its nodes
+        path = _branch(PROBE_PARENTS, leaf)
+        seq = torch.cat([prefix, tree[path]])
+        got.append(tree_logits[path])
+        want.append(target(input_ids=seq.unsqueeze(0)).logits[0, -len(path) :].float())
     accepted = torch.tensor(PROBE_ACCEPTED, device=device)
     compact_cache(cache, PROBE_PREFIX, accepted)
     past = PROBE_PREFIX + len(PROBE_ACCEPTED)
@@ -125,5 +128,5 @@ def _probe_error(target: PreTrainedModel) -> float:
     got.append(verifier.lm_logits(verifier.forward_tree(chain, chain_parents, cache, past)))
     seq = torch.cat([prefix, tree[accepted], chain])
     want.append(target(input_ids=seq.unsqueeze(0)).logits[0, -PROBE_CHAIN:].float())
-    got_all, want_all = torch.cat(got), torch.cat([w.reshape(-1, w.shape[-1]) for w in want])
+    got_all, want_all = torch.cat(got), torch.cat(want)
     return float((got_all - want_all).abs().max() / (1.0 + want_all.abs().max()))
