@@ -30,20 +30,40 @@ def calibrate_head(
     cfg: TrainConfig, head, target: PreTrainedModel, tokenizer, eval_convs: list[dict], head_dir: Path
 ) -> dict[str, Any]:
     """Greedy acceptance profile of the saved head on the last ``cfg.calibrate_prompts`` held-out prompts
-    (:func:`selfspec.decode.calibration.calibrate_acceptance`, one drafter of the largest budget
+    that fit (:func:`selfspec.decode.calibration.calibrate_acceptance`, one drafter of the largest budget
     ``CALIBRATION_DEPTH_MAX`` x ``CALIBRATION_TOTAL_TOKENS_MAX``), written to
-    ``<head_dir>/acceptance_profile.json``. Returns a summary (prompts, seconds, tau at a few budgets);
-    ``{"prompts": 0}`` when no held-out conversation has a prompt."""
+    ``<head_dir>/acceptance_profile.json``.
 
+    A prompt fits when it has at most ``cfg.max_length`` tokens (the longest row the head was trained on)
+    and its decode (prompt, ``cfg.calibrate_max_new_tokens`` answer tokens and the deepest draft) stays
+    within the target's ``max_position_embeddings``; the others are skipped, counted in a log line.
+
+    Returns:
+        A summary: ``prompts``, ``skipped`` (prompts that did not fit), ``seconds``, ``tau`` at a few budgets
+        and ``ids`` (the conversation ids decoded, in order); ``{"prompts": 0, "skipped": n, "ids": []}``
+        when no held-out prompt fits.
+    """
     t0 = time.perf_counter()
-    convs = [c for c in eval_convs if prompt_messages(c)][-cfg.calibrate_prompts :]
-    if not convs:
+    limit = prompt_limit(cfg, target)
+    ids, conv_ids, skipped = [], [], 0
+    for conv in eval_convs:
+        messages = prompt_messages(conv)
+        if not messages:
+            continue
+        enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+        prompt = torch.tensor(list(enc["input_ids"]), dtype=torch.long)
+        if prompt.numel() > limit:
+            skipped += 1
+            continue
+        ids.append(prompt)
+        conv_ids.append(conv["id"])
+    ids, conv_ids = ids[-cfg.calibrate_prompts :], conv_ids[-cfg.calibrate_prompts :]
+    if skipped:
+        logger.info("calibration: %d held-out prompts skipped (over %d tokens: max_length %d, target context %s)",
+                    skipped, limit, cfg.max_length, getattr(target.config, "max_position_embeddings", None))
+    if not ids:
         logger.warning("no held-out prompt to calibrate the tree budget on; decoding will use default budgets")
-        return {"prompts": 0}
-    ids = []
-    for conv in convs:
-        enc = tokenizer.apply_chat_template(prompt_messages(conv), add_generation_prompt=True, return_dict=True)
-        ids.append(torch.tensor(list(enc["input_ids"]), dtype=torch.long))
+        return {"prompts": 0, "skipped": skipped, "ids": []}
     was_training = head.training
     head.eval()
     drafter = EagleDrafter(head, target, depth=CALIBRATION_DEPTH_MAX, top_k=CALIBRATION_TOP_K,
@@ -55,7 +75,19 @@ def calibrate_head(
     )
     save_acceptance_profile(profile, head_dir)
     head.train(was_training)
-    out = {"prompts": len(ids), "seconds": round(time.perf_counter() - t0, 1),
-           "tau": {f"d{d}_n{n}": round(profile.tau_at(d, n), 3) for d, n in ((1, 1), (3, 4), (4, 8), (6, 16), (6, 32))}}
+    out = {"prompts": len(ids), "skipped": skipped, "seconds": round(time.perf_counter() - t0, 1),
+           "tau": {f"d{d}_n{n}": round(profile.tau_at(d, n), 3) for d, n in ((1, 1), (3, 4), (4, 8), (6, 16), (6, 32))},
+           "ids": conv_ids}
     logger.info("acceptance profile on %d held-out prompts in %.0fs: %s", len(ids), out["seconds"], out["tau"])
     return out
+
+
+def prompt_limit(cfg: TrainConfig, target: PreTrainedModel) -> int:
+    """The longest prompt (tokens) the calibration decodes: ``cfg.max_length``, and no more than leaves room in
+    the target's ``max_position_embeddings`` (when it has one) for ``cfg.calibrate_max_new_tokens`` answer
+    tokens plus the deepest draft (``CALIBRATION_DEPTH_MAX + 1`` positions)."""
+    limit = cfg.max_length
+    context = getattr(target.config, "max_position_embeddings", None)
+    if context:
+        limit = min(limit, int(context) - cfg.calibrate_max_new_tokens - CALIBRATION_DEPTH_MAX - 1)
+    return limit

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.heads.eagle import EagleConfig, EagleHead
+from selfspec.heads.eagle import EagleConfig, EagleHead, softcap
 from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.train.calibrate import calibrate_head
 from selfspec.train.config import EagleOptions, TrainConfig
@@ -29,7 +29,6 @@ from selfspec.train.eagle_data import PairStore, collate, epoch_rows, pack_rows
 from selfspec.train.feature_store import FeatureStore, target_features
 from selfspec.train.loop import Recipe, StepLoss, draft_vocabulary, train_loop
 from selfspec.train.losses import eagle_loss
-from selfspec.train.record import calibration_ids
 from selfspec.train.unroll import UnrolledEagle, chain_hits
 
 if TYPE_CHECKING:
@@ -55,6 +54,7 @@ def eagle_step_loss(
     options: EagleOptions,
     features: torch.Tensor | None = None,
     hard_labels: bool = False,
+    logit_softcap: float | None = None,
 ) -> EagleStepLoss:
     """The EAGLE loss of one packed batch, over ``options.ttt_steps`` unrolled steps.
 
@@ -70,6 +70,9 @@ def eagle_step_loss(
         options: ``ttt_steps``, ``ttt_decay``, ``ce_weight``, ``feature_weight``, ``score_prompt``.
         features: head input features ``[B, T, D]`` (default ``batch["features"]``; pass them with noise).
         hard_labels: token term against the target's greedy token instead of its distribution.
+        logit_softcap: the target's ``final_logit_softcapping`` (Gemma-2; :func:`~selfspec.heads.eagle.
+            logit_softcap`): both the target's distribution and the draft's are ``cap * tanh(z / cap)`` of the
+            lm_head logits, as the target computes its own and :meth:`EagleHead.draft_logits` drafts.
     """
     feats = batch["features"] if features is None else features
     positions = batch["positions"]
@@ -77,13 +80,13 @@ def eagle_step_loss(
     base = batch["valid"] if options.score_prompt else batch["scored"]
     with torch.no_grad():  # every step has the same targets f_{i+1}: their logits are computed once
         tf_all = batch["targets"][base]
-        tl_all = tf_all @ lm_weight.T
+        tl_all = softcap(tf_all @ lm_weight.T, logit_softcap)
     loss = feature_loss = ce_loss = None
     wsum = 0.0
     for j, pred in enumerate(preds):
         later = positions >= j  # pairs with j earlier pairs in their sequence
         pf = pred[base & later]
-        lj, fj, cj = eagle_loss(pf, tf_all[later[base]], pf @ lm_weight.T, tl_all[later[base]],
+        lj, fj, cj = eagle_loss(pf, tf_all[later[base]], softcap(pf @ lm_weight.T, logit_softcap), tl_all[later[base]],
                                 ce_weight=options.ce_weight, feature_weight=options.feature_weight,
                                 hard_labels=hard_labels)
         w = options.ttt_decay**j
@@ -236,7 +239,8 @@ class EagleRecipe(Recipe):
             feats = feats + noise.to(feats.device)
         if self._lm32 is None:
             self._lm32 = self.head.lm_weight(torch.float32).to(feats.device)
-        out = eagle_step_loss(model, batch, self._lm32, self.cfg.eagle, features=feats)
+        out = eagle_step_loss(model, batch, self._lm32, self.cfg.eagle, features=feats,
+                              logit_softcap=self.head.logit_softcap)
         return StepLoss(out.loss, {"feature_loss": round(out.feature_loss.item(), 4),
                                    "ce_loss": round(out.ce_loss.item(), 4)},
                         {"train_tokens": int(batch["valid"].sum()), "scored_tokens": out.scored})
@@ -257,8 +261,7 @@ class EagleRecipe(Recipe):
         if self.cfg.calibrate_prompts > 0:
             out["acceptance_profile"] = calibrate_head(self.cfg, self.head, self.target, self.tokenizer,
                                                        self.eval_convs, head_dir)
-            if out["acceptance_profile"].get("prompts"):
-                out["calibration_ids"] = calibration_ids(self.cfg, self.eval_convs)
+            out["calibration_ids"] = out["acceptance_profile"].pop("ids", [])  # the prompts that fit
         return out
 
 
