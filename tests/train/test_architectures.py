@@ -92,6 +92,37 @@ def test_draft_distribution_is_the_targets_on_its_features(arch):
         torch.testing.assert_close(head.draft_logits(hidden), logits, rtol=1e-5, atol=1e-5)
 
 
+def test_eagle_training_distribution_is_the_targets_soft_capped():
+    """Gemma-2 caps its logits (``cap * tanh(z / cap)``): the EAGLE loss's target distribution p is the target's
+    own, so a head predicting the target's features exactly has a token term equal to p's entropy."""
+    from selfspec.train.config import EagleOptions
+    from selfspec.train.eagle import eagle_step_loss
+
+    target = tiny_target("gemma2")
+    target.config.final_logit_softcapping = 2.0  # a cap that bites on this model's logits
+    head = random_head(target)
+    assert head.logit_softcap == 2.0
+    ids = prompt(8)
+    with torch.no_grad():
+        logits = target(ids.unsqueeze(0)).logits[0, 1:]
+        feats = target.base_model(ids.unsqueeze(0)).last_hidden_state
+    T = ids.numel() - 1
+    ones = torch.ones(1, T, dtype=torch.bool)
+    batch = {"features": feats[:, :-1], "targets": feats[:, 1:], "tokens": ids[1:].unsqueeze(0),
+             "positions": torch.arange(T).unsqueeze(0), "segment": torch.zeros(1, T, dtype=torch.long),
+             "scored": ones, "valid": ones}
+
+    def exact(features, tokens, positions, segment, steps):  # predicts every next feature exactly
+        return [batch["targets"]] * steps
+
+    entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
+    lm = head.lm_weight(torch.float32)
+    capped = eagle_step_loss(exact, batch, lm, EagleOptions(), logit_softcap=head.logit_softcap)
+    torch.testing.assert_close(capped.ce_loss, entropy, rtol=1e-5, atol=1e-5)
+    plain = eagle_step_loss(exact, batch, lm, EagleOptions())
+    assert abs(float(plain.ce_loss) - float(entropy)) > 1e-2  # the cap matters here
+
+
 class Steered:
     """An :class:`EagleDrafter` whose trees are steered after drafting: along the path of the target's
     greedy continuation, the last child of each node on it gets the next greedy token. Steps then accept
