@@ -135,6 +135,17 @@ def _compare_to_reference(
     return dataclasses.replace(sample, results=results), found
 
 
+def prompt_limit(target: PreTrainedModel, settings: BenchSettings) -> int | None:
+    """The longest prompt turn (tokens) the bench runs: ``settings.max_prompt_tokens``, and no more than leaves
+    room for ``settings.max_new_tokens`` in the target's ``max_position_embeddings`` (when its config has one);
+    None = no limit."""
+    limits = [settings.max_prompt_tokens] if settings.max_prompt_tokens is not None else []
+    context = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+    if isinstance(context, int) and context > 0:
+        limits.append(max(0, context - settings.max_new_tokens))
+    return min(limits) if limits else None
+
+
 def run_bench(
     target: PreTrainedModel,
     tokenizer: Any,
@@ -161,7 +172,8 @@ def run_bench(
         The :class:`BenchReport` (its :meth:`~BenchReport.check` passes).
 
     Raises:
-        ValueError: the reference method is missing, or no prompt turn fits ``max_prompt_tokens``.
+        ValueError: the reference method is missing, or no prompt turn fits ``max_prompt_tokens`` and the
+            target's context (:func:`prompt_limit`; longer turns are skipped, each with a log line).
     """
     methods = {
         n: m if isinstance(m, BenchMethod) else BenchMethod(m, "custom", "custom method") for n, m in methods.items()
@@ -172,8 +184,11 @@ def run_bench(
     eos = set(settings.stop_ids(target, tokenizer))
     names = list(methods)
 
+    limit = prompt_limit(target, settings)
     for prompt in prompts[: settings.warmup]:
         ids = encode_messages(tokenizer, prompt.first_turn_messages()).to(device)
+        if limit is not None and ids.numel() > limit:
+            continue
         for name in names:
             _timed(methods[name], ids, settings, device)
             logger.info("warm-up %s done", name)
@@ -186,7 +201,10 @@ def run_bench(
         for turn, text in enumerate(prompt.turns, start=1):
             messages = history + [{"role": "user", "content": text}]
             ids = encode_messages(tokenizer, messages).to(device)
-            if settings.max_prompt_tokens is not None and ids.numel() > settings.max_prompt_tokens:
+            if limit is not None and ids.numel() > limit:
+                logger.info("%s turn %d skipped: %d prompt tokens, over %d (max_prompt_tokens, or the target's "
+                            "max_position_embeddings less max_new_tokens)", prompt.question_id, turn, ids.numel(),
+                            limit)
                 skipped.append(Skipped(prompt.question_id, turn, ids.numel()))
                 break
             seed = settings.seed + len(samples)

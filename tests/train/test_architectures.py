@@ -8,6 +8,7 @@ and decode exactly; the training command exits 0."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -282,3 +283,26 @@ def test_training_command_exits_zero(tmp_path):
     summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
     assert summary["head"] == "eagle" and summary["acceptance_profile"]["prompts"] > 0
     assert (tmp_path / "run" / "heads" / "training_record.json").is_file()
+
+
+def test_bench_skips_prompts_past_the_targets_context(caplog):
+    """A prompt turn that leaves no room for ``max_new_tokens`` in the target's ``max_position_embeddings`` is
+    skipped with a log line, like one over ``max_prompt_tokens``."""
+    import logging
+
+    from selfspec.bench import BenchPrompt, BenchSettings, build_methods, run_bench
+    from selfspec.bench.run import prompt_limit
+
+    target, tokenizer = tiny_target("gemma3"), tiny_tokenizer()
+    target.config.max_position_embeddings = 40
+    settings = BenchSettings(max_new_tokens=8, warmup=1, eos_token_ids=())
+    assert prompt_limit(target, settings) == 32
+    assert prompt_limit(target, dataclasses.replace(settings, max_prompt_tokens=20)) == 20
+    methods = build_methods(target, tokenizer, settings, methods=["baseline"])
+    long = " ".join(["tell me about the sea"] * 8)
+    prompts = [BenchPrompt("long", "c", (long,)), BenchPrompt("short", "c", ("tell me about the moon",))]
+    with caplog.at_level(logging.INFO, logger="selfspec.bench.run"):
+        report = run_bench(target, tokenizer, methods, prompts, settings).to_dict()
+    assert [s["question_id"] for s in report["samples"]] == ["short"]
+    assert [s["question_id"] for s in report["skipped"]] == ["long"]
+    assert any("long turn 1 skipped" in r.getMessage() for r in caplog.records)
