@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.api import SpeculativeModel, make_drafter
+from selfspec.api import SpeculativeModel, make_drafter, make_verifier
 from selfspec.bench.report import TreeBudgetRecord
 from selfspec.decode.eagle import EagleDrafter
 from selfspec.decode.generate import GenerationStats
@@ -255,8 +255,18 @@ def build_methods(
     pad = getattr(target.generation_config, "pad_token_id", None)
     pad = pad if pad is not None else (eos[0] if eos else None)
     chosen = [REFERENCE] + [m for m in BUILTIN_METHODS if m in methods and m != REFERENCE]
-    out: dict[str, BenchMethod] = {}
+    for name in heads or {}:
+        if name in chosen:
+            raise ValueError(f"head method name {name!r} is taken; pass it as NAME=DIR with another name")
     lookup = make_drafter(target, prompt_lookup=True)
+    head_drafters = {
+        name: make_drafter(target, heads=head, tree_nodes=tree_nodes, **_eagle_kwargs(head, eagle_options))
+        for name, head in (heads or {}).items()
+    }
+    # One verifier for every selfspec method: the kernels are measured and packed once per target, and every
+    # method verifies with the same kernels (plain ones when no head method asks for the tuned ones).
+    verifier = make_verifier(target, next(iter(head_drafters.values()), lookup))
+    out: dict[str, BenchMethod] = {}
     for name in chosen:
         if name == "baseline":
             out[name] = hf_method(target, settings, eos, pad)
@@ -271,15 +281,13 @@ def build_methods(
                 max_matching_ngram_size=lookup.max_ngram,
             )
         elif name == "prompt_lookup":
-            out[name] = selfspec_method(SpeculativeModel(target, tokenizer, lookup), settings, eos)
+            out[name] = selfspec_method(SpeculativeModel(target, tokenizer, lookup, verifier), settings, eos)
         elif name == "draft_model":
             drafter = make_drafter(target, draft_model=draft_model)
-            out[name] = selfspec_method(SpeculativeModel(target, tokenizer, drafter), settings, eos)
-    for name, head in (heads or {}).items():
-        if name in out:
-            raise ValueError(f"head method name {name!r} is taken; pass it as NAME=DIR with another name")
-        drafter = make_drafter(target, heads=head, tree_nodes=tree_nodes, **_eagle_kwargs(head, eagle_options))
-        method = selfspec_method(SpeculativeModel(target, tokenizer, drafter), settings, eos)
+            out[name] = selfspec_method(SpeculativeModel(target, tokenizer, drafter, verifier), settings, eos)
+    for name, drafter in head_drafters.items():
+        head = heads[name]
+        method = selfspec_method(SpeculativeModel(target, tokenizer, drafter, verifier), settings, eos)
         source = f" from {head}" if isinstance(head, (str, Path)) else ""
         out[name] = dataclasses.replace(method, description=method.description + source,
                                         tree_budget=tree_budget_record(drafter))
