@@ -130,6 +130,15 @@ def resolve_target(name: str | os.PathLike) -> str:
     )
 
 
+def _supports_sdpa(where: str | os.PathLike) -> bool:
+    """Whether the causal LM class of the model at ``where`` runs SDPA attention (Gemma-2's does not)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(AutoConfig.from_pretrained(where)), None)
+    return bool(getattr(model_cls, "_supports_sdpa", True)) if model_cls is not None else True
+
+
 def load_target(
     name: str | os.PathLike,
     dtype: torch.dtype | str = torch.float32,
@@ -142,7 +151,8 @@ def load_target(
         name: see :func:`resolve_target`.
         dtype: parameter dtype (``torch.float32`` or ``torch.bfloat16``, or their names).
         device: where to put the model.
-        attn_implementation: ``"sdpa"`` or ``"eager"``; both accept selfspec's 4-D tree masks.
+        attn_implementation: ``"sdpa"`` or ``"eager"``; both accept selfspec's 4-D tree masks. A family
+            without SDPA attention (Gemma-2) loads with ``"eager"``.
 
     Returns:
         ``(model, tokenizer)``; the model is in eval mode with ``requires_grad`` off on every parameter.
@@ -155,6 +165,9 @@ def load_target(
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     where = resolve_target(name)
+    if attn_implementation == "sdpa" and not _supports_sdpa(where):
+        logger.info("%s: its family has no SDPA attention (e.g. Gemma-2's soft-capped attention); using eager", name)
+        attn_implementation = "eager"
     model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation=attn_implementation)
     model.to(device).eval()
     model.requires_grad_(False)

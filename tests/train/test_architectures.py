@@ -265,23 +265,26 @@ def test_medusa_trains_saves_reloads_and_decodes_exactly(arch, tmp_path):
             assert speculative_generate(target, drafter, ids, max_new_tokens=NEW).tokens == reference(target, ids)
 
 
-def test_training_command_exits_zero(tmp_path):
-    """``python -m selfspec.train`` on a Gemma-3 target directory (sliding and global layers, two rotary
-    bases): data file, features, training, evaluation, save and calibration; exit status 0 and a summary."""
+@pytest.mark.parametrize("family, head", [("gemma3", "eagle"), ("gemma2", "medusa")])
+def test_training_command_exits_zero(tmp_path, family, head):
+    """``python -m selfspec.train`` on a saved target directory (Gemma-3: sliding and global layers, two rotary
+    bases; Gemma-2: soft-capped logits and attention, eager only): data file, features, training, evaluation,
+    save and (EAGLE) calibration; exit status 0 and a summary."""
     from selfspec.train.__main__ import main
 
-    target = tiny_target("gemma3")
     target_dir = tmp_path / "target"
-    target.save_pretrained(target_dir)
+    tiny_target(family).save_pretrained(target_dir)
     tiny_tokenizer().save_pretrained(target_dir)
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in conversations(20)))
-    overrides = {**BUDGET, "target": str(target_dir), "data": str(data), "eval_fraction": 0.3, "head": "eagle",
-                 "output_dir": str(tmp_path / "run"), "max_train_minutes": "null", "eagle.batch_tokens": 64}
-    overrides.pop("self_distill")
-    assert main([f"{k}={v}" for k, v in overrides.items()] + ["self_distill=false"]) == 0
+    overrides = {**BUDGET, "target": str(target_dir), "data": str(data), "eval_fraction": 0.3, "head": head,
+                 "output_dir": str(tmp_path / "run"), "max_train_minutes": "null", "self_distill": "false",
+                 "eagle.batch_tokens": 64, "medusa.num_heads": 2, "medusa.batch_positions": 32}
+    assert main([f"{k}={v}" for k, v in overrides.items()]) == 0
     summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
-    assert summary["head"] == "eagle" and summary["acceptance_profile"]["prompts"] > 0
+    assert summary["head"] == head and summary["step"] == 3
+    if head == "eagle":
+        assert summary["acceptance_profile"]["prompts"] > 0
     assert (tmp_path / "run" / "heads" / "training_record.json").is_file()
 
 
