@@ -154,7 +154,8 @@ def target_features(
     """Target features of both splits (the same on every process), from the cache or computed.
 
     Process r computes (or finds in its cache file) the conversations ``r::w`` of each split, rendered
-    with :func:`~selfspec.train.chat_tokens.build_training_examples` at ``cfg.max_length``; then every process
+    with :func:`~selfspec.train.chat_tokens.build_training_examples` at ``cfg.max_length`` (or the target's
+    ``max_position_embeddings`` when that is shorter, with a log line); then every process
     reads all w files and concatenates them in rank order.
 
     Returns:
@@ -172,9 +173,14 @@ def target_features(
         quiet = not accelerator.is_local_main_process
         t0 = time.perf_counter()
         D = target.config.hidden_size
+        length = cfg.max_length
+        context = getattr(target.config, "max_position_embeddings", None)
+        if context and context < length:
+            logger.info("conversations truncated to the target's context, %d tokens (max_length %d)", context, length)
+            length = int(context)
         parts = []
         for convs in (train_convs[rank::world], eval_convs[rank::world]):
-            ex = build_training_examples(tokenizer, convs, cfg.max_length)
+            ex = build_training_examples(tokenizer, convs, length)
             parts.append(FeatureStore.from_examples(ex, hidden_features(target, ex, disable_progress=quiet), D))
         own = (parts[0], parts[1])
         n_tok = int(own[0].lengths.sum() + own[1].lengths.sum())

@@ -221,7 +221,7 @@ def train(tmp_path, target, head: str):
     from selfspec.train.eagle import train_eagle
     from selfspec.train.medusa import train_medusa
 
-    family = {"eagle": {"eagle": {"batch_tokens": 64}}, "medusa": {"medusa": {"num_heads": 2,
+    family = {"eagle": {"eagle": {"batch_tokens": 64, "ttt_steps": 2}}, "medusa": {"medusa": {"num_heads": 2,
                                                                               "batch_positions": 32}}}
     cfg = TrainConfig(**BUDGET, **family[head], head=head, output_dir=str(tmp_path))
     convs = conversations(20)
@@ -263,6 +263,20 @@ def test_medusa_trains_saves_reloads_and_decodes_exactly(arch, tmp_path):
         for seed in (6, 7):
             ids = prompt(seed)
             assert speculative_generate(target, drafter, ids, max_new_tokens=NEW).tokens == reference(target, ids)
+
+
+def test_features_are_truncated_to_the_targets_context(tmp_path):
+    from accelerate import Accelerator
+
+    from selfspec.train.config import TrainConfig
+    from selfspec.train.feature_store import target_features
+
+    target = tiny_target("qwen2")
+    target.config.max_position_embeddings = 16
+    cfg = TrainConfig(**BUDGET, head="eagle", output_dir=str(tmp_path))
+    convs = conversations(6)
+    train_store, held, _ = target_features(cfg, Accelerator(cpu=True), target, tiny_tokenizer(), convs[:4], convs[4:])
+    assert int(train_store.lengths.max()) == 16 and int(held.lengths.max()) == 16
 
 
 @pytest.mark.parametrize("family, head", [("gemma3", "eagle"), ("gemma2", "medusa")])
