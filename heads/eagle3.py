@@ -1,0 +1,429 @@
+"""EAGLE-3 draft head (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
+Training-Time Test", arXiv:2503.01840), drafted as EAGLE-2 dynamic trees by :class:`selfspec.decode.eagle.EagleDrafter`.
+
+The head fuses three of the target's layers instead of its last feature. At head position t the input is the
+pair ``(g_t, x_{t+1})``, where ``g_t`` is either the target's hidden states at position t entering layers
+``target_layers = (low, mid, high)`` (``hidden_states[i]`` of ``transformers``, concatenated: ``[.., 3D]``) or,
+while drafting beyond the first token, the head's own output at the previous draft position (``[.., D]``)::
+
+    h_t    = fc(g_t)  if g_t is [.., 3D]  else  g_t           # fc: 3D -> D, no bias
+    a_t    = concat(input_norm(embed(x_{t+1})), hidden_norm(h_t))   # [.., 2D]: the attention input
+    o_t    = DecoderLayer(h_t; attention over a)               # one layer of the target's own class,
+                                                               # residual h_t, q/k/v taking 2D inputs
+    logits = lm_head(norm(o_t))                                # [.., S] over the draft vocabulary
+
+``o_t`` predicts token ``x_{t+2}``; it is also what the next draft position takes as ``g``. Draft id i is target
+id ``i + d2t[i]`` (:attr:`Eagle3Head.draft_ids`); ``t2d`` marks the target ids that have a draft id.
+
+The decoder layer is built through ``transformers`` from a one-layer, full-attention copy of the target's config
+(:func:`selfspec.heads.eagle.decoder_layer_class`), so norms, q/k norms and scalings are the family's own; only its
+q/k/v (or fused qkv) projections are rebuilt with 2D inputs, and its ``input_layernorm`` becomes
+:class:`FusedInputNorm` (the two norms above, each of the family's norm class). The token embedding and the rotary
+embedding are the target's, frozen, referenced through :meth:`Eagle3Head.attach_target`, never saved.
+
+Files (``save_pretrained``), tensor names as the EAGLE-3 serving layouts use them (DESIGN.md section 5):
+
+* ``config.json``: the target's config with ``num_hidden_layers: 1``, ``head_type: "eagle3"``,
+  ``draft_vocab_size``, ``eagle_config.eagle_aux_hidden_state_layer_ids`` and a ``selfspec`` object
+  (:class:`Eagle3Config`, strictly checked);
+* ``model.safetensors``: ``fc.weight [D, 3D]``, ``layers.0.hidden_norm.weight``, ``layers.0.input_layernorm.weight``,
+  ``layers.0.self_attn.{q,k,v}_proj.weight [., 2D]`` (Phi-3: ``qkv_proj``), the rest of ``layers.0.*``,
+  ``norm.weight``, ``lm_head.weight [S, D]``, ``d2t`` int64 ``[S]`` and ``t2d`` bool ``[V]``; no embeddings.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig
+
+from selfspec.decode.cpu_linear import project
+from selfspec.heads.config import config_from_dict
+from selfspec.heads.eagle import (
+    _one_layer_config,  # the one-layer, full-attention config rule EAGLE-1 heads use
+    decoder_layer_class,
+    logit_softcap,
+    rotary_layer_type,
+    softcap,
+)
+from selfspec.heads.io import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    HeadFormatError,
+    check_fingerprint,
+    load_state,
+    read_config,
+    read_safetensors,
+    write_head_dir,
+)
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+__all__ = ["Eagle3Config", "Eagle3Head", "FusedInputNorm", "check_vocab_maps", "default_target_layers", "vocab_maps"]
+
+QKV_NAMES = ("q_proj", "k_proj", "v_proj", "qkv_proj")
+# Module names of this implementation -> the tensor names of the published EAGLE-3 layout.
+_FILE_NAMES = {
+    "layers.0.input_layernorm.embed_norm.weight": "layers.0.input_layernorm.weight",
+    "layers.0.input_layernorm.hidden_norm.weight": "layers.0.hidden_norm.weight",
+}
+
+
+def default_target_layers(num_layers: int) -> tuple[int, int, int]:
+    """The published choice ``(2, L // 2, L - 3)`` of layers whose input hidden states the head fuses, each
+    clamped into ``[0, L - 1]`` and sorted, so tiny targets get valid (possibly repeated) layers: L = 3 gives
+    ``(0, 1, 2)``, L = 2 gives ``(0, 1, 1)``, L = 30 (SmolLM2-135M) gives ``(2, 15, 27)``.
+
+    Raises:
+        ValueError: ``num_layers < 1``.
+    """
+    if num_layers < 1:
+        raise ValueError(f"a target needs at least one layer, got {num_layers}")
+    return tuple(sorted(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)))
+
+
+def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-3's maps of a draft vocabulary: ``d2t`` int64 ``[S]`` (draft id i is target id ``i + d2t[i]``) and
+    ``t2d`` bool ``[V]`` (True at target ids that have a draft id), from the ascending target ids ``draft_ids [S]``.
+
+    Raises:
+        HeadFormatError: ``draft_ids`` not strictly ascending or outside ``[0, V)`` (see :func:`check_vocab_maps`).
+    """
+    ids = draft_ids.to(torch.long)
+    d2t = ids - torch.arange(ids.numel(), device=ids.device)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool, device=ids.device)
+    if ids.numel() and 0 <= int(ids.min()) and int(ids.max()) < vocab_size:
+        t2d[ids] = True
+    check_vocab_maps(d2t, t2d, ids.numel(), vocab_size, "draft vocabulary")
+    return d2t, t2d
+
+
+def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, size: int, vocab_size: int, where: str) -> None:
+    """Refuse maps that are not an exact, ordered draft vocabulary of ``size`` (S) of the V target ids.
+
+    Raises:
+        HeadFormatError: ``d2t`` not int64 ``[S]`` or ``t2d`` not bool ``[V]``; a mapped id ``i + d2t[i]`` outside
+            ``[0, V)``, repeated or out of order; ``t2d`` not True exactly at the mapped ids.
+    """
+    if d2t.dtype != torch.long or tuple(d2t.shape) != (size,):
+        raise HeadFormatError(f"{where}: d2t must be int64 [{size}], got {d2t.dtype} {tuple(d2t.shape)}")
+    if t2d.dtype != torch.bool or tuple(t2d.shape) != (vocab_size,):
+        raise HeadFormatError(f"{where}: t2d must be bool [{vocab_size}], got {t2d.dtype} {tuple(t2d.shape)}")
+    ids = torch.arange(size, device=d2t.device) + d2t
+    if size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise HeadFormatError(f"{where}: d2t maps a draft id outside the target vocabulary [0, {vocab_size})")
+    if size > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise HeadFormatError(f"{where}: d2t must map draft ids to strictly ascending target ids")
+    expected = torch.zeros(vocab_size, dtype=torch.bool, device=d2t.device)
+    expected[ids] = True
+    if not torch.equal(t2d.to(d2t.device), expected):
+        raise HeadFormatError(f"{where}: t2d is not True exactly at the target ids of d2t")
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """selfspec's own fields of an EAGLE-3 head (the architecture lives in the transformers config).
+
+    Attributes:
+        hidden_size: D, the target's hidden size.
+        vocab_size: V, the target's vocabulary size.
+        draft_vocab_size: S, rows of the head's lm_head (S = V for the full vocabulary).
+        num_target_layers: L, the target's decoder layers (checked on attach).
+        target_layers: the three layers whose input hidden states (``hidden_states[i]``) are fused, each in
+            ``[0, L)``; default :func:`default_target_layers`.
+        target: the target name the head was trained on (informational).
+        target_fingerprint: :func:`selfspec.heads.fingerprint.target_fingerprint` of that target; checked on load.
+        heldout_top1: held-out teacher-forced top-1 agreement with the target's greedy token, if measured.
+        head_type: always ``"eagle3"``.
+
+    Raises:
+        ValueError: sizes or layers out of range. HeadFormatError: another ``head_type``.
+    """
+
+    hidden_size: int
+    vocab_size: int
+    draft_vocab_size: int
+    num_target_layers: int
+    target_layers: tuple[int, ...] | None = None
+    target: str = ""
+    target_fingerprint: str = ""
+    heldout_top1: float | None = None
+    head_type: str = "eagle3"
+
+    def __post_init__(self) -> None:
+        if self.head_type != "eagle3":
+            raise HeadFormatError(f"head_type {self.head_type!r} is not 'eagle3'")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}]")
+        layers = self.target_layers
+        layers = default_target_layers(self.num_target_layers) if layers is None else tuple(int(i) for i in layers)
+        if len(layers) != 3 or not all(0 <= i < self.num_target_layers for i in layers):
+            raise ValueError(f"target_layers must be 3 layers in [0, {self.num_target_layers}), got {layers}")
+        object.__setattr__(self, "target_layers", layers)
+
+    @property
+    def n_draft(self) -> int:
+        """S, the draft vocabulary size (the name the EAGLE drafter reads)."""
+        return self.draft_vocab_size
+
+
+class FusedInputNorm(nn.Module):
+    """The attention input of an EAGLE-3 layer, standing in for the layer's ``input_layernorm``:
+    ``forward(h [.., D]) -> concat(embed_norm(e), hidden_norm(h)) [.., 2D]``, where ``e`` (the token embeddings
+    ``[.., D]`` of the same positions) is set by :meth:`Eagle3Head.forward` for the duration of one layer call."""
+
+    def __init__(self, embed_norm: nn.Module, hidden_norm: nn.Module) -> None:
+        super().__init__()
+        self.embed_norm, self.hidden_norm = embed_norm, hidden_norm
+        self.embeds: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.embeds is None:
+            raise RuntimeError("FusedInputNorm is called by Eagle3Head.forward, which sets the token embeddings")
+        return torch.cat([self.embed_norm(self.embeds), self.hidden_norm(hidden)], dim=-1)
+
+
+def _widen_qkv(attn: nn.Module, in_features: int) -> list[str]:
+    """Rebuild the attention's q/k/v (or fused qkv) linears with ``in_features`` inputs; returns their names."""
+    names = []
+    for name in QKV_NAMES:
+        old = getattr(attn, name, None)
+        if isinstance(old, nn.Linear):
+            new = nn.Linear(in_features, old.out_features, bias=old.bias is not None)
+            setattr(attn, name, new.to(dtype=old.weight.dtype))
+            names.append(name)
+    if not names:
+        raise HeadFormatError(f"{type(attn).__name__} has none of {QKV_NAMES}: cannot build an EAGLE-3 layer")
+    return names
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3 head: ``fc`` over three target layers + one decoder layer of the target's class + final norm +
+    lm_head over a reduced draft vocabulary (see the module docstring for the computation and tensor names).
+
+    Args:
+        config: :class:`Eagle3Config`.
+        arch_config: the target's transformers config (copied: one full-attention layer).
+        draft_ids: LongTensor ``[S]`` of strictly ascending target ids (default ``arange(S)``).
+        target: the frozen target; when given, its decoder layer class is used and it is attached.
+        init_layer: with a target, start the decoder layer from the target's layer ``init_layer`` (negative
+            counts from the end): every tensor copied, the target's q/k/v weights in the columns that read
+            ``hidden_norm(h)`` (the embedding columns keep their random init), its input norm as
+            ``hidden_norm``. None: random (the published start).
+        init_lm_head: with a target, start ``lm_head`` from the target's lm_head rows ``draft_ids`` and ``norm``
+            from the target's final norm, so the untrained head's output map is the target's.
+
+    Raises:
+        HeadFormatError: the architecture disagrees with ``config``, or the vocabulary maps are invalid.
+    """
+
+    def __init__(
+        self,
+        config: Eagle3Config,
+        arch_config: PretrainedConfig,
+        draft_ids: torch.Tensor | None = None,
+        target: PreTrainedModel | None = None,
+        init_layer: int | None = None,
+        init_lm_head: bool = False,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.arch_config = _one_layer_config(arch_config)
+        D, S, V = config.hidden_size, config.draft_vocab_size, config.vocab_size
+        if (self.arch_config.hidden_size, self.arch_config.vocab_size) != (D, V):
+            raise HeadFormatError(
+                f"architecture config (hidden {self.arch_config.hidden_size}, vocab {self.arch_config.vocab_size}) "
+                f"disagrees with the head config (hidden {D}, vocab {V})"
+            )
+        d2t, t2d = vocab_maps(torch.arange(S) if draft_ids is None else draft_ids, V)
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d)
+        self.fc = nn.Linear(3 * D, D, bias=False)
+        layer = decoder_layer_class(self.arch_config, target)(self.arch_config, layer_idx=0)
+        qkv = _widen_qkv(layer.self_attn, 2 * D)
+        embed_norm = layer.input_layernorm
+        layer.input_layernorm = FusedInputNorm(embed_norm, copy.deepcopy(embed_norm))
+        self.layers = nn.ModuleList([layer])
+        self.norm = copy.deepcopy(embed_norm)
+        self.lm_head = nn.Linear(D, S, bias=False)
+        self._target: tuple[nn.Module, nn.Module] | None = None  # (embed, rotary); not registered
+        self._rotary_kwargs: dict[str, str] = {}
+        self.logit_softcap: float | None = None
+        if target is not None:
+            self._init_from(target, init_layer, init_lm_head, qkv)
+            self.attach_target(target)
+
+    @torch.no_grad()
+    def _init_from(self, target: PreTrainedModel, init_layer: int | None, init_lm_head: bool, qkv: list[str]) -> None:
+        D = self.config.hidden_size
+        if init_layer is not None:
+            layers = target.base_model.layers
+            src = dict(layers[init_layer].state_dict())
+            norm_w = src.pop("input_layernorm.weight", None)
+            own = self.layers[0]
+            for name in qkv:
+                w = src.pop(f"self_attn.{name}.weight")
+                getattr(own.self_attn, name).weight[:, D:] = w
+            own.load_state_dict(src, strict=False)
+            if norm_w is not None:
+                own.input_layernorm.hidden_norm.weight.copy_(norm_w)
+        if init_lm_head:
+            self.lm_head.weight.copy_(target.get_output_embeddings().weight[self.draft_ids.to(self.d2t.device)])
+            self.norm.load_state_dict(target.base_model.norm.state_dict())
+
+    # ---------------------------------------------------------------- target
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """LongTensor ``[S]``: the target id of each draft id, ``arange(S) + d2t`` (the one place d2t is applied)."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        """The target layers whose input hidden states the head takes (drafters pass them to ``begin``/``accept``)."""
+        return self.config.target_layers
+
+    def attach_target(self, target: PreTrainedModel) -> None:
+        """Reference the frozen target's token embedding and rotary embedding (never registered or saved); keep
+        its ``final_logit_softcapping`` for :meth:`draft_logits`.
+
+        Raises:
+            HeadFormatError: the target's sizes, layer count or model type differ from the head's, or it has
+                no rotary embedding.
+        """
+        cfg = target.config
+        want = (self.config.hidden_size, self.config.vocab_size, self.config.num_target_layers)
+        if (cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers) != want:
+            raise HeadFormatError(
+                f"target has hidden {cfg.hidden_size} / vocab {cfg.vocab_size} / {cfg.num_hidden_layers} layers, "
+                f"the EAGLE-3 head expects {want[0]} / {want[1]} / {want[2]}: it belongs to another target."
+            )
+        if cfg.model_type != self.arch_config.model_type:
+            raise HeadFormatError(f"target is a {cfg.model_type!r} model, the head a {self.arch_config.model_type!r} layer")
+        rotary = getattr(target.base_model, "rotary_emb", None)
+        if rotary is None:
+            raise HeadFormatError("the target has no model.rotary_emb module; EAGLE-3 heads need RoPE positions")
+        self._target = (target.get_input_embeddings(), rotary)
+        layer_type = rotary_layer_type(rotary)
+        self._rotary_kwargs = {} if layer_type is None else {"layer_type": layer_type}
+        self.logit_softcap = logit_softcap(cfg)
+
+    # ---------------------------------------------------------------- compute
+    def forward(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Any = None,
+    ) -> torch.Tensor:
+        """The head's output at each position.
+
+        Args:
+            features: ``[B, T, 3D]`` the target's hidden states at ``target_layers`` (concatenated in that order),
+                or ``[B, T, D]`` the head's own outputs (draft positions after the first); any float dtype.
+            input_ids: LongTensor ``[B, T]``, target ids of the tokens ``x_{t+1}`` paired with them.
+            position_ids: LongTensor ``[B, T]``.
+            attention_mask: additive float ``[B or 1, 1, T, past + T]`` (0 attend, dtype-min blocked), or None for
+                a plain causal mask without cache.
+            cache: a ``transformers`` ``DynamicCache`` of the head (one layer), extended by T entries.
+
+        Returns:
+            ``[B, T, D]`` in the head's dtype, before the final norm: position t scores token ``x_{t+2}``
+            (:meth:`draft_logits`) and is the next draft position's ``features``.
+
+        Raises:
+            RuntimeError: no target attached. ValueError: ``features`` neither 3D nor D wide.
+        """
+        if self._target is None:
+            raise RuntimeError("Eagle3Head needs attach_target(target) (its embeddings and RoPE) first")
+        embed, rotary = self._target
+        D, dtype = self.config.hidden_size, self.fc.weight.dtype
+        width = features.shape[-1]
+        if width not in (D, 3 * D):
+            raise ValueError(f"features must be [.., {3 * D}] (target layers) or [.., {D}] (head outputs), got {width}")
+        with torch.no_grad():
+            emb = embed(input_ids).to(dtype)
+        h = self.fc(features.to(dtype)) if width == 3 * D else features.to(dtype)
+        position_embeddings = rotary(h, position_ids, **self._rotary_kwargs)
+        kwargs: dict[str, Any] = {"cache": cache, "use_cache": True} if cache is not None else {}
+        layer = self.layers[0]
+        layer.input_layernorm.embeds = emb
+        try:
+            out = layer(h, attention_mask=attention_mask, position_ids=position_ids,
+                        position_embeddings=position_embeddings, **kwargs)
+        finally:
+            layer.input_layernorm.embeds = None
+        return out[0] if isinstance(out, tuple) else out
+
+    def draft_logits(self, output: torch.Tensor) -> torch.Tensor:
+        """``[..., D]`` head outputs -> ``[..., S]`` logits over the draft vocabulary (row i scores target id
+        ``draft_ids[i]``): ``lm_head(norm(output))``, soft-capped as the target's own logits are (Gemma-2)."""
+        return softcap(project(self.norm(output), self.lm_head.weight), self.logit_softcap)
+
+    # ---------------------------------------------------------------- files
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` (published tensor names, ``d2t`` and ``t2d`` included)
+        atomically (:func:`selfspec.heads.io.write_head_dir`). Never the target's embeddings. Returns the directory."""
+        state = {_FILE_NAMES.get(k, k): v for k, v in self.state_dict().items()}
+        arch = self.arch_config.to_dict()
+        arch.update({
+            "num_hidden_layers": 1, "head_type": "eagle3", "draft_vocab_size": self.config.draft_vocab_size,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.config.target_layers)},
+            "selfspec": dataclasses.asdict(self.config),
+        })
+        arch.pop("_attn_implementation_autoset", None)
+        write_head_dir(directory, arch, {WEIGHTS_NAME: state}, metadata={"head_type": "eagle3"})
+        return Path(directory)
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | Path, target: PreTrainedModel | None = None, target_fingerprint: str | None = None
+    ) -> Eagle3Head:
+        """Load a head saved by :meth:`save_pretrained`, refusing anything that does not match exactly.
+
+        Raises:
+            HeadFormatError: missing/corrupt files, unknown ``selfspec`` keys, config fields that disagree with
+                it, an architecture that is not one layer, missing / unexpected / wrong-shape tensors, invalid
+                ``d2t`` / ``t2d`` maps, or a head trained on another target. Nothing is half-loaded.
+        """
+        d = Path(directory)
+        raw = read_config(d)
+        if raw.pop("head_type", None) != "eagle3":
+            raise HeadFormatError(f"{d / CONFIG_NAME} is not an EAGLE-3 head (head_type must be 'eagle3')")
+        ours = raw.pop("selfspec", None)
+        if not isinstance(ours, dict):
+            raise HeadFormatError(f"{d / CONFIG_NAME} lacks its 'selfspec' object; re-export with save_pretrained")
+        try:
+            config = config_from_dict(Eagle3Config, ours, where=f"{d / CONFIG_NAME} ['selfspec']")
+        except (TypeError, ValueError) as err:
+            raise HeadFormatError(f"{d / CONFIG_NAME} ['selfspec']: {err}") from err
+        check_fingerprint(d, config.target_fingerprint, target_fingerprint, config.target)
+        aux = (raw.pop("eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
+        if raw.pop("draft_vocab_size", None) != config.draft_vocab_size or list(aux or []) != list(config.target_layers):
+            raise HeadFormatError(f"{d / CONFIG_NAME}: draft_vocab_size / eagle_config disagree with its 'selfspec'")
+        if raw.get("num_hidden_layers") != 1:
+            raise HeadFormatError(f"{d / CONFIG_NAME}: an EAGLE-3 head has num_hidden_layers 1")
+        model_type = raw.pop("model_type", None)
+        try:
+            arch = AutoConfig.for_model(model_type, **raw)
+        except (ValueError, KeyError, TypeError) as err:
+            raise HeadFormatError(f"{d / CONFIG_NAME}: not a transformers config ({err})") from err
+        if target is not None and target.config.model_type != arch.model_type:
+            raise HeadFormatError(f"head is a {arch.model_type!r} layer, the target a {target.config.model_type!r} model")
+        inverse = {v: k for k, v in _FILE_NAMES.items()}
+        state = {inverse.get(k, k): v for k, v in read_safetensors(d / WEIGHTS_NAME).items()}
+        if "d2t" in state and "t2d" in state:
+            check_vocab_maps(state["d2t"], state["t2d"], config.draft_vocab_size, config.vocab_size,
+                             str(d / WEIGHTS_NAME))
+        head = cls(config, arch)
+        load_state(head, d / WEIGHTS_NAME, state)
+        if target is not None:
+            head.attach_target(target)
+        return head
