@@ -158,3 +158,24 @@ def test_other_target_is_refused(target, tmp_path):
     bigger = tiny_llama(hidden_size=64)
     with pytest.raises(HeadFormatError):
         EagleHead.from_pretrained(d).attach_target(bigger)
+
+
+def test_head_saved_with_a_sliding_layer_loads_with_full_attention(tmp_path):
+    """A head directory whose config still names the target's sliding first layer (as heads were saved before
+    the head's own attention was made full-context) loads as a full-attention layer."""
+    from tests.archs import WINDOW, tiny_target
+
+    target = tiny_target("gemma2")
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig(hidden_size=32, vocab_size=96), target.config, target=target).eval()
+    head.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["layer_types"] == ["full_attention"] and raw["sliding_window"] is None
+    raw.update(layer_types=["sliding_attention"], sliding_window=WINDOW)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    again = load_heads(tmp_path, target=target)
+    assert again.arch_config.layer_types == ["full_attention"] and again.arch_config.sliding_window is None
+    assert again.layers[0].self_attn.sliding_window is None
+    x, ids, pos = torch.randn(1, 2 * WINDOW, 32), torch.randint(0, 96, (1, 2 * WINDOW)), torch.arange(2 * WINDOW)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(again.eval()(x, ids, pos), head(x, ids, pos), rtol=0, atol=0)
