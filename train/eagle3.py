@@ -1,0 +1,256 @@
+"""EAGLE-3 recipe (Li et al. 2025, arXiv:2503.01840) on the shared loop: an :class:`~selfspec.heads.eagle3.Eagle3Head`
+trained with a training-time test against the target's distribution over the draft vocabulary.
+
+Run it with ``accelerate launch -m selfspec.train CONFIG.yaml head=eagle3 [key=value ...]``. Data layout: the
+feature store (:func:`~selfspec.train.feature_store.target_features` with ``layers``) holds at every position t
+``[g_t (3D: the three target layers), f_t (D: the last hidden state after the final norm)]``; the pairs of
+:mod:`selfspec.train.eagle_data` then give, for pair t (head position t):
+
+* input ``(g_t, x_{t+1})``; target distribution ``p_t = softmax(lm_head(f_{t+1}))`` over the draft vocabulary
+  (the target's rows ``draft_ids``, renormalised), which is the target's distribution of ``x_{t+2}``;
+* scored iff ``x_{t+2}`` is an assistant token (``m_{t+2}``), the shift proven in ``tests/train/test_eagle3_train.py``.
+
+Training-time test (:class:`UnrolledEagle3`): step 0 is the teacher-forced forward; at step i >= 1 pair t's input
+is the head's own step-(i-1) output at pair t-1 (the D-wide output it drafts from), its token stays ``x_{t+1}``,
+and its attention is :func:`~selfspec.train.unroll.unrolled_mask` over one growing KV cache, exactly what the
+depth-(i+1) draft node of a chain starting at pair t-i sees while decoding. The loss is
+``sum_i ttt_decay**i * L_i`` with ``L_i`` the forward KL ``KL(p || q_i)`` (or the cross entropy against the
+target's greedy draft-vocabulary token, ``eagle3.loss: ce``) at the scored pairs with i earlier pairs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from selfspec.heads.eagle import softcap
+from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head, default_target_layers
+from selfspec.heads.fingerprint import target_fingerprint
+from selfspec.train.calibrate import calibrate_head
+from selfspec.train.config import Eagle3Options, TrainConfig
+from selfspec.train.eagle_data import PairStore, collate, epoch_rows, pack_rows
+from selfspec.train.feature_store import FeatureStore, target_features
+from selfspec.train.loop import Recipe, StepLoss, draft_vocabulary, train_loop
+from selfspec.train.unroll import chain_hits, unrolled_mask
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+class UnrolledEagle3(torch.nn.Module):
+    """The training-time test of an EAGLE-3 head (see the module docstring); one forward per optimiser step for
+    ``accelerate`` / DDP, returning only the selected positions' draft logits (``[B, T, S]`` for every step would
+    not fit at S = 8192)."""
+
+    def __init__(self, head: Eagle3Head) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, layers: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, segment: torch.Tensor,
+                steps: int, select: torch.Tensor) -> list[torch.Tensor]:
+        """Args: ``layers`` ``[B, T, 3D]`` the target layers at each pair, ``tokens`` / ``positions`` / ``segment``
+        Long ``[B, T]`` (:func:`~selfspec.train.eagle_data.collate`), ``steps`` >= 1, ``select`` Bool ``[B, T]``.
+
+        Returns:
+            ``steps`` float tensors; step i is ``[P_i, S]``, the draft logits at ``select & (positions >= i)`` in
+            row-major order."""
+        head = self.head
+        dtype = head.fc.weight.dtype
+        cache = DynamicCache(config=head.arch_config)
+        x, logits = layers, []
+        for i in range(steps):
+            out = head(x, tokens, positions, unrolled_mask(segment, i, dtype), cache)
+            logits.append(head.draft_logits(out[select & (positions >= i)]))
+            if i + 1 < steps:  # pair t's next input: the output at pair t-1 (pair 0's is never attended by a query)
+                x = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
+        return logits
+
+
+def split_features(batch: dict[str, torch.Tensor], hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(layers [B, T, 3D] at pair t, f_{t+1} [B, T, D])`` of a collated batch whose store features are
+    ``[g (3D), f (D)]`` (the inputs come from ``features`` = position t, the targets from ``targets`` = t+1)."""
+    D = hidden_size
+    return batch["features"][..., : 3 * D], batch["targets"][..., 3 * D :]
+
+
+def eagle3_step_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], lm_rows: torch.Tensor,
+                     options: Eagle3Options, hidden_size: int, logit_softcap: float | None = None
+                     ) -> tuple[torch.Tensor, list[float], int]:
+    """The EAGLE-3 loss of one packed batch: ``sum_i ttt_decay**i * L_i`` (module docstring).
+
+    Args:
+        model: :class:`UnrolledEagle3` (or its prepared wrapper).
+        batch: :func:`~selfspec.train.eagle_data.collate`'s tensors over a store of ``[g, f]`` features.
+        lm_rows: ``[S, D]`` float32, the target's lm_head rows of the draft vocabulary (frozen).
+        options: ``ttt_steps``, ``ttt_decay``, ``loss``, ``score_prompt``.
+        logit_softcap: the target's ``final_logit_softcapping`` (applied to its logits as it does itself).
+
+    Returns:
+        ``(loss, per-step losses, scored pairs)``: a float32 scalar with a graph (0 with one when nothing is
+        scored), the detached ``L_i`` and the count of step-0 positions.
+    """
+    layers, f_next = split_features(batch, hidden_size)
+    positions = batch["positions"]
+    base = batch["valid"] if options.score_prompt else batch["scored"]
+    logits = model(layers, batch["tokens"], positions, batch["segment"], options.ttt_steps, base)
+    with torch.no_grad():
+        target_logits = softcap(f_next[base].float() @ lm_rows.T, logit_softcap)  # [P, S]
+        log_p = torch.log_softmax(target_logits, dim=-1)
+    later_pos = positions[base]
+    loss = sum(q.float().sum() * 0.0 for q in logits)
+    per_step = []
+    for i, q in enumerate(logits):
+        if q.shape[0] == 0:
+            per_step.append(0.0)
+            continue
+        lp = log_p[later_pos >= i]
+        log_q = torch.log_softmax(q.float(), dim=-1)
+        if options.loss == "kl":
+            li = (lp.exp() * (lp - log_q)).sum(-1).mean()
+        else:
+            li = F.nll_loss(log_q, lp.argmax(-1))
+        per_step.append(round(float(li.detach()), 4))
+        loss = loss + options.ttt_decay**i * li
+    return loss, per_step, int(base.sum())
+
+
+@torch.no_grad()
+def evaluate(head: Eagle3Head, store: PairStore, target_lm_head: torch.Tensor, depth: int = 3, row_len: int = 512,
+             rows_per_batch: int = 4) -> dict[str, Any]:
+    """Held-out agreement with the target's greedy tokens at scored pairs: ``top1`` (teacher-forced, step 0, the
+    depth-1 acceptance of greedy decoding) and ``chain[d-1]``, the share of chain starts whose first d drafts
+    (the head unrolled on its own outputs, :class:`UnrolledEagle3`) all equal the target's greedy tokens, i.e.
+    the per-position greedy chain acceptance; ``chain_tau = 1 + sum(chain)``. ``target_lm_head``: ``[V, D]``."""
+    was_training = head.training
+    head.eval()
+    unrolled = UnrolledEagle3(head)
+    D, dev, dtype = head.config.hidden_size, head.fc.weight.device, head.fc.weight.dtype
+    lm = target_lm_head.to(device=dev, dtype=dtype)
+    ids = head.draft_ids
+    c_hits, c_counts = [0] * depth, [0] * depth
+    rows = pack_rows([int(x) - 1 for x in store.lengths], row_len)
+    for s in range(0, len(rows), rows_per_batch):
+        b = {k: v.to(dev) for k, v in collate(store, rows[s : s + rows_per_batch], dtype).items()}
+        sel = b["scored"]
+        if not bool(sel.any()):
+            continue
+        layers, f_next = split_features(b, D)
+        greedy = softcap(f_next @ lm.T, head.logit_softcap).argmax(-1)  # [B, T] target ids
+        logits = unrolled(layers, b["tokens"], b["positions"], b["segment"], depth, sel)
+        correct, usable = [], []
+        for i, q in enumerate(logits):
+            use = sel & (b["positions"] >= i)
+            hit = torch.zeros_like(use)
+            hit[use] = ids[q.argmax(-1)] == greedy[use]
+            correct.append(hit)
+            usable.append(use)
+        h, c = chain_hits(correct, usable)
+        c_hits = [a + x for a, x in zip(c_hits, h, strict=True)]
+        c_counts = [a + x for a, x in zip(c_counts, c, strict=True)]
+    head.train(was_training)
+    chain = [round(h / max(1, c), 4) for h, c in zip(c_hits, c_counts, strict=True)]
+    return {"positions": c_counts[0], "top1": chain[0], "chain": chain, "chain_tau": round(1 + sum(chain), 4)}
+
+
+class Eagle3Recipe(Recipe):
+    """An EAGLE-3 head trained on packed rows of ``[g, f]`` features with :func:`eagle3_step_loss`; ``cfg.eagle3``
+    holds its options, ``cfg.draft_vocab_size`` its draft vocabulary (the most frequent assistant tokens).
+
+    Raises:
+        ValueError: no scored training position.
+    """
+
+    family = "eagle3"
+
+    def __init__(self, cfg: TrainConfig, accelerator: Accelerator, target: PreTrainedModel,
+                 tokenizer: PreTrainedTokenizerBase | None, train: FeatureStore, held: FeatureStore, signature: str,
+                 eval_convs: list[dict]) -> None:
+        self.cfg, self.target, self.tokenizer, self.signature = cfg, target, tokenizer, signature
+        self.eval_convs = eval_convs
+        opts = cfg.eagle3
+        self.train, self.held = (PairStore(s.tokens, s.features, s.loss_mask, s.lengths) for s in (train, held))
+        if self.train.scored_positions() == 0:
+            raise ValueError("no training positions: check the data source and max_length")
+        V, D = target.config.vocab_size, target.config.hidden_size
+        counts = torch.bincount(self.train.tokens[self.train.loss_mask], minlength=V)
+        draft_ids = draft_vocabulary(counts, cfg.draft_vocab_size)
+        hcfg = Eagle3Config(
+            hidden_size=D, vocab_size=V, draft_vocab_size=V if draft_ids is None else draft_ids.numel(),
+            num_target_layers=target.config.num_hidden_layers, target_layers=head_layers(cfg, target),
+            target=cfg.target, target_fingerprint=target_fingerprint(target),
+        )
+        torch.manual_seed(cfg.seed)
+        self.head = Eagle3Head(hcfg, target.config, draft_ids=draft_ids, target=target, init_layer=opts.init_layer,
+                               init_lm_head=opts.init_lm_head).float()
+        self.rows_per_step = max(1, opts.batch_tokens // cfg.max_length)
+        self.lm_full = target.get_output_embeddings().weight.detach()
+        self._lm_rows: torch.Tensor | None = None  # [S, D] float32 on the training device
+
+    def module(self) -> torch.nn.Module:
+        return UnrolledEagle3(self.head)
+
+    def batches(self, epoch: int) -> list[list[list[int]]]:
+        rows = epoch_rows(self.train, self.cfg.max_length, self.cfg.seed * 1000 + epoch * 7)
+        r = self.rows_per_step
+        return [rows[i * r : (i + 1) * r] for i in range(max(1, len(rows) // r))]
+
+    def collate(self, items: list[list[int]]) -> dict[str, torch.Tensor]:
+        return collate(self.train, items)
+
+    def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepLoss:
+        if self._lm_rows is None:
+            dev = batch["tokens"].device
+            self._lm_rows = self.lm_full[self.head.draft_ids.to(self.lm_full.device)].float().to(dev)
+        loss, per_step, scored = eagle3_step_loss(model, batch, self._lm_rows, self.cfg.eagle3,
+                                                  self.target.config.hidden_size, self.head.logit_softcap)
+        return StepLoss(loss, {"step_loss": per_step}, {"train_tokens": int(batch["valid"].sum()),
+                                                        "scored_tokens": scored})
+
+    def evaluate(self) -> dict[str, Any]:
+        return evaluate(self.head, self.held, self.lm_full, min(3, self.cfg.eagle3.ttt_steps), self.cfg.max_length)
+
+    def history(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        return {"heldout_top1": metrics["top1"], "heldout_chain": metrics["chain"],
+                "heldout_chain_tau": metrics["chain_tau"]}
+
+    def save(self, metrics: dict[str, Any], head_dir: Path) -> dict[str, Any]:
+        self.head.config = dataclasses.replace(self.head.config, heldout_top1=metrics["top1"])
+        self.head.save_pretrained(head_dir)
+        out: dict[str, Any] = {"train_sequences": len(self.train), "draft_vocab_size": self.head.config.n_draft,
+                               "target_layers": list(self.head.target_layers), "heldout": metrics,
+                               "options": dataclasses.asdict(self.cfg.eagle3)}
+        if self.cfg.calibrate_prompts > 0 and self.tokenizer is not None:
+            out["acceptance_profile"] = calibrate_head(self.cfg, self.head, self.target, self.tokenizer,
+                                                       self.eval_convs, head_dir)
+            out["calibration_ids"] = out["acceptance_profile"].pop("ids", [])
+        return out
+
+
+def head_layers(cfg: TrainConfig, target: PreTrainedModel) -> tuple[int, ...]:
+    """The three target layers the head fuses: ``cfg.eagle3.target_layers``, else the published default."""
+    return cfg.eagle3.target_layers or default_target_layers(target.config.num_hidden_layers)
+
+
+def train_eagle3(cfg: TrainConfig, accelerator: Accelerator, target: PreTrainedModel,
+                 tokenizer: PreTrainedTokenizerBase | None, train_convs: list[dict], eval_convs: list[dict],
+                 heldout_ids: list[str] | None = None) -> Path:
+    """Train an EAGLE-3 head on the frozen ``target``; returns the saved head directory (``<output_dir>/heads``).
+
+    The feature store holds the three layers and the last hidden state at every position (cached, keyed by
+    them); the loop (:func:`~selfspec.train.loop.train_loop`) does the rest; afterwards the head is calibrated
+    on held-out prompts when ``cfg.calibrate_prompts`` > 0 and a tokenizer is given.
+
+    Raises:
+        ValueError: no scored training position.
+    """
+    layers = head_layers(cfg, target)
+    train, held, signature = target_features(cfg, accelerator, target, tokenizer, train_convs, eval_convs, layers)
+    recipe = Eagle3Recipe(cfg, accelerator, target, tokenizer, train, held, signature, eval_convs)
+    ids = [c["id"] for c in eval_convs] if heldout_ids is None else heldout_ids
+    return train_loop(cfg, accelerator, recipe, ids)
