@@ -98,7 +98,9 @@ def measure_draft_cost(
     gen = torch.Generator().manual_seed(1)
     context = torch.randint(0, target.config.vocab_size, (context_length + 1,), generator=gen).to(device)
     verifier = Verifier(target)
-    hidden = verifier.prefill(context[:-1], verifier.new_cache())  # the root, context[-1], is not cached
+    layers = getattr(drafter, "target_layers", None)  # EAGLE-3 heads take several layers' hidden states
+    hidden = verifier.prefill(context[:-1], verifier.new_cache(), layers=layers)  # the root is not cached
+    hidden = hidden[1] if layers else hidden
     greedy = SamplingConfig()
 
     def at(depth: int) -> Callable[[], None]:

@@ -45,6 +45,8 @@ class Drafter(Protocol):
     """What the decode loop needs from a drafter."""
 
     name: str
+    # Optional attribute ``target_layers: tuple[int, ...] | None``: when set, ``hidden`` in ``begin`` / ``accept``
+    # is the target's hidden states entering those layers, concatenated (``[T, len(layers) * D]``, EAGLE-3).
 
     def begin(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
         """Called once after prefill. ``prompt_ids`` ``[T]``, target ``hidden`` ``[T, D]``."""

@@ -106,6 +106,11 @@ class EagleDrafter:
         self.budget_source = "given"
         self.budget: TreeBudget | None = None
 
+    @property
+    def target_layers(self) -> tuple[int, ...] | None:
+        """The target layers whose hidden states the head takes (an EAGLE-3 head's), or None: the last one."""
+        return getattr(self.head, "target_layers", None)
+
     def _new_cache(self):
         from transformers import DynamicCache
 

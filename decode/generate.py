@@ -236,14 +236,16 @@ def speculative_generate(
     t0 = time.perf_counter()
 
     cache = verifier.new_cache()
-    hidden = verifier.prefill(input_ids, cache)
+    # A drafter with ``target_layers`` (EAGLE-3) takes those layers' hidden states instead of the last one.
+    layers = getattr(drafter, "target_layers", None)
+    hidden, feats = _with_layers(verifier.prefill(input_ids, cache, layers=layers), layers)
     root_tree = DraftTree(tokens=input_ids[-1:], parents=torch.tensor([-1]))
     p0 = target_distributions(
         verifier.lm_logits(hidden[-1:]), input_ids, root_tree, sampling, logits_processor, 0, min_new_tokens, eos_ids,
         torch.zeros(1, dtype=torch.long),
     )
     first = int(sample(probs_from_logits(p0), generator)[0]) if sampling.do_sample else int(p0[0].argmax())
-    drafter.begin(input_ids, hidden)
+    drafter.begin(input_ids, feats)
     out: list[int] = []
     reason = stopper.push(out, [first])
     if streamer:
@@ -256,7 +258,7 @@ def speculative_generate(
         t1 = time.perf_counter()
         tree = drafter.propose(context, sampling, generator)
         t2 = time.perf_counter()
-        h = verifier.forward_tree(tree.tokens, tree.parents, cache, past)
+        h, feats = _with_layers(verifier.forward_tree(tree.tokens, tree.parents, cache, past, layers=layers), layers)
         logits = verifier.lm_logits(h)
         depths = tree_depths(tree.parents.cpu())  # once per step: processing and statistics share it
         p = target_distributions(
@@ -269,7 +271,7 @@ def speculative_generate(
         if step_callback is not None:
             step_callback(tree, result)
         new = tree.tokens[acc[1:]].tolist() + [result.next_token]
-        drafter.accept(tree.tokens[acc], h[acc])
+        drafter.accept(tree.tokens[acc], feats[acc])
         stats.draft_s += t2 - t1
         stats.verify_s += t3 - t2
         stats.steps += 1
@@ -288,6 +290,11 @@ def speculative_generate(
     stats.total_s = time.perf_counter() - t0
     text = tokenizer.decode(out, skip_special_tokens=True) if tokenizer is not None else None
     return GenerationOutput(tokens=out, stats=stats, text=text)
+
+
+def _with_layers(out, layers) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(last hidden [N, D], what the drafter takes [N, D or len(layers) * D])`` of a verifier forward."""
+    return out if layers else (out, out)
 
 
 def _verify(p: torch.Tensor, tree: DraftTree, sampling: SamplingConfig, generator, acceptance: str) -> VerifyResult:

@@ -17,7 +17,7 @@ Everything goes through the model's public ``forward``: token ids, a ``DynamicCa
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -181,22 +181,33 @@ class Verifier:
         """A fresh ``DynamicCache`` for the target."""
         return new_cache(self.target)
 
-    def prefill(self, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    def prefill(
+        self, input_ids: torch.Tensor, cache: DynamicCache, layers: Sequence[int] | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the prompt through the target, filling ``cache``.
 
         Args:
             input_ids: LongTensor ``[T]``.
             cache: an empty ``DynamicCache``.
+            layers: optional decoder-layer indices (in ``[0, L)``) whose input hidden states to return too.
 
         Returns:
-            Last hidden states after the final norm, ``[T, D]`` in the model dtype.
+            Last hidden states after the final norm, ``[T, D]`` in the model dtype; with ``layers``, the pair
+            ``(that, layer_states [T, len(layers) * D])`` (see :func:`layer_states`).
         """
-        out = call_with_cache(backbone(self.target), cache, input_ids=input_ids.unsqueeze(0))
-        return out.last_hidden_state[0]
+        out = call_with_cache(backbone(self.target), cache, input_ids=input_ids.unsqueeze(0),
+                              **({"output_hidden_states": True} if layers else {}))
+        hidden = out.last_hidden_state[0]
+        return (hidden, layer_states(out, layers)) if layers else hidden
 
     def forward_tree(
-        self, tokens: torch.Tensor, parents: torch.Tensor, cache: DynamicCache, past_length: int
-    ) -> torch.Tensor:
+        self,
+        tokens: torch.Tensor,
+        parents: torch.Tensor,
+        cache: DynamicCache,
+        past_length: int,
+        layers: Sequence[int] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Verify a whole draft tree in one target forward (tree attention), with the planned kernel.
 
         Args:
@@ -204,10 +215,12 @@ class Verifier:
             parents: LongTensor ``[N]`` (see :mod:`selfspec.decode.tree`).
             cache: ``DynamicCache`` holding exactly ``past_length`` tokens; grows by N.
             past_length: cached prefix length.
+            layers: optional decoder-layer indices whose input hidden states to return too.
 
         Returns:
             Hidden states ``[N, D]`` (after the final norm, model dtype) at every node; node i has
-            attended to the prefix and its own ancestors only.
+            attended to the prefix and its own ancestors only. With ``layers``, the pair
+            ``(that, layer_states [N, len(layers) * D])`` (see :func:`layer_states`).
         """
         dtype = next(self.target.parameters()).dtype
         device = tokens.device
@@ -222,9 +235,13 @@ class Verifier:
             layout = attention_layout(self.target.config)
             mask = tree_attention_masks(parents.cpu(), past_length, dtype, layout, device)
         kwargs = dict(input_ids=tokens.unsqueeze(0), attention_mask=mask, position_ids=positions)
+        if layers:
+            kwargs["output_hidden_states"] = True
         kernel = self.kernel_for(n)
         model = backbone(self.target) if kernel == "linear" else self._twins[kernel]
-        return call_with_cache(model, cache, **kwargs).last_hidden_state[0]
+        out = call_with_cache(model, cache, **kwargs)
+        hidden = out.last_hidden_state[0]
+        return (hidden, layer_states(out, layers)) if layers else hidden
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target logits from last hidden states: ``[N, D] -> [N, V]`` float32.
@@ -246,6 +263,21 @@ class Verifier:
             # Gemma-2 / Gemma-3 soft-cap their logits in the forward, in the model dtype: cap * tanh(logits / cap).
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+
+def layer_states(output, layers: Sequence[int]) -> torch.Tensor:
+    """The hidden states entering decoder layers ``layers`` (``output.hidden_states[i]``: index 0 is the
+    embedding output, i the output of layer i - 1, as EAGLE-3's ``eagle_aux_hidden_state_layer_ids`` count),
+    concatenated: ``[T, len(layers) * D]`` for batch row 0.
+
+    Raises:
+        ValueError: a layer index outside ``[0, L)`` (``hidden_states[L]`` is after the final norm).
+    """
+    states = output.hidden_states
+    n_layers = len(states) - 1
+    if any(not 0 <= i < n_layers for i in layers):
+        raise ValueError(f"layers must lie in [0, {n_layers}), got {list(layers)}")
+    return torch.cat([states[i][0] for i in layers], dim=-1)
 
 
 def backbone_twin(

@@ -1,4 +1,4 @@
-"""Draft heads (nn.Modules only): Medusa-1, EAGLE-1/2.
+"""Draft heads (nn.Modules only): Medusa-1, EAGLE-1/2, EAGLE-3.
 
 ``load_heads(directory)`` reads ``config.json`` and dispatches on its ``head_type``; every family reads and
 writes its directory through :mod:`selfspec.heads.io`.
@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from selfspec.heads.eagle import EagleHead
+from selfspec.heads.eagle3 import Eagle3Head
 from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.io import CONFIG_NAME, HeadFormatError, read_config
 from selfspec.heads.medusa import MedusaHeads
@@ -17,12 +18,12 @@ from selfspec.heads.medusa import MedusaHeads
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["EagleHead", "HeadFormatError", "MedusaHeads", "load_heads"]
+__all__ = ["Eagle3Head", "EagleHead", "HeadFormatError", "MedusaHeads", "load_heads"]
 
-HEAD_TYPES = ("medusa", "eagle")
+HEAD_TYPES = ("medusa", "eagle", "eagle3")
 
 
-def load_heads(directory: str | Path, target: PreTrainedModel | None = None) -> MedusaHeads | EagleHead:
+def load_heads(directory: str | Path, target: PreTrainedModel | None = None) -> MedusaHeads | EagleHead | Eagle3Head:
     """Load a head directory written by ``save_pretrained`` (strict: nothing is half-loaded).
 
     Args:
@@ -41,4 +42,6 @@ def load_heads(directory: str | Path, target: PreTrainedModel | None = None) -> 
         return MedusaHeads.from_pretrained(d, target_lm_head=lm_head, target_fingerprint=fingerprint)
     if head_type == "eagle":
         return EagleHead.from_pretrained(d, target=target, target_fingerprint=fingerprint)
+    if head_type == "eagle3":
+        return Eagle3Head.from_pretrained(d, target=target, target_fingerprint=fingerprint)
     raise HeadFormatError(f"{d / CONFIG_NAME} has head_type {head_type!r}; expected one of {list(HEAD_TYPES)}")

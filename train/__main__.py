@@ -18,6 +18,7 @@ from selfspec.target import load_target
 from selfspec.train.config import TrainConfig, load_config
 from selfspec.train.data import load_conversations, split_conversations
 from selfspec.train.eagle import train_eagle
+from selfspec.train.eagle3 import train_eagle3
 from selfspec.train.features import self_distill
 from selfspec.train.medusa import train_medusa
 
@@ -71,6 +72,8 @@ def run(cfg: TrainConfig) -> Path:
         train_convs, eval_convs = gather_object(distilled) + written, gather_object(distilled_eval)
     if cfg.head == "medusa":
         heads_dir = train_medusa(cfg, accelerator, target, tokenizer, train_convs, eval_convs, heldout_ids)
+    elif cfg.head == "eagle3":
+        heads_dir = train_eagle3(cfg, accelerator, target, tokenizer, train_convs, eval_convs, heldout_ids)
     else:
         heads_dir = train_eagle(cfg, accelerator, target, tokenizer, train_convs, eval_convs, heldout_ids)
     if accelerator.is_main_process:

@@ -51,6 +51,44 @@ class EagleOptions:
 
 
 @dataclass(frozen=True)
+class Eagle3Options:
+    """EAGLE-3 recipe knobs (Li et al. 2025, arXiv:2503.01840), YAML ``eagle3: {...}``.
+
+    Attributes:
+        target_layers: the three target layers fused by the head (None: ``(2, L // 2, L - 3)`` clamped, see
+            :func:`selfspec.heads.eagle3.default_target_layers`).
+        ttt_steps: training-time test depth: step i feeds the head's own step-(i-1) outputs.
+        ttt_decay: loss weight of step i is ``ttt_decay ** i`` (summed, not normalised).
+        loss: ``"kl"`` (forward KL to the target's distribution over the draft vocabulary) or ``"ce"`` (cross
+            entropy against the target's greedy token among the draft vocabulary).
+        init_layer: start the decoder layer from this target layer (negative: from the end); None: random.
+        init_lm_head: start the lm_head from the target's rows of the draft vocabulary (and the final norm
+            from the target's).
+        batch_tokens: head positions per optimiser step, packed in rows of ``max_length``.
+        score_prompt: also score positions whose drafted token is a prompt token.
+    """
+
+    target_layers: tuple[int, ...] | None = None
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+    loss: str = "kl"
+    init_layer: int | None = -1
+    init_lm_head: bool = True
+    batch_tokens: int = 2048
+    score_prompt: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ttt_steps < 1:
+            raise ValueError(f"eagle3.ttt_steps must be >= 1, got {self.ttt_steps}")
+        if self.loss not in ("kl", "ce"):
+            raise ValueError(f"eagle3.loss must be 'kl' or 'ce', got {self.loss!r}")
+        if self.target_layers is not None:
+            if len(self.target_layers) != 3 or not all(isinstance(i, int) for i in self.target_layers):
+                raise ValueError(f"eagle3.target_layers must be three layer indices, got {self.target_layers!r}")
+            object.__setattr__(self, "target_layers", tuple(self.target_layers))
+
+
+@dataclass(frozen=True)
 class MedusaOptions:
     """Medusa-1 recipe knobs (Cai et al. 2024, arXiv:2401.10774), YAML ``medusa: {...}``.
 
@@ -72,7 +110,7 @@ class TrainConfig:
     """Every knob of a head-training run.
 
     Attributes (units in names where they have one):
-        head: head family, ``"medusa"`` or ``"eagle"``.
+        head: head family, ``"medusa"``, ``"eagle"`` or ``"eagle3"``.
         target: target name (local dir, Hub id or alias, see :func:`selfspec.target.resolve_target`).
         data: ``"sharegpt"`` (packaged), a local .json/.jsonl path, or a Hub dataset id.
         max_conversations: conversations read from ``data`` (before the split).
@@ -102,7 +140,7 @@ class TrainConfig:
             held-out prompts (the last ones of the held-out split) greedily with a large draft tree and save
             the acceptance profile next to the head, from which decoding sizes its tree to the machine; 0
             prompts skips it.
-        eagle: :class:`EagleOptions`. medusa: :class:`MedusaOptions`.
+        eagle: :class:`EagleOptions`. eagle3: :class:`Eagle3Options`. medusa: :class:`MedusaOptions`.
     """
 
     head: str = "medusa"
@@ -136,11 +174,12 @@ class TrainConfig:
     calibrate_prompts: int = 8
     calibrate_max_new_tokens: int = 48
     eagle: EagleOptions = field(default_factory=EagleOptions)
+    eagle3: Eagle3Options = field(default_factory=Eagle3Options)
     medusa: MedusaOptions = field(default_factory=MedusaOptions)
 
     def __post_init__(self) -> None:
-        if self.head not in ("medusa", "eagle"):
-            raise ValueError(f"head must be 'medusa' or 'eagle', got {self.head!r}")
+        if self.head not in ("medusa", "eagle", "eagle3"):
+            raise ValueError(f"head must be 'medusa', 'eagle' or 'eagle3', got {self.head!r}")
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError("dtype must be 'bfloat16' or 'float32'")
         if not 0.0 < self.eval_fraction < 1.0:
@@ -155,7 +194,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a mapping of {cls.__name__} fields, got {value!r}")
 
 
-_NESTED: dict[str, type] = {"eagle": EagleOptions, "medusa": MedusaOptions}
+_NESTED: dict[str, type] = {"eagle": EagleOptions, "eagle3": Eagle3Options, "medusa": MedusaOptions}
 
 
 def _parse_override(item: str) -> tuple[str, Any]:

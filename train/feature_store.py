@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -117,12 +118,13 @@ def store_path(output_dir: str | Path, rank: int = 0, world: int = 1) -> Path:
     return Path(output_dir) / "features" / f"rank{rank}-of{world}.safetensors"
 
 
-def save_features(path: Path, train: FeatureStore, held: FeatureStore, signature: str) -> None:
-    """Write both splits to ``path`` atomically (a temporary file renamed), with ``signature`` in the metadata."""
+def save_features(path: Path, train: FeatureStore, held: FeatureStore, signature: str, layers: str = LAYERS) -> None:
+    """Write both splits to ``path`` atomically (a temporary file renamed), with ``signature`` and ``layers``
+    in the metadata."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     save_file({**train.tensors(), **held.tensors("eval_")}, str(tmp), metadata={"signature": signature,
-                                                                               "layers": LAYERS})
+                                                                               "layers": layers})
     os.replace(tmp, path)
 
 
@@ -150,8 +152,13 @@ def target_features(
     tokenizer: PreTrainedTokenizerBase | None,
     train_convs: list[dict],
     eval_convs: list[dict],
+    layers: Sequence[int] | None = None,
 ) -> tuple[FeatureStore, FeatureStore, str]:
     """Target features of both splits (the same on every process), from the cache or computed.
+
+    With ``layers`` (EAGLE-3), each position's features are the hidden states entering those decoder layers
+    followed by the last hidden state (``[ΣT, (len(layers) + 1) * D]``, :func:`~selfspec.train.features.
+    hidden_features`), and the signature names them (``"2,15,27,final_norm"``).
 
     Process r computes (or finds in its cache file) the conversations ``r::w`` of each split, rendered
     with :func:`~selfspec.train.chat_tokens.build_training_examples` at ``cfg.max_length`` (or the target's
@@ -166,7 +173,8 @@ def target_features(
             given different data).
     """
     rank, world = accelerator.process_index, accelerator.num_processes
-    signature = feature_signature(target, train_convs, eval_convs, cfg.max_length)
+    taken = LAYERS if not layers else ",".join(str(i) for i in layers) + "," + LAYERS
+    signature = feature_signature(target, train_convs, eval_convs, cfg.max_length, taken)
     mine = store_path(cfg.output_dir, rank, world)
     own = load_features(mine, signature)
     if own is None:
@@ -181,12 +189,13 @@ def target_features(
         parts = []
         for convs in (train_convs[rank::world], eval_convs[rank::world]):
             ex = build_training_examples(tokenizer, convs, length)
-            parts.append(FeatureStore.from_examples(ex, hidden_features(target, ex, disable_progress=quiet), D))
+            feats = hidden_features(target, ex, disable_progress=quiet, layers=layers)
+            parts.append(FeatureStore.from_examples(ex, feats, D * (len(layers) + 1 if layers else 1)))
         own = (parts[0], parts[1])
         n_tok = int(own[0].lengths.sum() + own[1].lengths.sum())
         dt = time.perf_counter() - t0
         logger.info("target features: %d tokens in %.1fs (%.0f tokens/s)", n_tok, dt, n_tok / max(dt, 1e-9))
-        save_features(mine, *own, signature)
+        save_features(mine, *own, signature, taken)
     if world == 1:
         return own[0], own[1], signature
     accelerator.wait_for_everyone()

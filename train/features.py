@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from selfspec.decode.kv import backbone
+from selfspec.decode.verifier import layer_states
 from selfspec.train.data import prompt_messages
 
 if TYPE_CHECKING:
@@ -105,21 +106,26 @@ def self_distill(
 
 @torch.inference_mode()
 def hidden_features(
-    model: PreTrainedModel, examples: Iterable[dict], disable_progress: bool = False
+    model: PreTrainedModel, examples: Iterable[dict], disable_progress: bool = False,
+    layers: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """Target last hidden states (after the final norm) for each tokenized example.
 
     Args:
         model: frozen target.
         examples: dicts with ``input_ids`` LongTensor ``[T]`` (run one at a time: no padding waste).
+        layers: optional decoder layers whose input hidden states come first
+            (:func:`selfspec.decode.verifier.layer_states`, EAGLE-3).
 
     Returns:
-        One tensor ``[T, D]`` per example, in the model dtype, on CPU.
+        One tensor ``[T, D]`` per example (``[T, (len(layers) + 1) * D]`` with ``layers``: those layers, then
+        the last hidden state), in the model dtype, on CPU.
     """
     feats = []
     examples = list(examples)
     for ex in tqdm(examples, desc="target features", disable=disable_progress):
         ids = ex["input_ids"].to(model.device).unsqueeze(0)
-        out = backbone(model)(input_ids=ids, use_cache=False)
-        feats.append(out.last_hidden_state[0].cpu())
+        out = backbone(model)(input_ids=ids, use_cache=False, output_hidden_states=bool(layers))
+        last = out.last_hidden_state[0]
+        feats.append((torch.cat([layer_states(out, layers), last], dim=-1) if layers else last).cpu())
     return feats
