@@ -1,0 +1,233 @@
+"""EAGLE-3 heads through the EAGLE-2 drafter: greedy exactness for several budgets (two families), lossless
+sampling (seeded chi-square), the draft-vocabulary map applied exactly once, accepted nodes' layer states."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from selfspec.decode.eagle import EagleDrafter
+from selfspec.decode.generate import speculative_generate
+from selfspec.decode.kv import new_cache
+from selfspec.decode.sampling import SamplingConfig
+from selfspec.decode.verifier import Verifier
+from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head
+from selfspec.train.config import Eagle3Options
+from selfspec.train.eagle3 import UnrolledEagle3, eagle3_step_loss
+from selfspec.train.eagle_data import PairStore, collate, pack_rows
+from selfspec.train.features import hidden_features
+from tests.archs import tiny_target
+from tests.decode.test_architectures import N_SAMPLES, SAMPLING, chi2_critical, processed_probs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+D, V = 32, 96
+SETTINGS = [(1, 1, 1), (4, 1, 4), (5, 4, 12), (3, 2, 6), (6, 8, 30)]  # (depth, top_k, total_tokens)
+
+
+def make_head(target, draft_ids: torch.Tensor | None = None, seed: int = 1, **init) -> Eagle3Head:
+    torch.manual_seed(seed)
+    S = V if draft_ids is None else draft_ids.numel()
+    cfg = Eagle3Config(hidden_size=D, vocab_size=V, draft_vocab_size=S,
+                       num_target_layers=target.config.num_hidden_layers)
+    return Eagle3Head(cfg, target.config, draft_ids=draft_ids, target=target, **init).eval()
+
+
+def distilled_store(target, layers, n: int, seed: int) -> PairStore:
+    """The target's own greedy answers to random prompts, with ``[layers, last]`` features."""
+    g = torch.Generator().manual_seed(seed)
+    examples = []
+    for _ in range(n):
+        prompt = torch.randint(3, V, (6,), generator=g)
+        ids = target.generate(prompt[None], do_sample=False, max_new_tokens=18, min_new_tokens=18, pad_token_id=0)[0]
+        mask = torch.zeros(ids.numel(), dtype=torch.bool)
+        mask[6:] = True
+        examples.append({"input_ids": ids, "loss_mask": mask})
+    return PairStore.from_examples(examples, hidden_features(target, examples, True, layers=layers), 4 * D)
+
+
+@functools.cache
+def trained(arch: str = "llama") -> tuple:
+    """A tiny target and an EAGLE-3 head fitted to its greedy answers (a few hundred steps, ~2 s): drafts that
+    are sometimes right, so paths with accepted draft nodes occur."""
+    target = tiny_target(arch)
+    head = make_head(target, init_layer=-1, init_lm_head=True).train()
+    store = distilled_store(target, head.target_layers, 64, seed=0)
+    rows = pack_rows([int(x) - 1 for x in store.lengths], 64)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    unrolled, opts = UnrolledEagle3(head), Eagle3Options(ttt_steps=3)
+    lm = target.get_output_embeddings().weight.float()
+    for step in range(300):
+        loss, _, _ = eagle3_step_loss(unrolled, collate(store, [rows[step % len(rows)]]), lm, opts, D)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return target, head.eval()
+
+
+def prompts(n: int, length: int = 8, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, V, (length,), generator=g) for _ in range(n)]
+
+
+def reference(target, ids: torch.Tensor, n: int) -> list[int]:
+    out = target.generate(ids[None], do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+    return out[0, ids.numel():].tolist()
+
+
+@pytest.mark.parametrize("depth, top_k, total", SETTINGS)
+def test_greedy_equals_generate_trained_head(depth, top_k, total):
+    target, head = trained()
+    accepted = []
+    for ids in prompts(2):
+        out = speculative_generate(target, EagleDrafter(head, target, depth, top_k, total), ids, max_new_tokens=24)
+        assert out.tokens == reference(target, ids, 24)
+        accepted.append(out.stats.mean_accepted_tokens)
+    assert max(accepted) > 1.0  # some draft nodes were accepted: layer states at accepted nodes were used
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
+def test_greedy_equals_generate_other_families(arch):
+    """Qwen2 (sliding layers, q/k/v biases) and Gemma-2 (soft-capped logits and attention, eager attention)."""
+    target = tiny_target(arch)
+    head = make_head(target, draft_ids=torch.arange(10, 90), init_layer=1, init_lm_head=True)
+    for depth, top_k, total in [(4, 1, 4), (5, 4, 12)]:
+        for ids in prompts(1, length=13):
+            out = speculative_generate(target, EagleDrafter(head, target, depth, top_k, total), ids, max_new_tokens=20)
+            assert out.tokens == reference(target, ids, 20)
+
+
+class Recorder:
+    """Wraps a drafter; records each step's context and tree, and what ``accept`` was given."""
+
+    def __init__(self, drafter):
+        self.inner, self.name, self.steps, self.accepted = drafter, drafter.name, [], []
+        self.target_layers = drafter.target_layers
+
+    def begin(self, prompt_ids, hidden):
+        self.inner.begin(prompt_ids, hidden)
+
+    def propose(self, context, sampling, generator):
+        tree = self.inner.propose(context, sampling, generator)
+        self.steps.append((context.clone(), tree))
+        return tree
+
+    def accept(self, tokens, hidden):
+        self.accepted.append((tokens.clone(), hidden.clone()))
+        self.inner.accept(tokens, hidden)
+
+
+def test_accepted_nodes_get_their_layer_states_and_state_equals_fresh_start():
+    """``accept`` receives, for the root and each accepted draft, the target's states entering the head's three
+    layers at that position (equal to a prefill of the whole context), and after several steps the drafter's
+    tree equals that of a drafter begun on the whole context."""
+    target, head = trained()
+    rec = Recorder(EagleDrafter(head, target, 4, 3, 10))
+    ids = prompts(1, seed=3)[0]
+    out = speculative_generate(target, rec, ids, max_new_tokens=16)
+    verifier = Verifier(target)
+    full = torch.cat([ids, torch.tensor(out.tokens)])
+    _, states = verifier.prefill(full, new_cache(target), layers=head.target_layers)
+    assert states.shape == (full.numel(), 3 * D)
+    pos = ids.numel() - 1
+    for (context, _), (tokens, hidden) in zip(rec.steps, rec.accepted, strict=True):
+        assert context.numel() - 1 == pos + 1 and int(tokens[0]) == int(context[-1])
+        torch.testing.assert_close(hidden, states[pos + 1 : pos + 1 + tokens.numel()], rtol=1e-4, atol=1e-4)
+        pos += tokens.numel()
+    assert max(t.numel() for t, _ in rec.accepted) > 1
+    for context, tree in rec.steps[1::2]:
+        fresh = EagleDrafter(head, target, 4, 3, 10)
+        fresh.begin(context[:-1], verifier.prefill(context[:-1], new_cache(target), layers=head.target_layers)[1])
+        again = fresh.propose(context, SamplingConfig(), None)
+        assert torch.equal(again.tokens, tree.tokens) and torch.equal(again.parents, tree.parents)
+
+
+class FavouriteHead(Eagle3Head):
+    """Rigged: draft id ``favourite`` always scores highest, then the others in draft-id order."""
+
+    favourite = 0
+
+    def draft_logits(self, output):
+        S = self.config.draft_vocab_size
+        base = -torch.arange(S, dtype=output.dtype, device=output.device)
+        base[self.favourite] = 1.0
+        return base.expand(*output.shape[:-1], S).clone()
+
+
+@pytest.mark.parametrize("favourite, expected", [(0, 1), (3, 4), (5, 95)])
+def test_d2t_applied_exactly_once_never_out_of_range(favourite, expected):
+    """Hand-built map: draft ids 0..5 are target ids [1, 2, 3, 4, 5, 95] (d2t = [1, 1, 1, 1, 1, 90]). Drafted
+    tokens and the tokens fed back into the head are those target ids: d2t applied twice would give 2 for
+    draft id 0 (or index past the map for 95), not at all would give 0."""
+    target = tiny_target("llama")
+    ids = torch.tensor([1, 2, 3, 4, 5, 95])
+    head = make_head(target, draft_ids=ids)
+    assert head.d2t.tolist() == [1, 1, 1, 1, 1, 90] and head.t2d.nonzero().flatten().tolist() == ids.tolist()
+    rigged = FavouriteHead(head.config, target.config, draft_ids=ids, target=target).eval()
+    rigged.load_state_dict(head.state_dict())
+    rigged.favourite = favourite
+    fed = []
+    embed = target.get_input_embeddings()
+    hook = embed.register_forward_hook(lambda m, args, out: fed.append(args[0].flatten().tolist()))
+    try:
+        drafter = EagleDrafter(rigged, target, depth=3, top_k=2, total_tokens=6)
+        prompt = prompts(1)[0]
+        _, states = Verifier(target).prefill(prompt, new_cache(target), layers=rigged.target_layers)
+        drafter.begin(prompt, states)
+        tree = drafter.propose(torch.cat([prompt, torch.tensor([7])]), SamplingConfig(), None)
+    finally:
+        hook.remove()
+    drafted = tree.tokens[1:]
+    assert int(drafted[0]) == expected
+    assert bool(((drafted >= 0) & (drafted < V)).all()) and bool(head.t2d[drafted].all())
+    assert set(drafted.tolist()) <= set(ids.tolist())
+    # embedding calls: the target's prefill, the head's prompt pairs, then draft levels 2 and 3, which embed
+    # drafted tokens: target ids of the draft vocabulary
+    assert len(fed) == 4 and all(set(f) <= set(ids.tolist()) for f in fed[2:])
+    assert expected in fed[2]
+    out = speculative_generate(target, EagleDrafter(rigged, target, 3, 2, 6), prompt, max_new_tokens=12)
+    assert out.tokens == reference(target, prompt, 12)
+
+
+def test_sampling_keeps_the_target_distribution():
+    """Seeded Pearson chi-square of the first two sampled tokens (temperature 0.7, top-k 6) against the target's
+    exact distribution, drafting with the trained EAGLE-3 head (N = 400, alpha = 0.001, as
+    tests/decode/test_architectures.py); both acceptance and rejection of drafts occur."""
+    target, head = trained()
+    ids = torch.randint(3, V, (12,), generator=torch.Generator().manual_seed(7))
+    p1 = processed_probs(target, ids)
+    expected: dict[tuple[int, int], float] = {}
+    for x1 in p1.nonzero().flatten().tolist():
+        p2 = processed_probs(target, torch.cat([ids, torch.tensor([x1])]))
+        for x2 in p2.nonzero().flatten().tolist():
+            expected[(x1, x2)] = float(p1[x1] * p2[x2])
+    gen = torch.Generator().manual_seed(1234)
+    drafter, counts, accepted = EagleDrafter(head, target, 2, 3, 6), {}, 0
+    for _ in range(N_SAMPLES):
+        out = speculative_generate(target, drafter, ids, max_new_tokens=2, sampling=SAMPLING, generator=gen)
+        key = (out.tokens[0], out.tokens[1])
+        assert key in expected
+        counts[key] = counts.get(key, 0) + 1
+        accepted += out.stats.accepted_per_step[0] > 1
+    big = [k for k, p in expected.items() if p * N_SAMPLES >= 5]
+    obs = [counts.get(k, 0) for k in big] + [N_SAMPLES - sum(counts.get(k, 0) for k in big)]
+    exp = [expected[k] * N_SAMPLES for k in big] + [N_SAMPLES * (1 - sum(expected[k] for k in big))]
+    if exp[-1] < 5:
+        obs[-2] += obs.pop()
+        exp[-2] += exp.pop()
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))
+    assert len(obs) - 1 >= 2 and chi2 < chi2_critical(len(obs) - 1), (chi2, len(obs) - 1)
+    assert 0 < accepted < N_SAMPLES
+
+
+def test_make_drafter_loads_an_eagle3_head(tmp_path):
+    from selfspec.api import make_drafter
+
+    target, head = trained()
+    head.save_pretrained(tmp_path)
+    drafter = make_drafter(target, tmp_path, depth=3, top_k=2, total_tokens=5)
+    assert isinstance(drafter.head, Eagle3Head) and drafter.target_layers == head.target_layers
+    ids = prompts(1)[0]
+    assert speculative_generate(target, drafter, ids, max_new_tokens=12).tokens == reference(target, ids, 12)
