@@ -190,7 +190,7 @@ REFUSALS = {
     "config not json": (lambda d: (d / CONFIG_NAME).write_text("{oops"), "cannot read .*config.json.*re-export"),
     "config not an object": (lambda d: (d / CONFIG_NAME).write_text("[1, 2]"), "must hold a JSON object"),
     "unknown head type": (lambda d: (d / CONFIG_NAME).write_text('{"head_type": "hydra"}'),
-                          r"head_type 'hydra'; expected one of \['medusa', 'eagle'\]"),
+                          r"head_type 'hydra'; expected one of \['medusa', 'eagle', 'eagle3'\]"),
     "weights missing": (lambda d: (d / WEIGHTS_NAME).unlink(), "the file is missing; re-export the heads"),
     "weights truncated": (lambda d: (d / WEIGHTS_NAME).write_bytes((d / WEIGHTS_NAME).read_bytes()[:-7]),
                           r"truncated or corrupt\); re-export"),
