@@ -305,7 +305,9 @@ class Eagle3Head(nn.Module):
                 f"the EAGLE-3 head expects {want[0]} / {want[1]} / {want[2]}: it belongs to another target."
             )
         if cfg.model_type != self.arch_config.model_type:
-            raise HeadFormatError(f"target is a {cfg.model_type!r} model, the head a {self.arch_config.model_type!r} layer")
+            raise HeadFormatError(
+                f"target is a {cfg.model_type!r} model, the head a {self.arch_config.model_type!r} layer"
+            )
         rotary = getattr(target.base_model, "rotary_emb", None)
         if rotary is None:
             raise HeadFormatError("the target has no model.rotary_emb module; EAGLE-3 heads need RoPE positions")
@@ -406,7 +408,9 @@ class Eagle3Head(nn.Module):
             raise HeadFormatError(f"{d / CONFIG_NAME} ['selfspec']: {err}") from err
         check_fingerprint(d, config.target_fingerprint, target_fingerprint, config.target)
         aux = (raw.pop("eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
-        if raw.pop("draft_vocab_size", None) != config.draft_vocab_size or list(aux or []) != list(config.target_layers):
+        if raw.pop("draft_vocab_size", None) != config.draft_vocab_size or list(aux or []) != list(
+            config.target_layers
+        ):
             raise HeadFormatError(f"{d / CONFIG_NAME}: draft_vocab_size / eagle_config disagree with its 'selfspec'")
         if raw.get("num_hidden_layers") != 1:
             raise HeadFormatError(f"{d / CONFIG_NAME}: an EAGLE-3 head has num_hidden_layers 1")
@@ -416,7 +420,9 @@ class Eagle3Head(nn.Module):
         except (ValueError, KeyError, TypeError) as err:
             raise HeadFormatError(f"{d / CONFIG_NAME}: not a transformers config ({err})") from err
         if target is not None and target.config.model_type != arch.model_type:
-            raise HeadFormatError(f"head is a {arch.model_type!r} layer, the target a {target.config.model_type!r} model")
+            raise HeadFormatError(
+                f"head is a {arch.model_type!r} layer, the target a {target.config.model_type!r} model"
+            )
         inverse = {v: k for k, v in _FILE_NAMES.items()}
         state = {inverse.get(k, k): v for k, v in read_safetensors(d / WEIGHTS_NAME).items()}
         if "d2t" in state and "t2d" in state:
