@@ -17,7 +17,7 @@ import torch
 
 from selfspec.decode import kv
 from selfspec.decode.drafters import Drafter, DraftTree
-from selfspec.decode.sampling import SamplingConfig, probs_from_logits, process_logits, sample
+from selfspec.decode.sampling import EosBan, SamplingConfig, probs_from_logits, process_logits, sample
 from selfspec.decode.tree import tree_depths
 from selfspec.decode.verifier import Verifier, as_verifier
 from selfspec.decode.verify import VerifyResult, verify_greedy, verify_tree_sampling, verify_typical
@@ -156,19 +156,17 @@ def target_distributions(
     """
     needs_context = sampling.repetition_penalty != 1.0 or bool(logits_processor)
     depths = depths.to(logits.device)
+    # HF's MinNewTokensLengthLogitsProcessor: before the next token, generated = output + depth; it bans EOS
+    # before the warpers, so top-k / top-p / min-p choose among the tokens still allowed.
+    banned = (generated_before_root + depths) < min_new_tokens if min_new_tokens > 0 and eos_ids else None
     if needs_context:
         out = torch.empty_like(logits)
         for nodes, ctx in _node_contexts(context, tree, depths):
-            out[nodes] = process_logits(logits[nodes], ctx, sampling, logits_processor)
+            ban = EosBan(eos_ids, banned[nodes]) if banned is not None else None
+            out[nodes] = process_logits(logits[nodes], ctx, sampling, logits_processor, ban)
     else:
-        out = process_logits(logits, context.new_empty((logits.shape[0], 0)), sampling, None)
-    if min_new_tokens > 0 and eos_ids:
-        # HF's MinNewTokensLengthLogitsProcessor: before the next token, generated = output + depth.
-        block = (generated_before_root + depths) < min_new_tokens
-        if bool(block.any()):
-            eos = torch.tensor(list(eos_ids), device=logits.device)
-            rows = block.nonzero().flatten()
-            out[rows.unsqueeze(1), eos.unsqueeze(0)] = float("-inf")
+        ban = EosBan(eos_ids, banned) if banned is not None else None
+        out = process_logits(logits, context.new_empty((logits.shape[0], 0)), sampling, None, ban)
     return out
 
 

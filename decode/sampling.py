@@ -5,6 +5,8 @@ decoding would sample from. So the target's raw logits go through exactly the pr
 ``GenerationMixin._get_logits_processor`` (transformers 5.24) builds, in its order:
 
 1. ``RepetitionPenaltyLogitsProcessor`` (when ``repetition_penalty != 1``),
+1b. ``MinNewTokensLengthLogitsProcessor`` (EOS banned while fewer than ``min_new_tokens`` tokens exist;
+   here :class:`EosBan`, row by row, since tree nodes at different depths have generated different counts),
 2. the user's own processors (merged the way ``_merge_criteria_processor_list`` merges them: a user
    processor of the same class as a built-in one takes its place, the others are appended),
 3. only when ``do_sample``: ``TemperatureLogitsWarper`` (``temperature != 1``), ``TopKLogitsWarper``
@@ -167,9 +169,34 @@ class SamplingConfig:
         )
 
 
+class EosBan:
+    """``generate``'s ``MinNewTokensLengthLogitsProcessor`` for rows that have generated different counts.
+
+    Row i's EOS scores become ``-inf`` where ``rows[i]`` (that position has fewer than ``min_new_tokens``
+    new tokens before it), exactly the bits ``torch.where(eos_mask, -inf, scores)`` gives there.
+
+    Args:
+        eos_ids: the EOS token ids (``generate``'s ``eos_token_id``).
+        rows: BoolTensor ``[N]``, which rows ban EOS.
+    """
+
+    def __init__(self, eos_ids: Sequence[int], rows: torch.Tensor) -> None:
+        self.eos_ids = [int(e) for e in eos_ids]
+        self.rows = rows
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = scores.clone()
+        rows = self.rows.to(scores.device).nonzero().flatten()
+        if rows.numel() and self.eos_ids:
+            eos = torch.tensor(self.eos_ids, device=scores.device)
+            out[rows.unsqueeze(1), eos.unsqueeze(0)] = float("-inf")
+        return out
+
+
 def build_logits_processor(
     config: SamplingConfig,
     logits_processor: Sequence[LogitsProcessorLike] | None = None,
+    eos_ban: EosBan | None = None,
 ) -> LogitsProcessorList:
     """The processor list ``generate`` builds for ``config`` plus the user's processors, in its order.
 
@@ -180,6 +207,9 @@ def build_logits_processor(
     Args:
         config: the sampling settings.
         logits_processor: user processors, each called as ``proc(input_ids [N, T], scores [N, V])``.
+        eos_ban: the ``min_new_tokens`` EOS ban, placed where ``generate`` places
+            ``MinNewTokensLengthLogitsProcessor``: after the repetition penalty, before the user's processors
+            and the warpers (so top-k / top-p / min-p choose among the tokens still allowed).
 
     Returns:
         A ``LogitsProcessorList`` (possibly empty).
@@ -187,6 +217,8 @@ def build_logits_processor(
     defaults = LogitsProcessorList()
     if config.repetition_penalty != 1.0:
         defaults.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
+    if eos_ban is not None:
+        defaults.append(eos_ban)
     custom = list(logits_processor or [])
     processors = LogitsProcessorList()
     for default in defaults:
@@ -212,6 +244,7 @@ def process_logits(
     contexts: torch.Tensor | None,
     config: SamplingConfig,
     logits_processor: Sequence[LogitsProcessorLike] | None = None,
+    eos_ban: EosBan | None = None,
 ) -> torch.Tensor:
     """Turn raw logits into the scores plain ``generate`` would sample from (or take the argmax of).
 
@@ -226,6 +259,8 @@ def process_logits(
         config: the sampling settings.
         logits_processor: optional user processors (a ``LogitsProcessorList`` or a list), called as
             ``proc(contexts, scores)`` after the repetition penalty, before the warpers.
+        eos_ban: optional ``min_new_tokens`` EOS ban (:class:`EosBan`, ``rows`` of length N), applied in
+            ``generate``'s order (see :func:`build_logits_processor`).
 
     Returns:
         ``[N, V]`` float32 processed logits, disallowed tokens at ``-inf``. A new tensor: ``logits`` is
@@ -237,7 +272,7 @@ def process_logits(
     """
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a float tensor [N, V], got {tuple(logits.shape)} {logits.dtype}")
-    processors = build_logits_processor(config, logits_processor)
+    processors = build_logits_processor(config, logits_processor, eos_ban)
     # generate: `outputs.logits[:, -1].to(copy=True, dtype=torch.float32)`; the copy also shields
     # the caller's tensor from processors that write in place.
     scores = logits.to(dtype=torch.float32, copy=True)
