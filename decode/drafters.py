@@ -52,7 +52,11 @@ class Drafter(Protocol):
         """Called once after prefill. ``prompt_ids`` ``[T]``, target ``hidden`` ``[T, D]``."""
 
     def propose(self, context: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
-        """Draft a tree whose root is ``context[-1]``. ``context``: LongTensor ``[T]`` (prompt + output)."""
+        """Draft a tree whose root is ``context[-1]``. ``context``: LongTensor ``[T]`` (prompt + output).
+
+        A drafter whose ``propose`` also takes ``max_depth: int`` is passed the deepest useful draft (the
+        tokens still allowed minus one; 0 = the root alone); the loop cuts any tree to the target's context.
+        """
 
     def accept(self, accepted_tokens: torch.Tensor, accepted_hidden: torch.Tensor) -> None:
         """Called after verification with the root + accepted drafts ``[A]`` and their target hidden ``[A, D]``."""
@@ -121,16 +125,21 @@ class PromptLookupDrafter:
     def begin(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
         pass
 
-    def propose(self, context: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
+    def propose(
+        self, context: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None,
+        max_depth: int | None = None,
+    ) -> DraftTree:
+        """A chain: the root then up to ``min(num_tokens, max_depth)`` tokens of the latest match."""
         ctx = context.tolist()
         draft: list[int] = []
+        k = self.num_tokens if max_depth is None else max(0, min(self.num_tokens, max_depth))
         for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
             tail = ctx[-n:]
             for start in range(len(ctx) - n - 1, -1, -1):  # latest match first
                 if ctx[start : start + n] == tail:
-                    draft = ctx[start + n : start + n + self.num_tokens]
+                    draft = ctx[start + n : start + n + k]
                     break
-            if draft:
+            if draft or k == 0:
                 break
         tokens = torch.tensor([ctx[-1]] + draft, dtype=torch.long, device=context.device)
         return DraftTree(tokens=tokens, parents=_chain_parents(tokens.numel(), context.device))
@@ -148,22 +157,68 @@ class DraftModelDrafter:
     KV cache (:func:`~selfspec.decode.kv.new_cache`: every layer keeps every key, sliding-window layers
     masked by position), cropped to the longest prefix it shares with the context each step.
 
+    Drafting stays inside the draft model's context (``config.max_position_embeddings``, which GPT-2's
+    ``n_positions`` answers to: absolute position embeddings end there): near it the chain gets shorter, and
+    past it the drafter proposes the root alone (the step is plain decoding). It is never longer than the
+    ``max_depth`` the loop passes (the tokens still allowed minus one).
+
+    Args:
+        model: the draft causal LM, on the target's device; its vocabulary must be the target's.
+        num_tokens: K, the longest chain.
+        logits_processor: user processors applied to the draft logits (as to the target's).
+        target_vocab_size: V of the target's logits; when given, a draft vocabulary of another size is
+            refused now (see :meth:`check_vocab`), else at the first :func:`speculative_generate` call.
+
     Raises:
         selfspec.decode.masks.UnsupportedLayoutError: a draft model whose attention layers the cache
             cannot crop by position (see :func:`~selfspec.decode.masks.attention_layout`).
+        ValueError: a vocabulary other than the target's (see :meth:`check_vocab`).
     """
 
     name = "draft_model"
 
-    def __init__(self, model, num_tokens: int = 4, logits_processor=None) -> None:
+    def __init__(self, model, num_tokens: int = 4, logits_processor=None, target_vocab_size: int | None = None) -> None:
         attention_layout(model.config)  # refuses, now rather than at the first step, a cache it cannot crop
         self.model = model
         self.num_tokens = num_tokens
         self.logits_processor = logits_processor
+        self.context_length = context_length(model)
         self._cache = None
         self._cached: list[int] = []
+        if target_vocab_size is not None:
+            self.check_vocab(target_vocab_size)
+
+    def check_vocab(self, target_vocab_size: int) -> None:
+        """Refuse a draft model whose vocabulary is not the target's: its input embeddings would be indexed
+        with target ids beyond them, or the target with draft ids beyond its own (an ``IndexError`` mid-way).
+
+        Draft and target must share one tokenizer with one vocabulary size. Models of one family whose
+        embedding matrices are padded to different sizes (the same tokenizer) are refused too: which ids
+        are padding cannot be told from the models, and no id mapping is guessed.
+
+        Args:
+            target_vocab_size: V, the number of the target's logits.
+
+        Raises:
+            ValueError: the draft's input embeddings or lm_head have another size than V.
+        """
+        s_in = self.model.get_input_embeddings().num_embeddings
+        s_out = self.model.get_output_embeddings().weight.shape[0]
+        if s_in != target_vocab_size or s_out != target_vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({s_out} ids: input embeddings {s_in}, lm_head {s_out}) differs "
+                f"from the target's ({target_vocab_size} ids); a draft model must use the target's tokenizer and "
+                "vocabulary size, or its ids would fall outside one of the two embeddings. Pick a draft model of "
+                "the target's family with the same vocab_size, or use prompt_lookup=True"
+            )
 
     def begin(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        device = next(self.model.parameters()).device
+        if device != prompt_ids.device:
+            raise ValueError(
+                f"the draft model is on {device}, the target on {prompt_ids.device}; move the draft model to the "
+                "target's device (draft_model.to(device)) or load both with the same device="
+            )
         self._cache = new_cache(self.model)
         self._cached = []
 
@@ -180,9 +235,24 @@ class DraftModelDrafter:
         self._cached.extend(ids)
         return out.logits[0, -1].float()
 
+    def _chain_length(self, context_len: int, max_depth: int | None) -> int:
+        """K for this step: the context (positions ``0 .. T-1``) and K - 1 drafts must fit the draft's
+        positions; never above ``num_tokens`` or ``max_depth``."""
+        k = self.num_tokens if max_depth is None else min(self.num_tokens, max_depth)
+        if self.context_length is not None:
+            k = min(k, self.context_length - context_len + 1)
+        return max(0, k)
+
     @torch.inference_mode()
-    def propose(self, context: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
+    def propose(
+        self, context: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None,
+        max_depth: int | None = None,
+    ) -> DraftTree:
+        """A chain: the root then ``K`` draft tokens (see :meth:`_chain_length`; ``K = 0``: the root alone)."""
         ctx = context.tolist()
+        k = self._chain_length(len(ctx), max_depth)
+        if k == 0:
+            return DraftTree(tokens=context[-1:], parents=_chain_parents(1, context.device))
         common = 0
         for a, b in zip(self._cached, ctx, strict=False):
             if a != b:
@@ -196,7 +266,7 @@ class DraftModelDrafter:
         draft: list[int] = []
         q_rows: list[torch.Tensor] = []
         running = list(ctx)
-        for _ in range(self.num_tokens):
+        for i in range(k):
             row = process_logits(
                 logits.unsqueeze(0), torch.tensor([running], device=context.device), sampling, self.logits_processor
             )
@@ -208,7 +278,8 @@ class DraftModelDrafter:
                 tok = int(row[0].argmax())
             draft.append(tok)
             running.append(tok)
-            logits = self._feed([tok], context.device)
+            if i + 1 < k:  # the last draft's logits are never used
+                logits = self._feed([tok], context.device)
         tokens = torch.tensor([ctx[-1]] + draft, dtype=torch.long, device=context.device)
         q = None
         if sampling.do_sample:
@@ -217,3 +288,10 @@ class DraftModelDrafter:
 
     def accept(self, accepted_tokens: torch.Tensor, accepted_hidden: torch.Tensor) -> None:
         pass
+
+
+def context_length(model) -> int | None:
+    """The positions a model's context holds (``config.max_position_embeddings``; GPT-2's ``n_positions``
+    answers to that name too), or None when its config names none."""
+    n = getattr(model.config, "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None

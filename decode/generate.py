@@ -8,6 +8,8 @@ distribution p is processed exactly as plain ``generate`` would process it at th
 
 from __future__ import annotations
 
+import inspect
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from selfspec.decode import kv
-from selfspec.decode.drafters import Drafter, DraftTree
+from selfspec.decode.drafters import Drafter, DraftTree, context_length
 from selfspec.decode.sampling import EosBan, SamplingConfig, probs_from_logits, process_logits, sample
 from selfspec.decode.tree import tree_depths
 from selfspec.decode.verifier import Verifier, as_verifier
@@ -24,6 +26,13 @@ from selfspec.decode.verify import VerifyResult, verify_greedy, verify_tree_samp
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+    from transformers.generation.streamers import BaseStreamer
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """The target's logits hold NaN or inf: no token can be chosen from them (the message names the step)."""
 
 
 @dataclass
@@ -110,7 +119,9 @@ class _Stopper:
         return "length" if len(out) >= self.max_new_tokens else None
 
 
-def _node_contexts(context: torch.Tensor, tree: DraftTree, depths: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _node_contexts(
+    context: torch.Tensor, tree: DraftTree, depths: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Group nodes by depth with the token context preceding each node's next token.
 
     Returns:
@@ -125,7 +136,8 @@ def _node_contexts(context: torch.Tensor, tree: DraftTree, depths: torch.Tensor)
     groups = []
     for d in range(int(depths.max()) + 1):
         nodes = (depths == d).nonzero().flatten()
-        ext = torch.tensor([paths[i] for i in nodes.tolist()], dtype=torch.long, device=context.device).reshape(len(nodes), d)
+        ext = torch.tensor([paths[i] for i in nodes.tolist()], dtype=torch.long, device=context.device)
+        ext = ext.reshape(len(nodes), d)
         groups.append((nodes, torch.cat([context.expand(len(nodes), -1), ext], dim=1)))
     return groups
 
@@ -185,7 +197,7 @@ def speculative_generate(
     logits_processor=None,
     generator: torch.Generator | None = None,
     acceptance: str = "exact",
-    streamer: Callable[[list[int]], None] | None = None,
+    streamer: BaseStreamer | Callable[[list[int]], None] | None = None,
     step_callback: Callable[[DraftTree, VerifyResult], None] | None = None,
 ) -> GenerationOutput:
     """Generate with draft-and-verify; output equals the target's own (see module docstring).
@@ -195,8 +207,10 @@ def speculative_generate(
             speeds up tree verification), or the target itself (``transformers`` causal LM, batch size 1),
             then verified with plain kernels.
         drafter: a :class:`~selfspec.decode.drafters.Drafter`.
-        input_ids: LongTensor ``[T]`` or ``[1, T]``, the prompt.
-        max_new_tokens: hard cap on returned tokens (never exceeded).
+        input_ids: LongTensor ``[T]`` or ``[1, T]``, the prompt (``T >= 1``; batch > 1 is refused).
+        max_new_tokens: hard cap on returned tokens (never exceeded). The target's context
+            (``config.max_position_embeddings``) caps it too: prompt plus output never pass it, and near it
+            the tree is cut to the depth that still fits, down to plain decoding (finish reason ``"length"``).
         min_new_tokens: EOS is suppressed until this many tokens exist (counts tokens, not steps).
         sampling: greedy by default.
         eos_token_id: one id or several; output stops right after the first one produced.
@@ -204,7 +218,11 @@ def speculative_generate(
         logits_processor: ``transformers`` ``LogitsProcessor`` objects applied at every position.
         generator: ``torch.Generator`` for every random draw (drafts, acceptance, residual, bonus).
         acceptance: ``"exact"`` (lossless) or ``"typical"`` (Medusa typical acceptance: LOSSY, flagged in stats).
-        streamer: called with each step's new tokens.
+        streamer: a ``transformers`` streamer (any ``BaseStreamer``: ``TextStreamer``,
+            ``TextIteratorStreamer``, ...), fed as ``generate`` feeds it: ``put(prompt [1, T])`` first, then
+            ``put(LongTensor [n])`` with each step's accepted tokens (only tokens that are part of the output:
+            nothing is ever withdrawn), then ``end()``, also when generation fails. A plain callable is called
+            with each step's new token ids (``list[int]``) instead.
         step_callback: called after each verification with the step's draft tree and its
             :class:`~selfspec.decode.verify.VerifyResult`, before the drafter is told what was accepted
             (so drafter diagnostics such as ``last_candidates`` still describe this tree). For measurements
@@ -214,24 +232,47 @@ def speculative_generate(
         :class:`GenerationOutput`.
 
     Raises:
-        ValueError: bad shapes or arguments.
+        ValueError: bad shapes or arguments (each message says which and what to pass): a batch-shaped or
+            empty prompt, a prompt that leaves no room in the target's context, ``max_new_tokens < 1``,
+            ``min_new_tokens < 0``, a drafter whose vocabulary is not the target's.
+        NonFiniteLogitsError: (a ``RuntimeError``) NaN or inf in the target's logits; the message names the step.
     """
     sampling = sampling or SamplingConfig()
     if acceptance not in ("exact", "typical"):
         raise ValueError("acceptance must be 'exact' (lossless) or 'typical' (lossy, Medusa)")
-    if input_ids.dim() == 2:
-        if input_ids.shape[0] != 1:
-            raise ValueError("speculative_generate decodes one sequence at a time (batch size 1)")
-        input_ids = input_ids[0]
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
+    input_ids = _single_prompt(input_ids)
+    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("min_new_tokens", min_new_tokens, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
     verifier = as_verifier(verifier)
     device = next(verifier.target.parameters()).device
     input_ids = input_ids.to(device)
+    room = _room_in_context(verifier.target, input_ids.numel())
+    check_vocab = getattr(drafter, "check_vocab", None)
+    if check_vocab is not None:
+        check_vocab(verifier.target.get_output_embeddings().weight.shape[0])
     stats = GenerationStats(lossy=acceptance == "typical")
-    stopper = _Stopper(eos_ids, stop_strings, tokenizer, max_new_tokens)
+    limit = max_new_tokens if room is None else min(max_new_tokens, room)
+    stopper = _Stopper(eos_ids, stop_strings, tokenizer, limit)
+    stream = _as_streamer(streamer)
+    try:
+        return _decode(verifier, drafter, input_ids, stopper, stats, sampling, min_new_tokens, eos_ids,
+                       logits_processor, generator, acceptance, stream, step_callback, tokenizer, room)
+    finally:
+        if stream is not None:
+            stream.end()
+
+
+def _decode(verifier, drafter, input_ids, stopper, stats, sampling, min_new_tokens, eos_ids, logits_processor,
+            generator, acceptance, stream, step_callback, tokenizer, room) -> GenerationOutput:
+    """The loop of :func:`speculative_generate` on validated arguments (``room``: new tokens the target's
+    context holds after the prompt, None for no limit)."""
+    device = input_ids.device
     t0 = time.perf_counter()
+    if stream is not None:
+        stream.put(input_ids.unsqueeze(0).cpu())  # as generate: the prompt first (TextStreamer(skip_prompt=...))
+    propose = _proposer(drafter)
 
     cache = verifier.new_cache()
     # A drafter with ``target_layers`` (EAGLE-3) takes those layers' hidden states instead of the last one.
@@ -239,26 +280,32 @@ def speculative_generate(
     hidden, feats = _with_layers(verifier.prefill(input_ids, cache, layers=layers), layers)
     root_tree = DraftTree(tokens=input_ids[-1:], parents=torch.tensor([-1]))
     p0 = target_distributions(
-        verifier.lm_logits(hidden[-1:]), input_ids, root_tree, sampling, logits_processor, 0, min_new_tokens, eos_ids,
-        torch.zeros(1, dtype=torch.long),
+        _finite(verifier.lm_logits(hidden[-1:]), 0), input_ids, root_tree, sampling, logits_processor, 0,
+        min_new_tokens, eos_ids, torch.zeros(1, dtype=torch.long),
     )
     first = int(sample(probs_from_logits(p0), generator)[0]) if sampling.do_sample else int(p0[0].argmax())
     drafter.begin(input_ids, feats)
     out: list[int] = []
     reason = stopper.push(out, [first])
-    if streamer:
-        streamer([first])
+    if stream is not None:
+        stream.put(torch.tensor([first]))
     context = torch.cat([input_ids, torch.tensor([first], device=device)])
     past = input_ids.numel()
     stats.prefill_s = time.perf_counter() - t0
 
     while reason is None:
         t1 = time.perf_counter()
-        tree = drafter.propose(context, sampling, generator)
+        # A step yields accepted drafts + 1 tokens. Drafters that can are asked to draft no deeper than the
+        # tokens still allowed minus one; every tree is cut to the depth the target's context still holds
+        # (down to the root alone: plain decoding). Trees within the context are verified whole, so what
+        # step_callback measures describes the drafter's own tree.
+        tree = propose(context, sampling, generator, stopper.max_new_tokens - len(out) - 1)
+        depths = tree_depths(tree.parents.cpu())  # once per step: processing and statistics share it
+        if room is not None and int(depths.max()) > room - len(out) - 1:
+            tree, depths = cut_tree(tree, depths, room - len(out) - 1)
         t2 = time.perf_counter()
         h, feats = _with_layers(verifier.forward_tree(tree.tokens, tree.parents, cache, past, layers=layers), layers)
-        logits = verifier.lm_logits(h)
-        depths = tree_depths(tree.parents.cpu())  # once per step: processing and statistics share it
+        logits = _finite(verifier.lm_logits(h), stats.steps + 1)
         p = target_distributions(
             logits, context, tree, sampling, logits_processor, len(out), min_new_tokens, eos_ids, depths
         )
@@ -278,16 +325,121 @@ def speculative_generate(
         _count_depths(stats, int(depths.max()), len(acc) - 1)
         before = len(out)
         reason = stopper.push(out, new)
-        if streamer and len(out) > before:
-            streamer(out[before:])
+        if stream is not None and len(out) > before:
+            stream.put(torch.tensor(out[before:]))
         past += acc.numel()
         context = torch.cat([context, torch.tensor(new, device=device)])
 
+    if reason == "length" and room is not None and len(out) == room:
+        logger.info("generation stopped after %d new tokens at the target's context of %d positions",
+                    len(out), input_ids.numel() + len(out))
     stats.finish_reason = reason
     stats.new_tokens = len(out)
     stats.total_s = time.perf_counter() - t0
     text = tokenizer.decode(out, skip_special_tokens=True) if tokenizer is not None else None
     return GenerationOutput(tokens=out, stats=stats, text=text)
+
+
+def _single_prompt(input_ids: torch.Tensor) -> torch.Tensor:
+    """``input_ids`` as ``[T]``: ``[T]`` or ``[1, T]`` pass; anything batch-shaped or empty is refused."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point() or input_ids.is_complex():
+        raise ValueError(f"input_ids must be an integer tensor [T] or [1, T], got {input_ids!r}")
+    if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+        input_ids = input_ids[0]
+    if input_ids.dim() != 1:
+        raise ValueError(
+            f"input_ids of shape {tuple(input_ids.shape)}: batch > 1 is not supported yet; pass one prompt, "
+            "[T] or [1, T], and call generate once per prompt"
+        )
+    if input_ids.numel() == 0:
+        raise ValueError("the prompt is empty: pass at least one token")
+    return input_ids
+
+
+def _room_in_context(target, prompt_len: int) -> int | None:
+    """New tokens the target's context still holds after a prompt of ``prompt_len`` tokens (None: no limit).
+
+    Raises:
+        ValueError: none (the prompt fills or passes the context).
+    """
+    n = context_length(target)
+    if n is None:
+        return None
+    if prompt_len >= n:
+        raise ValueError(
+            f"the prompt has {prompt_len} tokens, which leaves no room for a new token in the target's context "
+            f"of {n} positions (max_position_embeddings); shorten the prompt to at most {n - 1} tokens"
+        )
+    return n - prompt_len
+
+
+def _finite(logits: torch.Tensor, step: int) -> torch.Tensor:
+    """``logits`` unchanged, after checking they hold no NaN or inf (step 0 = the prefill)."""
+    if not bool(torch.isfinite(logits).all()):
+        where = "the prefill (step 0)" if step == 0 else f"verification step {step}"
+        bad = "NaN" if bool(torch.isnan(logits).any()) else "inf"
+        raise NonFiniteLogitsError(
+            f"the target's logits hold {bad} at {where}: no token can be chosen from them; check the target's "
+            "weights and dtype (e.g. float16 overflow; load in float32 or bfloat16)"
+        )
+    return logits
+
+
+def cut_tree(tree: DraftTree, depths: torch.Tensor, max_depth: int) -> tuple[DraftTree, torch.Tensor]:
+    """The draft tree without its nodes deeper than ``max_depth`` (ancestors of kept nodes are shallower, so
+    what remains is a tree; node order is kept). Exact under sampling too: which nodes go depends only on
+    depth, never on the drafted tokens, and a node left without children proposes nothing.
+
+    Args:
+        tree: the step's draft, ``N`` nodes.
+        depths: LongTensor ``[N]`` (CPU), the node depths.
+        max_depth: >= 0; 0 keeps only the root.
+
+    Returns:
+        ``(tree with M <= N nodes, depths [M])``.
+    """
+    keep = depths <= max_depth
+    new_index = torch.cumsum(keep.long(), 0) - 1
+    parents = tree.parents.cpu()[keep]
+    parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
+    device = tree.tokens.device
+    kept = keep.nonzero().flatten()
+    q = None if tree.q is None else tree.q[kept.to(tree.q.device)]
+    return DraftTree(tokens=tree.tokens[kept.to(device)], parents=parents.to(tree.parents.device), q=q), depths[keep]
+
+
+def _proposer(drafter: Drafter) -> Callable[[torch.Tensor, SamplingConfig, torch.Generator | None, int], DraftTree]:
+    """``propose(context, sampling, generator, max_depth)``: passes ``max_depth`` on to drafters whose
+    ``propose`` takes it (they then draft no deeper); the loop cuts every tree to it anyway (:func:`cut_tree`)."""
+    if "max_depth" in inspect.signature(drafter.propose).parameters:
+        return lambda c, s, g, d: drafter.propose(c, s, g, max_depth=d)
+    return lambda c, s, g, d: drafter.propose(c, s, g)
+
+
+class _CallbackStreamer:
+    """A plain callable as a streamer: called with each step's new token ids (the prompt is not sent)."""
+
+    def __init__(self, fn: Callable[[list[int]], None]) -> None:
+        self.fn, self.prompt_sent = fn, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_sent:
+            self.prompt_sent = True
+            return
+        self.fn(value.tolist())
+
+    def end(self) -> None:
+        pass
+
+
+def _as_streamer(streamer):
+    if streamer is None:
+        return None
+    if callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None)):
+        return streamer
+    if callable(streamer):
+        return _CallbackStreamer(streamer)
+    raise ValueError(f"streamer must be a transformers BaseStreamer (put / end) or a callable, got {streamer!r}")
 
 
 def _with_layers(out, layers) -> tuple[torch.Tensor, torch.Tensor]:

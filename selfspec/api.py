@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,12 +16,14 @@ from selfspec.decode.drafters import DraftModelDrafter, MedusaDrafter, PromptLoo
 from selfspec.decode.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, EagleDrafter
 from selfspec.decode.generate import GenerationOutput, speculative_generate
 from selfspec.decode.sampling import SamplingConfig
+from selfspec.decode.streaming import iterate_text
 from selfspec.decode.target_check import check_target
 from selfspec.decode.tree import greedy_tree_from_accuracy, static_tree
 from selfspec.decode.verifier import Verifier
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+    from transformers.generation.streamers import BaseStreamer
 from selfspec.prompts import encode_prompt, resolve_eos
 
 # A small tree for heads without measured accuracy: 10 nodes suit a CPU (verify cost grows with nodes).
@@ -84,7 +86,7 @@ class SpeculativeModel:
         seed: int | None = None,
         generator: torch.Generator | None = None,
         acceptance: str = "exact",
-        streamer: Callable[[list[int]], None] | None = None,
+        streamer: BaseStreamer | Callable[[list[int]], None] | None = None,
     ) -> GenerationOutput:
         """Generate like ``transformers`` ``generate`` (batch 1), with speculative decoding.
 
@@ -103,15 +105,22 @@ class SpeculativeModel:
             seed: seed for a fresh ``torch.Generator`` (same seed, same output).
             generator: an explicit ``torch.Generator`` (wins over ``seed``).
             acceptance: ``"exact"`` or ``"typical"`` (lossy).
-            streamer: called with each step's new token ids.
+            streamer: a ``transformers`` streamer (``TextStreamer``, ``TextIteratorStreamer``, any
+                ``BaseStreamer``), fed like ``generate`` feeds it (prompt, then each step's accepted tokens,
+                never a token later withdrawn, then ``end()``); or a callable given each step's new token ids.
+                See also :meth:`stream`.
 
         Returns:
             :class:`~selfspec.decode.generate.GenerationOutput` (``tokens``, ``text``, ``stats`` with
             ``steps``, ``mean_accepted_tokens`` (tau), ``tokens_per_s``, ``finish_reason``).
 
         Raises:
-            ValueError: invalid sampling values or prompt.
+            ValueError: invalid sampling values (temperature <= 0, top_p outside (0, 1], top_k < 0, min_p
+                outside [0, 1], ...), a batch of prompts (batch > 1 is not supported yet), an empty prompt, a
+                prompt that leaves no room in the target's context, ``max_new_tokens < 1``; nothing has run.
+            selfspec.decode.generate.NonFiniteLogitsError: NaN or inf in the target's logits (names the step).
         """
+        _refuse_batch(prompt)
         sampling = SamplingConfig(
             do_sample=do_sample,
             temperature=temperature,
@@ -136,6 +145,44 @@ class SpeculativeModel:
             generator=generator,
             acceptance=acceptance,
             streamer=streamer,
+        )
+
+    def stream(self, prompt: Any, *, skip_special_tokens: bool = True, **kwargs: Any) -> Iterator[str]:
+        """``for text in model.stream(prompt, max_new_tokens=...)``: the output's text, piece by piece as tokens
+        are accepted (a ``transformers`` ``TextIteratorStreamer`` fed by :meth:`generate` in a worker thread,
+        see :func:`selfspec.decode.streaming.iterate_text`). Joined, the pieces equal ``generate(...).text``.
+
+        Args:
+            prompt: as for :meth:`generate`.
+            skip_special_tokens: as for the returned ``text`` (True).
+            kwargs: any :meth:`generate` argument except ``streamer``.
+
+        Raises:
+            ValueError: no tokenizer, ``streamer`` given, or what :meth:`generate` raises (raised when the
+                iteration reaches it).
+        """
+        if self.tokenizer is None:
+            raise ValueError("stream() decodes text and needs a tokenizer: load the target with one")
+        if "streamer" in kwargs:
+            raise ValueError("stream() makes its own streamer; call generate(streamer=...) to pass one")
+        _refuse_batch(prompt)
+        return iterate_text(lambda s: self.generate(prompt, streamer=s, **kwargs), self.tokenizer,
+                            skip_special_tokens=skip_special_tokens)
+
+
+def _refuse_batch(prompt: Any) -> None:
+    """Refuse several prompts at once (a ``[B, T]`` tensor with B > 1, or a list of prompts): never flattened."""
+    if isinstance(prompt, torch.Tensor):
+        batched = prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1)
+    elif isinstance(prompt, (list, tuple)) and prompt:
+        batched = isinstance(prompt[0], (list, tuple, str, torch.Tensor))
+    else:
+        batched = False
+    if batched:
+        shape = tuple(prompt.shape) if isinstance(prompt, torch.Tensor) else f"a list of {len(prompt)} prompts"
+        raise ValueError(
+            f"got {shape}: batch > 1 is not supported yet; pass one prompt (ids [T] or [1, T], a string or chat "
+            "messages) and call generate once per prompt"
         )
 
 
@@ -207,7 +254,9 @@ def make_drafter(
             from selfspec.target import load_target  # selfspec.target imports transformers' Auto classes
 
             draft_model, _ = load_target(draft_model, dtype=next(target.parameters()).dtype)
-        return DraftModelDrafter(draft_model, num_tokens=draft_tokens)
+        # a vocabulary other than the target's is refused here, at load (DraftModelDrafter.check_vocab)
+        return DraftModelDrafter(draft_model, num_tokens=draft_tokens,
+                                 target_vocab_size=target.get_output_embeddings().weight.shape[0])
     from selfspec.heads import load_heads  # the head package imports the training-side configs
 
     head_dir = None

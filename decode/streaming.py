@@ -1,0 +1,65 @@
+"""Text as it is decided: a generation run as a Python iterator of text pieces.
+
+:func:`speculative_generate` feeds any ``transformers`` streamer (``BaseStreamer``: ``put`` / ``end``) the
+way ``generate`` does: the prompt first, then each step's accepted tokens, then ``end()``. Only tokens that
+are part of the output are sent (stopping is decided token by token before anything is sent, so a stop
+string never makes a sent token go back).
+
+:func:`iterate_text` runs a generation in a worker thread with a ``TextIteratorStreamer`` and yields its
+text pieces; the streamer holds back text until a word (or a CJK character, or a line) is complete, so a
+character spread over several byte-level tokens is never sent half decoded. An error in the worker is
+raised in the caller once the pieces before it are consumed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+def iterate_text(
+    run: Callable[[Any], Any],
+    tokenizer: Any,
+    *,
+    skip_prompt: bool = True,
+    timeout_s: float | None = None,
+    **decode_kwargs: Any,
+) -> Iterator[str]:
+    """Yield the text of a generation as it is decided.
+
+    Args:
+        run: starts the generation given a streamer, e.g.
+            ``lambda s: model.generate(prompt, streamer=s)``; called once, in a worker thread.
+        tokenizer: the target's tokenizer (decodes the tokens).
+        skip_prompt: leave the prompt's text out (as ``TextIteratorStreamer(skip_prompt=True)``).
+        timeout_s: seconds to wait for the next piece before ``queue.Empty`` is raised (None: no limit).
+        decode_kwargs: passed to ``tokenizer.decode`` (e.g. ``skip_special_tokens=True``).
+
+    Yields:
+        str pieces; joined, they are the decoding of the new tokens (``tokenizer.decode(tokens,
+        **decode_kwargs)``).
+
+    Raises:
+        Whatever ``run`` raised, after the pieces sent before the error.
+    """
+    from transformers import TextIteratorStreamer  # transformers' streamers import the tokenizer machinery
+
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=skip_prompt, timeout=timeout_s, **decode_kwargs)
+    failure: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            run(streamer)
+        except BaseException as err:  # handed to the consumer below, which re-raises it
+            failure.append(err)
+            streamer.end()  # wakes the consumer; a second end() after generate's own is harmless
+
+    worker = threading.Thread(target=work, name="selfspec-generate", daemon=True)
+    worker.start()
+    try:
+        yield from streamer
+    finally:
+        worker.join()
+    if failure:
+        raise failure[0]
