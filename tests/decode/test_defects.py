@@ -36,7 +36,8 @@ WARPERS = [
 
 def _hf_processors(model, prompt_len: int, min_new_tokens: int, eos: list[int], warpers: dict):
     """The processor list ``generate`` itself builds for these settings (transformers' own code)."""
-    config = GenerationConfig(do_sample=True, min_new_tokens=min_new_tokens, eos_token_id=eos, **{"top_k": 0, **warpers})
+    warpers = {"top_k": 0, **warpers}
+    config = GenerationConfig(do_sample=True, min_new_tokens=min_new_tokens, eos_token_id=eos, **warpers)
     model._prepare_special_tokens(config, device="cpu")
     return model._get_logits_processor(generation_config=config, input_ids_seq_length=prompt_len,
                                        logits_processor=None)
