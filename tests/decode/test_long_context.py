@@ -1,0 +1,85 @@
+"""Near the target's ``max_position_embeddings`` the tree shrinks (no position past the context), then
+decoding is plain; output equals plain decoding up to the context limit; a prompt leaving no room is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec.decode.drafters import DraftModelDrafter, MedusaDrafter, PromptLookupDrafter
+from selfspec.decode.generate import speculative_generate
+from selfspec.decode.tree import static_tree, tree_depths
+from selfspec.decode.verifier import Verifier
+from tests.conftest import tiny_llama
+from tests.decode.test_generate import TREES, random_heads
+
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def short_target():
+    model = tiny_llama(seed=5)
+    model.config.max_position_embeddings = CONTEXT  # Llama's default rotary embedding does not depend on it
+    return model
+
+
+class PositionRecorder(Verifier):
+    """Records the largest position id each tree forward uses."""
+
+    def __init__(self, target) -> None:
+        super().__init__(target)
+        self.max_positions: list[int] = []
+
+    def forward_tree(self, tokens, parents, cache, past_length, layers=None):
+        self.max_positions.append(past_length + int(tree_depths(parents.cpu()).max()))
+        return super().forward_tree(tokens, parents, cache, past_length, layers=layers)
+
+
+def _plain(model, ids, n):
+    return model.generate(ids[None], max_new_tokens=n, do_sample=False, pad_token_id=0)[0, ids.numel():].tolist()
+
+
+def _prompt(length: int, seed: int) -> torch.Tensor:
+    base = torch.randint(3, 96, (12,), generator=torch.Generator().manual_seed(seed))
+    return base.repeat(length // 12 + 1)[:length]  # repetitive: prompt lookup drafts long chains
+
+
+def _drafters(target):
+    return {
+        "prompt_lookup": lambda: PromptLookupDrafter(num_tokens=8),
+        "medusa": lambda: MedusaDrafter(random_heads(target), static_tree(TREES[2])),
+        "target_as_draft": lambda: DraftModelDrafter(target, num_tokens=6),  # every draft accepted
+    }
+
+
+@pytest.mark.parametrize("name", ["prompt_lookup", "medusa", "target_as_draft"])
+@pytest.mark.parametrize("prompt_len", [CONTEXT - 3, CONTEXT - 1, CONTEXT - 20])
+def test_decoding_up_to_the_context_limit_equals_plain_decoding(short_target, name, prompt_len):
+    for seed in range(2):
+        ids = _prompt(prompt_len, seed)
+        verifier = PositionRecorder(short_target)
+        out = speculative_generate(verifier, _drafters(short_target)[name](), ids, max_new_tokens=500)
+        assert out.tokens == _plain(short_target, ids, CONTEXT - prompt_len)
+        assert out.stats.finish_reason == "length" and prompt_len + len(out.tokens) == CONTEXT
+        assert max(verifier.max_positions, default=0) <= CONTEXT - 2  # the last token is never fed
+        if name == "target_as_draft" and prompt_len == CONTEXT - 20:
+            # full chains of 6 until the context runs short, then shorter ones
+            assert out.stats.accepted_per_step[0] == 7 and out.stats.accepted_per_step[-1] < 7
+
+
+def test_sampling_near_the_context_limit_completes(short_target):
+    from selfspec.decode.sampling import SamplingConfig
+
+    ids = _prompt(CONTEXT - 3, 1)
+    for drafter in (PromptLookupDrafter(), MedusaDrafter(random_heads(short_target), static_tree(TREES[2]))):
+        out = speculative_generate(short_target, drafter, ids, max_new_tokens=50,
+                                   sampling=SamplingConfig(do_sample=True), generator=torch.Generator().manual_seed(0))
+        assert len(out.tokens) == 3
+
+
+@pytest.mark.parametrize("prompt_len", [CONTEXT, CONTEXT + 5])
+def test_prompt_that_leaves_no_room_is_refused(short_target, prompt_len):
+    ids = _prompt(prompt_len, 0)
+    with pytest.raises(ValueError, match=rf"prompt has {prompt_len} tokens, which leaves no room .* context of 64 "
+                                         r"positions \(max_position_embeddings\); shorten the prompt to at most 63"):
+        speculative_generate(short_target, PromptLookupDrafter(), ids, max_new_tokens=5)
