@@ -236,8 +236,14 @@ def make_drafter(
 
     ``tune="off"``: nothing is measured; default sizes.
 
+    Heads (a directory or a module) are moved and cast to the target's device and dtype, whatever they were
+    saved or built in. A draft model given by name is loaded in the target's dtype; a draft model module must
+    already be on the target's device (else the first ``generate`` refuses it) and have the target's
+    vocabulary size (else it is refused here).
+
     Raises:
-        ValueError: none or several drafting methods given, an EAGLE option that is neither an integer
+        ValueError: none or several drafting methods given, a draft model whose vocabulary is not the
+            target's, an EAGLE option that is neither an integer
             nor ``"auto"``, or ``tune`` not ``"auto"`` / ``"off"``.
         HeadFormatError: the heads do not load (see :func:`selfspec.heads.load_heads`), or their acceptance
             profile is malformed.

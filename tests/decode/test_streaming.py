@@ -18,8 +18,8 @@ from tests.conftest import tiny_llama
 TEXT = "héllo €uro 日本語, the cat sat on the mat"
 
 
-@pytest.fixture(scope="module")
-def byte_tokenizer():
+def byte_level_tokenizer():
+    """A byte-level BPE tokenizer (GPT-2 style) trained on a line of ASCII: non-ASCII characters stay bytes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -30,6 +30,11 @@ def byte_tokenizer():
                                   special_tokens=["<pad>", "<s>", "</s>"])
     tok.train_from_iterator(["hello world, the cat sat on the mat, euro"] * 3, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    return byte_level_tokenizer()
 
 
 class Force:

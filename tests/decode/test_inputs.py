@@ -1,0 +1,111 @@
+"""Wrong inputs get an error that says what is wrong, and change nothing: a later good call gives the
+same output as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import selfspec
+from selfspec.decode.drafters import DraftModelDrafter, DraftTree, PromptLookupDrafter
+from selfspec.decode.generate import NonFiniteLogitsError, speculative_generate
+from tests.conftest import tiny_llama
+from tests.decode.test_generate import TREES, random_heads
+from tests.decode.test_streaming import byte_level_tokenizer
+
+PROMPT = [5, 17, 23, 42, 8, 61]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_target):
+    return selfspec.load(tiny_target, prompt_lookup=True, tune="off")
+
+
+@pytest.mark.parametrize(
+    "prompt, kwargs, message",
+    [
+        ([], {}, "the prompt is empty"),
+        (torch.tensor([], dtype=torch.long), {}, "the prompt is empty"),
+        (torch.arange(3, 600) % 90 + 3, {}, r"597 tokens, which leaves no room .* context of 512 positions"),
+        (PROMPT, dict(max_new_tokens=0), r"max_new_tokens must be an int >= 1, got 0"),
+        (PROMPT, dict(max_new_tokens=-3), r"max_new_tokens must be an int >= 1, got -3"),
+        (PROMPT, dict(max_new_tokens=2.5), r"max_new_tokens must be an int >= 1, got 2.5"),
+        (PROMPT, dict(min_new_tokens=-1), r"min_new_tokens must be an int >= 0"),
+        (PROMPT, dict(do_sample=True, temperature=0.0), r"temperature must be > 0, got 0.0; .*do_sample=False"),
+        (PROMPT, dict(do_sample=True, temperature=-0.5), r"temperature must be > 0, got -0.5"),
+        (PROMPT, dict(do_sample=True, top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+        (PROMPT, dict(do_sample=True, top_p=1.2), r"top_p must be in \(0, 1\], got 1.2"),
+        (PROMPT, dict(do_sample=True, top_k=-1), r"top_k must be an int >= 0, got -1"),
+        (PROMPT, dict(do_sample=True, min_p=-0.1), r"min_p must be in \[0, 1\], got -0.1"),
+        (PROMPT, dict(do_sample=True, min_p=1.5), r"min_p must be in \[0, 1\], got 1.5"),
+        (torch.tensor([PROMPT, PROMPT]), {}, r"got \(2, 6\): batch > 1 is not supported yet"),
+        (PROMPT, dict(streamer=42), "streamer must be a transformers BaseStreamer"),
+    ],
+)
+def test_wrong_input_is_refused_with_a_message_and_changes_nothing(model, prompt, kwargs, message):
+    before = model.generate(PROMPT, max_new_tokens=12).tokens
+    with pytest.raises(ValueError, match=message):
+        model.generate(prompt, **{"max_new_tokens": 5, **kwargs})
+    assert model.generate(PROMPT, max_new_tokens=12).tokens == before
+
+
+def test_empty_text_prompt_is_refused_and_stream_raises_the_generation_error():
+    tok = byte_level_tokenizer()
+    model = selfspec.load(tiny_llama(vocab_size=len(tok)), tokenizer=tok, prompt_lookup=True, tune="off")
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        model.generate("", max_new_tokens=3)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        list(model.stream("", max_new_tokens=3))
+    model.target.lm_head.weight[0, 0] = float("inf")
+    with pytest.raises(NonFiniteLogitsError, match="logits hold inf at the prefill"):
+        list(model.stream("hello", max_new_tokens=3))
+
+
+class RootOnly:
+    """Proposes nothing: every step is one plain decoding step (step k feeds output token k - 1)."""
+
+    name = "root_only"
+
+    def begin(self, prompt_ids, hidden):
+        pass
+
+    def propose(self, context, sampling, generator):
+        return DraftTree(tokens=context[-1:], parents=torch.tensor([-1]))
+
+    def accept(self, tokens, hidden):
+        pass
+
+
+def test_nan_in_the_lm_head_stops_at_the_prefill():
+    target = tiny_llama(seed=7)
+    target.lm_head.weight[3, 5] = float("nan")
+    with pytest.raises(NonFiniteLogitsError, match=r"logits hold NaN at the prefill \(step 0\)"):
+        speculative_generate(target, PromptLookupDrafter(), torch.tensor(PROMPT), max_new_tokens=5)
+    model = selfspec.load(target, prompt_lookup=True, tune="off")
+    with pytest.raises(RuntimeError, match="NaN at the prefill"):
+        model.generate(PROMPT, max_new_tokens=5)
+
+
+def test_nan_reached_later_names_the_step():
+    target = tiny_llama(seed=7)
+    ref = speculative_generate(target, RootOnly(), torch.tensor(PROMPT), max_new_tokens=6).tokens
+    bad = next(i for i in range(1, 6) if ref[i] not in PROMPT + ref[:i])
+    target.model.embed_tokens.weight[ref[bad]] = float("inf")  # the token's embedding: logits after it are NaN
+    with pytest.raises(NonFiniteLogitsError, match=rf"at verification step {bad + 1}: no token can be chosen"):
+        speculative_generate(target, RootOnly(), torch.tensor(PROMPT), max_new_tokens=6)
+
+
+def test_heads_of_another_dtype_are_cast_to_the_target_at_load(tiny_target):
+    heads = random_heads(tiny_target).double()
+    model = selfspec.load(tiny_target, heads=heads, tree=TREES[2], tune="off")
+    assert next(model.drafter.heads.parameters()).dtype == torch.float32
+    ids = torch.tensor(PROMPT)
+    ref = tiny_target.generate(ids[None], max_new_tokens=15, do_sample=False, pad_token_id=0)[0, 6:].tolist()
+    assert model.generate(ids, max_new_tokens=15).tokens == ref
+
+
+def test_draft_model_on_another_device_is_refused(tiny_target):
+    with torch.device("meta"):
+        draft = tiny_llama(seed=3)
+    with pytest.raises(ValueError, match="the draft model is on meta, the target on cpu"):
+        speculative_generate(tiny_target, DraftModelDrafter(draft), torch.tensor(PROMPT), max_new_tokens=4)
