@@ -66,9 +66,15 @@ class TreeBudget:
 
     def summary(self) -> dict[str, Any]:
         """The budget without its table (for reports)."""
-        return {"depth": self.depth, "top_k": self.top_k, "total_tokens": self.total_tokens,
-                "expected_tau": self.expected_tau, "expected_cycle_ms": self.expected_cycle_ms,
-                "expected_speedup": self.expected_speedup, "plain_step_ms": self.plain_step_ms}
+        return {
+            "depth": self.depth,
+            "top_k": self.top_k,
+            "total_tokens": self.total_tokens,
+            "expected_tau": self.expected_tau,
+            "expected_cycle_ms": self.expected_cycle_ms,
+            "expected_speedup": self.expected_speedup,
+            "plain_step_ms": self.plain_step_ms,
+        }
 
 
 def choose_tree_budget(
@@ -122,13 +128,18 @@ def choose_tree_budget(
             verify = cost.verify_cost_ms(min(n, n_cand) + 1)
             cycle = float(draft_ms_by_depth[d]) + verify + overhead_ms
             tps = 1e3 * tau / cycle
-            options.append(BudgetOption(d, n, tau, float(draft_ms_by_depth[d]), verify, cycle, tps, tau * plain / cycle))
+            options.append(
+                BudgetOption(d, n, tau, float(draft_ms_by_depth[d]), verify, cycle, tps, tau * plain / cycle)
+            )
     if not options:
-        raise ValueError(f"total_tokens {total_tokens} is outside the acceptance profile "
-                         f"(total_tokens <= {acceptance.total_tokens_max}) at every depth considered")
+        raise ValueError(
+            f"total_tokens {total_tokens} is outside the acceptance profile "
+            f"(total_tokens <= {acceptance.total_tokens_max}) at every depth considered"
+        )
     best = max(options, key=lambda o: (o.tokens_per_s, -o.cycle_ms))
-    return TreeBudget(best.depth, best.total_tokens, acceptance.top_k, best.tau, best.cycle_ms, best.speedup, plain,
-                      tuple(options))
+    return TreeBudget(
+        best.depth, best.total_tokens, acceptance.top_k, best.tau, best.cycle_ms, best.speedup, plain, tuple(options)
+    )
 
 
 def tune_tree_budget(
@@ -153,8 +164,9 @@ def tune_tree_budget(
             :func:`choose_tree_budget`.
     """
     if acceptance.top_k != drafter.top_k:
-        raise ValueError(f"the acceptance profile was measured with top_k={acceptance.top_k}, "
-                         f"the drafter uses top_k={drafter.top_k}")
+        raise ValueError(
+            f"the acceptance profile was measured with top_k={acceptance.top_k}, the drafter uses top_k={drafter.top_k}"
+        )
     if cost is None:
         cost = get_cost_profile(target, refresh=refresh)
     depths = [depth] if depth is not None else range(1, acceptance.depth_max + 1)

@@ -41,8 +41,12 @@ logger = logging.getLogger(__name__)
 ACCEPTANCE_PROFILE_NAME = "acceptance_profile.json"
 PROFILE_VERSION = 1
 _ACCEPTANCE_FORMAT = "selfspec-acceptance-profile"
-_ACCEPTANCE_HEADER = {"format": _ACCEPTANCE_FORMAT, "version": PROFILE_VERSION, "head_type": "eagle",
-                      "verification": "greedy"}
+_ACCEPTANCE_HEADER = {
+    "format": _ACCEPTANCE_FORMAT,
+    "version": PROFILE_VERSION,
+    "head_type": "eagle",
+    "verification": "greedy",
+}
 _HEAD_FILES = ("model.safetensors", "draft_vocab.safetensors")
 
 
@@ -166,18 +170,29 @@ class AcceptanceProfile:
         the same tree as all of them. Raises ValueError outside the table."""
         n = min(total_tokens, num_candidates(self.top_k, depth))
         if not (1 <= depth <= self.depth_max and 1 <= n <= self.total_tokens_max):
-            raise ValueError(f"budget (depth {depth}, total_tokens {total_tokens}) is outside the measured "
-                             f"table (depth <= {self.depth_max}, total_tokens <= {self.total_tokens_max})")
+            raise ValueError(
+                f"budget (depth {depth}, total_tokens {total_tokens}) is outside the measured "
+                f"table (depth <= {self.depth_max}, total_tokens <= {self.total_tokens_max})"
+            )
         return self.tau[depth - 1][n - 1]
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format": _ACCEPTANCE_FORMAT, "version": PROFILE_VERSION, "head_type": "eagle", "verification": "greedy",
-            "top_k": self.top_k, "depth_max": self.depth_max, "total_tokens_max": self.total_tokens_max,
-            "steps": self.steps, "prompts": self.prompts, "max_new_tokens": self.max_new_tokens,
-            "target_fingerprint": self.target_fingerprint, "head_digest": self.head_digest,
+            "format": _ACCEPTANCE_FORMAT,
+            "version": PROFILE_VERSION,
+            "head_type": "eagle",
+            "verification": "greedy",
+            "top_k": self.top_k,
+            "depth_max": self.depth_max,
+            "total_tokens_max": self.total_tokens_max,
+            "steps": self.steps,
+            "prompts": self.prompts,
+            "max_new_tokens": self.max_new_tokens,
+            "target_fingerprint": self.target_fingerprint,
+            "head_digest": self.head_digest,
             "created_utc": self.created_utc,
-            "tau": [list(row) for row in self.tau], "inexact_steps": [list(row) for row in self.inexact_steps],
+            "tau": [list(row) for row in self.tau],
+            "inexact_steps": [list(row) for row in self.inexact_steps],
         }
 
     @classmethod
@@ -215,7 +230,7 @@ def _check_tables(profile: AcceptanceProfile, depth_max: Any, n_max: Any) -> Non
             raise ValueError(f"tau[{d - 1}] must hold finite numbers")
         if any(not 1.0 - 1e-9 <= x <= d + 1 + 1e-9 for x in row):
             raise ValueError(f"tau[{d - 1}] (depth {d}) must lie in [1, {d + 1}]")
-        if any(b < a - 1e-9 for a, b in zip(row, row[1:])):
+        if any(b < a - 1e-9 for a, b in zip(row, row[1:], strict=False)):
             raise ValueError(f"tau[{d - 1}] must not decrease with total_tokens")
     for d, row in enumerate(profile.inexact_steps):
         if any(not 0 <= x <= profile.steps for x in row):
@@ -282,8 +297,12 @@ def load_acceptance_profile(head_dir: str | Path, target: PreTrainedModel | None
         ) from err
     profile = AcceptanceProfile.from_dict(data, where=str(path))
     if profile.head_digest and profile.head_digest != head_files_digest(head_dir):
-        logger.warning("%s was measured for other head weights (retrained since?): ignoring it; "
-                       "rerun `selfspec tune-tree --heads %s`", path, head_dir)
+        logger.warning(
+            "%s was measured for other head weights (retrained since?): ignoring it; "
+            "rerun `selfspec tune-tree --heads %s`",
+            path,
+            head_dir,
+        )
         return None
     if target is not None and profile.target_fingerprint:
         if profile.target_fingerprint != target_fingerprint(target):
@@ -339,15 +358,17 @@ def calibrate_acceptance(
 
     def on_step(tree, result) -> None:
         nonlocal steps
-        a, x = step_acceptance(big.last_candidates, result.accepted_nodes, result.next_token, depth_max,
-                               total_tokens_max)
+        a, x = step_acceptance(
+            big.last_candidates, result.accepted_nodes, result.next_token, depth_max, total_tokens_max
+        )
         accepted.add_(a)
         inexact.add_(x.long())
         steps += 1
 
     for ids in prompts_ids:
-        speculative_generate(target, big, ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                             step_callback=on_step)
+        speculative_generate(
+            target, big, ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, step_callback=on_step
+        )
     if steps == 0:
         raise ValueError("no verification step ran: raise max_new_tokens (every prompt stopped at its first token)")
     tau = 1.0 + accepted.double() / steps

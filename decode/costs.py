@@ -156,7 +156,7 @@ class CostProfile:
             raise ValueError("node_counts and verify_ms must be non-empty and of equal length")
         if self.threads < 1 or self.context_length < 1:
             raise ValueError("threads and context_length must be positive integers")
-        if any(not isinstance(x, int) or x < 1 for x in n) or any(a >= b for a, b in zip(n, n[1:])):
+        if any(not isinstance(x, int) or x < 1 for x in n) or any(a >= b for a, b in zip(n, n[1:], strict=False)):
             raise ValueError(f"node_counts must be strictly increasing integers >= 1, got {list(n)}")
         if not self.kernels:
             object.__setattr__(self, "kernels", ("linear",) * len(n))
@@ -164,7 +164,9 @@ class CostProfile:
         curves.setdefault("linear", tuple(self.verify_ms))
         object.__setattr__(self, "kernel_ms", curves)
         if len(self.kernels) != len(n) or any(k not in cpu_linear.LINEAR_KERNELS for k in self.kernels):
-            raise ValueError(f"kernels must name one of {cpu_linear.LINEAR_KERNELS} per node count, got {list(self.kernels)}")
+            raise ValueError(
+                f"kernels must name one of {cpu_linear.LINEAR_KERNELS} per node count, got {list(self.kernels)}"
+            )
 
         def ok(v: Any) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
@@ -172,9 +174,14 @@ class CostProfile:
         if not all(ok(v) for v in self.verify_ms):
             raise ValueError("verify_ms must be finite positive numbers, one per node count")
         for name, values in curves.items():
-            if name not in cpu_linear.LINEAR_KERNELS or len(values) != len(n) or not all(v is None or ok(v) for v in values):
-                raise ValueError(f"kernel_ms[{name!r}] must be a known kernel with a finite positive ms or None "
-                                 "per node count")
+            if (
+                name not in cpu_linear.LINEAR_KERNELS
+                or len(values) != len(n)
+                or not all(v is None or ok(v) for v in values)
+            ):
+                raise ValueError(
+                    f"kernel_ms[{name!r}] must be a known kernel with a finite positive ms or None per node count"
+                )
         if any(v is None for v in curves["linear"]):
             raise ValueError("kernel_ms['linear'] must be measured at every node count")
         for i, kernel in enumerate(self.kernels):
@@ -229,9 +236,15 @@ class CostProfile:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format": _COST_FORMAT, "version": COST_PROFILE_VERSION, **self.key, "context_length": self.context_length,
-            "node_counts": list(self.node_counts), "verify_ms": list(self.verify_ms), "kernels": list(self.kernels),
-            "kernel_ms": {k: list(v) for k, v in self.kernel_ms.items()}, "created_utc": self.created_utc,
+            "format": _COST_FORMAT,
+            "version": COST_PROFILE_VERSION,
+            **self.key,
+            "context_length": self.context_length,
+            "node_counts": list(self.node_counts),
+            "verify_ms": list(self.verify_ms),
+            "kernels": list(self.kernels),
+            "kernel_ms": {k: list(v) for k, v in self.kernel_ms.items()},
+            "created_utc": self.created_utc,
         }
 
     @classmethod
@@ -333,7 +346,10 @@ def measure_cost_profile(
         extra = verifier.linear_weight_bytes() if "packed" in kernels else 0
         logger.warning(
             "measuring this target's verification cost once (tree sizes %s, kernels %s; about %.0f s; cached "
-            "afterwards; pass tune='off' to skip)%s", ", ".join(map(str, sizes)), ", ".join(kernels), rough_s,
+            "afterwards; pass tune='off' to skip)%s",
+            ", ".join(map(str, sizes)),
+            ", ".join(kernels),
+            rough_s,
             f"; the packed kernel holds a second copy of the linear weights, {extra / 2**20:.0f} MiB" if extra else "",
         )
     try:
@@ -342,9 +358,15 @@ def measure_cost_profile(
         verifier.set_plan({})  # frees the packed copies
     kept = [min((k for k in kernels if (n, k) in medians), key=lambda k: medians[n, k]) for n in sizes]
     curves = {k: tuple(round(medians[n, k], 4) if (n, k) in medians else None for n in sizes) for k in kernels}
-    return CostProfile(**cost_key(target), context_length=context_length, node_counts=tuple(sizes),
-                       verify_ms=tuple(round(medians[n, k], 4) for n, k in zip(sizes, kept)), kernels=tuple(kept),
-                       kernel_ms=curves, created_utc=now_utc())
+    return CostProfile(
+        **cost_key(target),
+        context_length=context_length,
+        node_counts=tuple(sizes),
+        verify_ms=tuple(round(medians[n, k], 4) for n, k in zip(sizes, kept, strict=True)),
+        kernels=tuple(kept),
+        kernel_ms=curves,
+        created_utc=now_utc(),
+    )
 
 
 def tuned_verifier(target: PreTrainedModel, cost: CostProfile) -> Verifier:
@@ -409,8 +431,12 @@ def get_cost_profile(
             logger.warning("cost profile %s is unreadable (%s): measuring it again", path, err)
         else:
             if cached.key != cost_key(target):
-                logger.warning("cost profile %s was measured for %s, not %s: measuring it again",
-                               path, cached.key, cost_key(target))
+                logger.warning(
+                    "cost profile %s was measured for %s, not %s: measuring it again",
+                    path,
+                    cached.key,
+                    cost_key(target),
+                )
             elif (cached.node_counts, cached.context_length) != (wanted, context_length):
                 logger.info("cost profile %s covers other tree sizes: measuring it again", path)
             else:

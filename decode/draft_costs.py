@@ -54,8 +54,14 @@ class DraftCost:
             raise ValueError("draft_ms must map depths to positive numbers")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": _DRAFT_FORMAT, "version": DRAFT_COST_VERSION, "key": dict(self.key), "top_k": self.top_k,
-                "draft_ms": dict(self.draft_ms), "created_utc": self.created_utc}
+        return {
+            "format": _DRAFT_FORMAT,
+            "version": DRAFT_COST_VERSION,
+            "key": dict(self.key),
+            "top_k": self.top_k,
+            "draft_ms": dict(self.draft_ms),
+            "created_utc": self.created_utc,
+        }
 
     @classmethod
     def from_dict(cls, data: Any) -> DraftCost:

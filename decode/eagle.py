@@ -117,7 +117,9 @@ class EagleDrafter:
         return DynamicCache(config=self.head.arch_config)
 
     def begin(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Reset; pairs ``(f_t, x_{t+1})`` of the prompt become pending. ``prompt_ids`` ``[T]``, ``hidden`` ``[T, D]``."""
+        """Reset; pairs ``(f_t, x_{t+1})`` of the prompt become pending.
+
+        ``prompt_ids`` ``[T]``, ``hidden`` ``[T, D]``."""
         self._cache = self._new_cache()
         self._stable = 0
         self._feats = hidden
@@ -220,6 +222,10 @@ class EagleDrafter:
         tree_par = torch.where(kept_par < 0, torch.zeros_like(kept_par), new_index[kept_par.clamp(min=0)])
         tokens = torch.cat([root, head.draft_ids[torch.cat(cand_tok)[keep]].to(root.dtype)])
         tree_parents = torch.cat([torch.tensor([-1], device=device), tree_par])
-        self.last_candidates = {"tokens": head.draft_ids[torch.cat(cand_tok)], "parents": parents, "scores": scores,
-                                "kept": keep}
+        self.last_candidates = {
+            "tokens": head.draft_ids[torch.cat(cand_tok)],
+            "parents": parents,
+            "scores": scores,
+            "kept": keep,
+        }
         return DraftTree(tokens=tokens, parents=tree_parents, q=None)

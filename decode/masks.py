@@ -86,9 +86,7 @@ def attention_layout(config: PretrainedConfig) -> AttentionLayout:
     return AttentionLayout(tuple(types), windows.pop() if windows else None)
 
 
-def tree_allowed(
-    parents: torch.Tensor, past_length: int, sliding_window: int | None = None
-) -> torch.Tensor:
+def tree_allowed(parents: torch.Tensor, past_length: int, sliding_window: int | None = None) -> torch.Tensor:
     """Which keys each tree node attends to: the cached prefix and its own ancestors (and itself), within
     the last ``sliding_window`` positions when one is given.
 

@@ -88,9 +88,7 @@ def check_target(target: PreTrainedModel) -> None:
     try:
         error = _probe_error(target)
     except Exception as err:  # any failure of the model's forward on the decode's inputs is a refusal
-        raise _refuse(
-            target, f"its forward fails on a tree verification ({type(err).__name__}: {err})"
-        ) from err
+        raise _refuse(target, f"its forward fails on a tree verification ({type(err).__name__}: {err})") from err
     dtype = next(target.parameters()).dtype
     if error > probe_tolerance(dtype):
         raise _refuse(

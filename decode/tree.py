@@ -84,7 +84,8 @@ def static_tree(paths: Sequence[Sequence[int]]) -> StaticTree:
 
 
 def validate_parents(parents: torch.Tensor) -> None:
-    """Raise ValueError unless ``parents`` is a LongTensor ``[N]`` with ``parents[0] == -1`` and ``0 <= parents[i] < i``."""
+    """Raise ValueError unless ``parents`` is a LongTensor ``[N]`` with ``parents[0] == -1`` and
+    ``0 <= parents[i] < i``."""
     if parents.dim() != 1 or parents.numel() < 1 or parents.dtype != torch.long:
         raise ValueError("parents must be a 1-D LongTensor with at least the root")
     if int(parents[0]) != -1:

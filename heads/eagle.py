@@ -67,8 +67,16 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
 __all__ = [
-    "CONFIG_NAME", "DRAFT_VOCAB_NAME", "FULL_ATTENTION", "WEIGHTS_NAME", "EagleConfig", "EagleHead",
-    "decoder_layer_class", "logit_softcap", "rotary_layer_type", "softcap",
+    "CONFIG_NAME",
+    "DRAFT_VOCAB_NAME",
+    "FULL_ATTENTION",
+    "WEIGHTS_NAME",
+    "EagleConfig",
+    "EagleHead",
+    "decoder_layer_class",
+    "logit_softcap",
+    "rotary_layer_type",
+    "softcap",
 ]
 
 
@@ -111,7 +119,7 @@ FULL_ATTENTION = "full_attention"
 """The layer type of the head's own attention: full context, never a sliding window."""
 
 
-def _one_layer_config(arch_config: PretrainedConfig) -> PretrainedConfig:
+def one_layer_config(arch_config: PretrainedConfig) -> PretrainedConfig:
     """A deep copy of a transformers config with one full-attention layer (SDPA attention where the family
     has it, else eager).
 
@@ -207,7 +215,7 @@ class EagleHead(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.arch_config = _one_layer_config(arch_config)
+        self.arch_config = one_layer_config(arch_config)
         if self.arch_config.hidden_size != config.hidden_size or self.arch_config.vocab_size != config.vocab_size:
             raise HeadFormatError(
                 f"architecture config (hidden {self.arch_config.hidden_size}, vocab {self.arch_config.vocab_size}) "

@@ -46,9 +46,9 @@ from transformers import AutoConfig
 from selfspec.decode.cpu_linear import project
 from selfspec.heads.config import config_from_dict
 from selfspec.heads.eagle import (
-    _one_layer_config,  # the one-layer, full-attention config rule EAGLE-1 heads use
     decoder_layer_class,
     logit_softcap,
+    one_layer_config,
     rotary_layer_type,
     softcap,
 )
@@ -235,7 +235,7 @@ class Eagle3Head(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.arch_config = _one_layer_config(arch_config)
+        self.arch_config = one_layer_config(arch_config)
         D, S, V = config.hidden_size, config.draft_vocab_size, config.vocab_size
         if (self.arch_config.hidden_size, self.arch_config.vocab_size) != (D, V):
             raise HeadFormatError(
@@ -358,8 +358,13 @@ class Eagle3Head(nn.Module):
         layer = self.layers[0]
         layer.input_layernorm.embeds = emb
         try:
-            out = layer(h, attention_mask=attention_mask, position_ids=position_ids,
-                        position_embeddings=position_embeddings, **kwargs)
+            out = layer(
+                h,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
         finally:
             layer.input_layernorm.embeds = None
         return out[0] if isinstance(out, tuple) else out
@@ -375,11 +380,15 @@ class Eagle3Head(nn.Module):
         atomically (:func:`selfspec.heads.io.write_head_dir`). Never the target's embeddings. Returns the directory."""
         state = {_FILE_NAMES.get(k, k): v for k, v in self.state_dict().items()}
         arch = self.arch_config.to_dict()
-        arch.update({
-            "num_hidden_layers": 1, "head_type": "eagle3", "draft_vocab_size": self.config.draft_vocab_size,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.config.target_layers)},
-            "selfspec": dataclasses.asdict(self.config),
-        })
+        arch.update(
+            {
+                "num_hidden_layers": 1,
+                "head_type": "eagle3",
+                "draft_vocab_size": self.config.draft_vocab_size,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.config.target_layers)},
+                "selfspec": dataclasses.asdict(self.config),
+            }
+        )
         arch.pop("_attn_implementation_autoset", None)
         write_head_dir(directory, arch, {WEIGHTS_NAME: state}, metadata={"head_type": "eagle3"})
         return Path(directory)
@@ -426,8 +435,9 @@ class Eagle3Head(nn.Module):
         inverse = {v: k for k, v in _FILE_NAMES.items()}
         state = {inverse.get(k, k): v for k, v in read_safetensors(d / WEIGHTS_NAME).items()}
         if "d2t" in state and "t2d" in state:
-            check_vocab_maps(state["d2t"], state["t2d"], config.draft_vocab_size, config.vocab_size,
-                             str(d / WEIGHTS_NAME))
+            check_vocab_maps(
+                state["d2t"], state["t2d"], config.draft_vocab_size, config.vocab_size, str(d / WEIGHTS_NAME)
+            )
         head = cls(config, arch)
         load_state(head, d / WEIGHTS_NAME, state)
         if target is not None:

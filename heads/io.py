@@ -139,8 +139,7 @@ def check_state(path: str | Path, state: Mapping[str, torch.Tensor], expected: M
     if missing or unexpected or wrong:
         shapes = ", ".join(f"{k}: file {f} vs config {e}" for k, (f, e) in wrong.items())
         raise HeadFormatError(
-            f"{path} does not match its config: missing={missing} unexpected={unexpected} "
-            f"wrong_shape=[{shapes}]; {FIX}"
+            f"{path} does not match its config: missing={missing} unexpected={unexpected} wrong_shape=[{shapes}]; {FIX}"
         )
 
 

@@ -52,15 +52,17 @@ def main() -> None:
             for s in range(0, len(texts), bs):
                 enc = tok(texts[s : s + bs], return_tensors="pt", padding=True, add_special_tokens=False)
                 with torch.inference_mode():
-                    out = model.generate(**enc, max_new_tokens=args.new_tokens, do_sample=False,
-                                         pad_token_id=tok.pad_token_id)
+                    out = model.generate(
+                        **enc, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=tok.pad_token_id
+                    )
                 answers += [tok.decode(r[enc["input_ids"].shape[1] :], skip_special_tokens=True) for r in out]
             seconds = time.perf_counter() - t0
-            agree = 0 if reference is None else sum(a == b for a, b in zip(reference, answers))
+            agree = 0 if reference is None else sum(a == b for a, b in zip(reference, answers, strict=True))
             same = "" if reference is None else f", {agree}/{len(texts)} answers as the first"
             reference = reference or answers
-            print(f"batch {bs:4d}: {seconds:6.1f} s for {len(texts)} prompts "
-                  f"x {args.new_tokens} tokens{same}", flush=True)
+            print(
+                f"batch {bs:4d}: {seconds:6.1f} s for {len(texts)} prompts x {args.new_tokens} tokens{same}", flush=True
+            )
 
 
 if __name__ == "__main__":

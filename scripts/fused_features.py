@@ -61,8 +61,9 @@ def extract(features: str, out_dir: Path, layers: list[int]) -> None:
         with torch.inference_mode():
             for i in range(len(store)):
                 o, n = int(store.offsets[i]), int(store.lengths[i])
-                hs = backbone(model)(input_ids=store.tokens[o : o + n].unsqueeze(0), use_cache=False,
-                                     output_hidden_states=True).hidden_states
+                hs = backbone(model)(
+                    input_ids=store.tokens[o : o + n].unsqueeze(0), use_cache=False, output_hidden_states=True
+                ).hidden_states
                 if not torch.allclose(hs[-1][0], store.features[o : o + n], atol=1e-4):
                     raise SystemExit(f"sequence {i}: the cached features are not this target's last hidden states")
                 parts.append(torch.cat([_rms(hs[layer][0]) for layer in layers], -1).half())
@@ -109,8 +110,12 @@ def train(features: str, out_dir: Path, name: str, fuse_on: bool, hard: bool, mi
     counts = torch.bincount(store.tokens[store.loss_mask], minlength=V)
     draft_ids = draft_vocab_from_counts(counts, cfg.draft_vocab_size)
     torch.manual_seed(cfg.seed)
-    head = EagleHead(EagleConfig(hidden_size=D, vocab_size=V, draft_vocab_size=cfg.draft_vocab_size), target.config,
-                     draft_ids=draft_ids, target=target).float()
+    head = EagleHead(
+        EagleConfig(hidden_size=D, vocab_size=V, draft_vocab_size=cfg.draft_vocab_size),
+        target.config,
+        draft_ids=draft_ids,
+        target=target,
+    ).float()
     width = ex["extra"].shape[-1]
     fuse = torch.nn.Linear(width, D, bias=False)
     torch.nn.init.zeros_(fuse.weight)
@@ -151,14 +156,36 @@ def train(features: str, out_dir: Path, name: str, fuse_on: bool, hard: bool, mi
         pairs += int(b["valid"].sum())
         if step % 100 == 0:
             ev = held_out()
-            history.append({"step": step, "minutes": round(elapsed / 60, 2), "top1": ev["top1"], "topk": ev["topk"],
-                            "chain": ev["chain"], "chain_tau": ev["chain_tau"]})
+            history.append(
+                {
+                    "step": step,
+                    "minutes": round(elapsed / 60, 2),
+                    "top1": ev["top1"],
+                    "topk": ev["topk"],
+                    "chain": ev["chain"],
+                    "chain_tau": ev["chain_tau"],
+                }
+            )
             print(json.dumps(history[-1]), flush=True)
     ev = held_out()
-    result = {"name": name, "fuse": fuse_on, "hard_labels": hard, "minutes": minutes, "steps": step,
-              "pairs_per_s": round(pairs / (time.perf_counter() - t0), 1), "final": ev, "history": history}
-    print("final", json.dumps({k: result[k] for k in ("name", "steps", "pairs_per_s")} |
-                              {k: ev[k] for k in ("top1", "topk", "chain", "chain_tau")}), flush=True)
+    result = {
+        "name": name,
+        "fuse": fuse_on,
+        "hard_labels": hard,
+        "minutes": minutes,
+        "steps": step,
+        "pairs_per_s": round(pairs / (time.perf_counter() - t0), 1),
+        "final": ev,
+        "history": history,
+    }
+    print(
+        "final",
+        json.dumps(
+            {k: result[k] for k in ("name", "steps", "pairs_per_s")}
+            | {k: ev[k] for k in ("top1", "topk", "chain", "chain_tau")}
+        ),
+        flush=True,
+    )
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
 
 

@@ -49,12 +49,33 @@ from selfspec.decode.verifier import Verifier
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 
 SIZES: dict[str, dict] = {
-    "135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                 intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),
-    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-               intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True),
-    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-               intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False),
+    "135m": dict(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
+    "8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
 }
 # Medusa-like cumulative top-k accuracies of 4 heads: only the *shape* of the trees built from them matters.
 TREE_ACCURACY = [[0.60, 0.72, 0.78, 0.81, 0.83, 0.85, 0.86, 0.87, 0.88, 0.89]] + [
@@ -78,12 +99,18 @@ def build_target(size: str, dtype: torch.dtype, device: str):
 
 def random_medusa(model, draft_vocab_size: int | None, num_heads: int = 4) -> MedusaHeads:
     """Medusa heads with random (not identity) residual blocks, on the target's device and dtype."""
-    cfg = MedusaConfig(hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size,
-                       num_heads=num_heads, draft_vocab_size=draft_vocab_size)
+    cfg = MedusaConfig(
+        hidden_size=model.config.hidden_size,
+        vocab_size=model.config.vocab_size,
+        num_heads=num_heads,
+        draft_vocab_size=draft_vocab_size,
+    )
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     draft_ids = None
     if draft_vocab_size is not None:
-        draft_ids = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:draft_vocab_size].sort().values
+        draft_ids = (
+            torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:draft_vocab_size].sort().values
+        )
     with torch.device(device):
         heads = MedusaHeads(cfg, target_lm_head=model.get_output_embeddings().weight, draft_ids=draft_ids)
     with torch.no_grad():
@@ -131,7 +158,7 @@ def cost_curve(model, nodes: list[int], prefix_tokens: int, repeats: int, warmup
         for shape, parents in (("tree", tree_parents(n)), ("chain", torch.arange(-1, n - 1))):
             parents = parents.to(device)
 
-            def step() -> None:
+            def step(tokens: torch.Tensor = tokens, parents: torch.Tensor = parents) -> None:
                 h = verifier.forward_tree(tokens, parents, cache, prefix_tokens)
                 verifier.lm_logits(h)
                 kv.crop_cache(cache, prefix_tokens)
@@ -140,8 +167,13 @@ def cost_curve(model, nodes: list[int], prefix_tokens: int, repeats: int, warmup
         cpu_parents = tree_parents(n)
         dtype = next(model.parameters()).dtype
         row["mask_ms"] = median_ms(
-            lambda: (tree_attention_bias(cpu_parents, prefix_tokens, dtype), tree_position_ids(cpu_parents, prefix_tokens)),
-            torch.device("cpu"), repeats, 1,
+            lambda cpu_parents=cpu_parents, dtype=dtype: (
+                tree_attention_bias(cpu_parents, prefix_tokens, dtype),
+                tree_position_ids(cpu_parents, prefix_tokens),
+            ),
+            torch.device("cpu"),
+            repeats,
+            1,
         )
         row["tree_depth"] = int(tree_depths(cpu_parents).max())
         rows.append(row)
@@ -164,7 +196,7 @@ def medusa_draft_cost(model, repeats: int, warmup: int) -> list[dict]:
         heads = random_medusa(model, dv)
         drafter = MedusaDrafter(heads, static_tree(paths))
         drafter.begin(context, hidden)
-        ms = median_ms(lambda: drafter.propose(context, SamplingConfig(), None), device, repeats, warmup)
+        ms = median_ms(lambda d=drafter: d.propose(context, SamplingConfig(), None), device, repeats, warmup)
         params = sum(p.numel() for p in heads.parameters())
         rows.append({"variant": label, "draft_ms": ms, "head_params_m": params / 1e6})
         del heads, drafter
@@ -172,27 +204,38 @@ def medusa_draft_cost(model, repeats: int, warmup: int) -> list[dict]:
 
 
 @torch.inference_mode()
-def greedy_exactness(size: str, dtype: torch.dtype, device: str, prompts: int, prompt_tokens: int, new_tokens: int) -> dict:
+def greedy_exactness(
+    size: str, dtype: torch.dtype, device: str, prompts: int, prompt_tokens: int, new_tokens: int
+) -> dict:
     """Greedy ``speculative_generate`` vs ``model.generate`` on a random target: match rate per drafter."""
     model = build_target(size, dtype, device)
     eos = model.generation_config.eos_token_id
     gen = torch.Generator().manual_seed(1)
-    drafters = {
-        "prompt_lookup": lambda: PromptLookupDrafter(num_tokens=8),
-        "medusa": lambda: MedusaDrafter(random_medusa(model, None), static_tree(greedy_tree_from_accuracy(TREE_ACCURACY, MEDUSA_DRAFT_NODES))),
+    built = {
+        "prompt_lookup": PromptLookupDrafter(num_tokens=8),
+        "medusa": MedusaDrafter(
+            random_medusa(model, None), static_tree(greedy_tree_from_accuracy(TREE_ACCURACY, MEDUSA_DRAFT_NODES))
+        ),
     }
-    built = {name: make() for name, make in drafters.items()}
     result = {name: {"matches": 0, "prompts": 0, "first_diffs": [], "tau": []} for name in built}
     for _ in range(prompts):
         # half random tokens, half a repeated random snippet, so prompt lookup has something to find
         snippet = torch.randint(3, model.config.vocab_size, (prompt_tokens // 4,), generator=gen)
-        ids = torch.cat([torch.randint(3, model.config.vocab_size, (prompt_tokens // 2,), generator=gen), snippet, snippet])
+        ids = torch.cat(
+            [torch.randint(3, model.config.vocab_size, (prompt_tokens // 2,), generator=gen), snippet, snippet]
+        )
         ids = ids.to(device)
-        ref = model.generate(ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=new_tokens,
-                             do_sample=False, eos_token_id=eos, pad_token_id=eos)[0, ids.numel():].tolist()
+        ref = model.generate(
+            ids[None],
+            attention_mask=torch.ones_like(ids[None]),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )[0, ids.numel() :].tolist()
         for name, drafter in built.items():
             out = speculative_generate(model, drafter, ids, max_new_tokens=new_tokens, eos_token_id=eos)
-            diff = next((i for i, (a, b) in enumerate(zip(ref, out.tokens)) if a != b), None)
+            diff = next((i for i, (a, b) in enumerate(zip(ref, out.tokens, strict=False)) if a != b), None)
             if diff is None and len(ref) != len(out.tokens):
                 diff = min(len(ref), len(out.tokens))
             r = result[name]
@@ -236,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     report: dict = {
         "device": args.device,
-        "accelerator": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
+        "accelerator": torch.cuda.get_device_name()
+        if args.device.startswith("cuda")
+        else platform.processor() or "cpu",
         "dtype": args.dtype,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -253,16 +298,24 @@ def main(argv: list[str] | None = None) -> int:
         one_node = curve[0]["tree_ms"]
         for row in draft:
             row["draft_rel"] = row["draft_ms"] / one_node
-        report["sizes"][size] = {"params_b": params, "curve": curve, "medusa_draft": draft,
-                                 "build_and_measure_s": time.perf_counter() - t0}
+        report["sizes"][size] = {
+            "params_b": params,
+            "curve": curve,
+            "medusa_draft": draft,
+            "build_and_measure_s": time.perf_counter() - t0,
+        }
         print(f"\n== {size}: {params:.2f}B params, {args.dtype}, {args.device}, prefix {prefix} tokens ==")
         print(f"{'nodes':>5} {'depth':>5} {'tree ms':>9} {'x1':>6} {'chain ms':>9} {'x1':>6} {'mask ms':>8}")
         for r in curve:
-            print(f"{r['nodes']:>5} {r['tree_depth']:>5} {r['tree_ms']:>9.2f} {r['tree_rel']:>6.2f} "
-                  f"{r['chain_ms']:>9.2f} {r['chain_rel']:>6.2f} {r['mask_ms']:>8.2f}")
+            print(
+                f"{r['nodes']:>5} {r['tree_depth']:>5} {r['tree_ms']:>9.2f} {r['tree_rel']:>6.2f} "
+                f"{r['chain_ms']:>9.2f} {r['chain_rel']:>6.2f} {r['mask_ms']:>8.2f}"
+            )
         for r in draft:
-            print(f"medusa draft ({r['variant']}, {r['head_params_m']:.0f}M params): {r['draft_ms']:.2f} ms "
-                  f"= {r['draft_rel']:.2f} x a 1-node target forward")
+            print(
+                f"medusa draft ({r['variant']}, {r['head_params_m']:.0f}M params): {r['draft_ms']:.2f} ms "
+                f"= {r['draft_rel']:.2f} x a 1-node target forward"
+            )
         del model
         _free(args.device)
 
@@ -273,8 +326,10 @@ def main(argv: list[str] | None = None) -> int:
             res = greedy_exactness("135m", getattr(torch, dt), args.device, n_prompts, p_tokens, n_new)
             report["exactness"][dt] = res
             for name, r in res.items():
-                print(f"greedy exactness 135m {dt} {name}: {r['matches']}/{r['prompts']} match plain generate "
-                      f"(first diffs {r['first_diffs']}), tau {r['tau']:.2f}")
+                print(
+                    f"greedy exactness 135m {dt} {name}: {r['matches']}/{r['prompts']} match plain generate "
+                    f"(first diffs {r['first_diffs']}), tau {r['tau']:.2f}"
+                )
             _free(args.device)
     report["total_s"] = time.perf_counter() - t_start
     out = Path(args.out)

@@ -54,14 +54,19 @@ def main() -> None:
                 for k, fn in kernels.items():
                     for s in shapes:
                         t0 = time.perf_counter()
-                        for w, pw in zip(weights[s], packed[s]):
+                        for w, pw in zip(weights[s], packed[s], strict=True):
                             fn(xs[s], w, pw)
                         if r:  # the first round warms up
                             times[k, s].append((time.perf_counter() - t0) * 1e3)
             med = {key: statistics.median(v) for key, v in times.items()}
             backbone = [sum(med[k, s] for s in SHAPES) for k in kernels]
             head = [med[k, LM_HEAD] for k in kernels]
-            print(f"{rows:>4} " + " ".join(f"{v:9.1f}" for v in backbone) + " |         " + " ".join(f"{v:9.1f}" for v in head))
+            print(
+                f"{rows:>4} "
+                + " ".join(f"{v:9.1f}" for v in backbone)
+                + " |         "
+                + " ".join(f"{v:9.1f}" for v in head)
+            )
 
         from selfspec.target import load_target
 
@@ -72,7 +77,9 @@ def main() -> None:
         verifier.set_plan({2: "packed"})
         grown = _rss_mb() - before
         size = verifier.packed_bytes
-        print(f"packing SmolLM2-135M's linear + lm_head weights ({size / 2**20:.0f} MB): resident memory +{grown:.0f} MB")
+        print(
+            f"packing SmolLM2-135M's linear + lm_head weights ({size / 2**20:.0f} MB): resident memory +{grown:.0f} MB"
+        )
 
 
 if __name__ == "__main__":

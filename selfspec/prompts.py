@@ -90,9 +90,7 @@ def encode_prompt(tokenizer: Any | None, prompt: Any) -> torch.Tensor:
     return ids
 
 
-def resolve_eos(
-    target: PreTrainedModel, tokenizer: Any | None, extra: int | Sequence[int] | None = None
-) -> list[int]:
+def resolve_eos(target: PreTrainedModel, tokenizer: Any | None, extra: int | Sequence[int] | None = None) -> list[int]:
     """The ids that end generation: the target's ``generation_config.eos_token_id`` (one id or several),
     else the tokenizer's ``eos_token_id``, then every id of ``extra`` not already there.
 
@@ -205,8 +203,9 @@ def read_training_record(head_dir: str | Path) -> HeldoutSplit | None:
     if not isinstance(record, dict) or record.get("format") != TRAINING_RECORD_FORMAT:
         raise ValueError(f"{path} is not a training record (expected format {TRAINING_RECORD_FORMAT!r})")
     if record.get("version") != TRAINING_RECORD_VERSION:
-        raise ValueError(f"{path} has version {record.get('version')!r}; this selfspec reads version "
-                         f"{TRAINING_RECORD_VERSION}")
+        raise ValueError(
+            f"{path} has version {record.get('version')!r}; this selfspec reads version {TRAINING_RECORD_VERSION}"
+        )
     missing = [k for k in ("data", "max_conversations", "eval_fraction", "seed", "heldout_ids") if k not in record]
     if missing:
         raise ValueError(f"{path} lacks {missing}")
@@ -246,13 +245,19 @@ def heldout_split(head_dir: str | Path | None) -> HeldoutSplit:
     if split is not None:
         return split
     split = _default_split()
-    defaults = (f"the held-out split of TrainConfig's defaults (data {split.data}, max_conversations "
-                f"{split.max_conversations}, eval_fraction {split.eval_fraction}, seed {split.seed})")
+    defaults = (
+        f"the held-out split of TrainConfig's defaults (data {split.data}, max_conversations "
+        f"{split.max_conversations}, eval_fraction {split.eval_fraction}, seed {split.seed})"
+    )
     if head_dir is None:
         logger.info("held-out prompts: %s", defaults)
     else:
-        logger.warning("heads %s have no %s: using %s, which may not be the split they were trained with",
-                       head_dir, TRAINING_RECORD, defaults)
+        logger.warning(
+            "heads %s have no %s: using %s, which may not be the split they were trained with",
+            head_dir,
+            TRAINING_RECORD,
+            defaults,
+        )
     return split
 
 
@@ -330,8 +335,12 @@ def load_prompts(
             held = set(other.heldout_ids)
             kept = [p for p in prompts if p.question_id in held]
             if len(kept) < len(prompts):
-                logger.info("held-out prompts: %d of %d dropped, not held out by %s", len(prompts) - len(kept),
-                            len(prompts), other.origin)
+                logger.info(
+                    "held-out prompts: %d of %d dropped, not held out by %s",
+                    len(prompts) - len(kept),
+                    len(prompts),
+                    other.origin,
+                )
             prompts = kept
     else:
         prompts = load_jsonl_prompts(source)

@@ -73,8 +73,10 @@ def training_line(summary: dict[str, Any]) -> str:
     """One line on the held-out quality of the trained heads, from ``train_summary.json``."""
     held = summary.get("heldout")
     if isinstance(held, dict) and "top1" in held:
-        return f"held-out top-1 {held['top1']}, chain acceptance by depth {held.get('chain')} " \
+        return (
+            f"held-out top-1 {held['top1']}, chain acceptance by depth {held.get('chain')} "
             f"(chain tau {held.get('chain_tau')})"
+        )
     topk = summary.get("heldout_topk_accuracy")
     if topk:
         return f"held-out top-1 per head {[a[0] for a in topk]}"
@@ -90,11 +92,28 @@ def main(argv: list[str] | None = None) -> int:
     heads_dir = run(cfg)
     train_min = (time.perf_counter() - t0) / 60
     out = Path(cfg.output_dir) / "bench"
-    code = bench_main([
-        "--prompts", "sharegpt-heldout", "--target", cfg.target, "--heads", f"{cfg.head}={heads_dir}",
-        "--methods", "baseline", "--num-prompts", str(args.bench_prompts), "--max-new-tokens",
-        str(args.max_new_tokens), "--threads", str(args.threads), "--dtype", cfg.dtype, "--out", str(out),
-    ])
+    code = bench_main(
+        [
+            "--prompts",
+            "sharegpt-heldout",
+            "--target",
+            cfg.target,
+            "--heads",
+            f"{cfg.head}={heads_dir}",
+            "--methods",
+            "baseline",
+            "--num-prompts",
+            str(args.bench_prompts),
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--threads",
+            str(args.threads),
+            "--dtype",
+            cfg.dtype,
+            "--out",
+            str(out),
+        ]
+    )
     summary = json.loads((Path(cfg.output_dir) / "train_summary.json").read_text())
     print(f"\ntraining: {train_min:.1f} min; {training_line(summary)}")
     print(f"total: {(time.perf_counter() - t0) / 60:.1f} min; bench report: {out / 'report.md'}")

@@ -45,12 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--target", default="smollm2-135m-instruct", help="target name, directory or Hub id")
     p.add_argument("--heads", required=True, metavar="DIR", help="EAGLE head directory (save_pretrained output)")
-    p.add_argument("--prompts", default=SHAREGPT_HELDOUT,
-                   help="MT-bench/Spec-Bench JSONL file (first turns are used), or 'sharegpt-heldout' (the split "
-                   "held out by the run that trained the head, from its training_record.json)")
+    p.add_argument(
+        "--prompts",
+        default=SHAREGPT_HELDOUT,
+        help="MT-bench/Spec-Bench JSONL file (first turns are used), or 'sharegpt-heldout' (the split "
+        "held out by the run that trained the head, from its training_record.json)",
+    )
     p.add_argument("--n-prompts", type=int, default=8, help="prompts to decode")
-    p.add_argument("--skip-prompts", type=int, default=0,
-                   help="skip the first N prompts (e.g. those a later bench measures)")
+    p.add_argument(
+        "--skip-prompts", type=int, default=0, help="skip the first N prompts (e.g. those a later bench measures)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt")
     p.add_argument("--depth-max", type=int, default=6, help="largest draft depth in the table")
     p.add_argument("--total-tokens-max", type=int, default=48, help="largest total_tokens in the table")
@@ -92,11 +96,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(err))
     ids = [encode_messages(tokenizer, p.first_turn_messages()).to(device) for p in prompts]
     eos = resolve_eos(target, tokenizer)  # the stop ids decoding uses (SpeculativeModel.default_eos)
-    logger.info("calibrating on %d prompts, %d new tokens each, budget up to depth %d / total_tokens %d ...",
-                len(ids), args.max_new_tokens, args.depth_max, args.total_tokens_max)
+    logger.info(
+        "calibrating on %d prompts, %d new tokens each, budget up to depth %d / total_tokens %d ...",
+        len(ids),
+        args.max_new_tokens,
+        args.depth_max,
+        args.total_tokens_max,
+    )
     profile = calibration.calibrate_acceptance(
-        target, drafter, ids, max_new_tokens=args.max_new_tokens, total_tokens_max=args.total_tokens_max,
-        depth_max=args.depth_max, eos_token_id=eos,
+        target,
+        drafter,
+        ids,
+        max_new_tokens=args.max_new_tokens,
+        total_tokens_max=args.total_tokens_max,
+        depth_max=args.depth_max,
+        eos_token_id=eos,
     )
     path = calibration.save_acceptance_profile(profile, heads_dir)
     cost = costs.get_cost_profile(target, refresh=args.refresh_cost)
@@ -106,16 +120,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     inexact = sum(map(sum, profile.inexact_steps))
     if inexact:
         print(f"  {inexact} (budget, step) cells are lower bounds: their trees keep candidates the big tree dropped")
-    print(f"verification cost ({cost.device}, {cost.dtype}, {cost.threads} threads; cached in "
-          f"{costs.cost_profile_path(target)}):")
+    print(
+        f"verification cost ({cost.device}, {cost.dtype}, {cost.threads} threads; cached in "
+        f"{costs.cost_profile_path(target)}):"
+    )
     print("  nodes " + " ".join(f"{n:>7}" for n in cost.node_counts))
     print("  ms    " + " ".join(f"{v:>7.1f}" for v in cost.verify_ms))
     print("draft cost by depth (ms): " + ", ".join(f"{d}: {v:.1f}" for d, v in sorted(draft.items())))
     print()
     print(tree_budget.budget_table_text(budget))
-    print(f"chosen: depth {budget.depth}, total_tokens {budget.total_tokens}, top_k {budget.top_k}: expected tau "
-          f"{budget.expected_tau:.2f}, {budget.expected_cycle_ms:.1f} ms a step vs {budget.plain_step_ms:.1f} ms a "
-          f"plain step, expected speedup {budget.expected_speedup:.2f}x")
+    print(
+        f"chosen: depth {budget.depth}, total_tokens {budget.total_tokens}, top_k {budget.top_k}: expected tau "
+        f"{budget.expected_tau:.2f}, {budget.expected_cycle_ms:.1f} ms a step vs {budget.plain_step_ms:.1f} ms a "
+        f"plain step, expected speedup {budget.expected_speedup:.2f}x"
+    )
     if budget.expected_speedup < 1.0:
         print("note: no tree budget is expected to beat plain decoding on this machine with this head")
     return 0

@@ -355,7 +355,11 @@ def test_cli_end_to_end(tmp_path, monkeypatch, capsys):
     assert list(report["methods"]) == ["baseline", "prompt_lookup"]
     assert report["settings"]["prompts_source"] == str(prompt_file)
     assert {p.name for p in out.iterdir()} == {
-        "report.json", "report.md", "speedup.png", "accepted_tokens_hist.png", "acceptance_by_depth.png"
+        "report.json",
+        "report.md",
+        "speedup.png",
+        "accepted_tokens_hist.png",
+        "acceptance_by_depth.png",
     }
 
 
@@ -375,8 +379,22 @@ def test_cli_sharegpt_heldout_reads_the_heads_training_record(tmp_path, monkeypa
     monkeypatch.setattr(bench_cli, "load_target", lambda name, dtype, device: (target, CharTokenizer()))
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"
-    argv = ["--prompts", "sharegpt-heldout", "--heads", str(heads_dir), "--methods", "baseline", "--tree-nodes", "4",
-            "--max-new-tokens", "3", "--warmup", "0", "--out", str(out)]
+    argv = [
+        "--prompts",
+        "sharegpt-heldout",
+        "--heads",
+        str(heads_dir),
+        "--methods",
+        "baseline",
+        "--tree-nodes",
+        "4",
+        "--max-new-tokens",
+        "3",
+        "--warmup",
+        "0",
+        "--out",
+        str(out),
+    ]
     assert bench.main(argv) == 0
     report = read_report(out / "report.json")
     assert seen == ["my-chats.jsonl"]
@@ -406,7 +424,9 @@ def test_cli_rejects_draft_model_method_without_model(tmp_path, monkeypatch):
 
 def test_parse_heads_names():
     assert bench_cli.parse_heads(["runs/medusa-a/heads", "b=some/dir", "other/eagle/"]) == {
-        "medusa-a": "runs/medusa-a/heads", "b": "some/dir", "eagle": "other/eagle/"
+        "medusa-a": "runs/medusa-a/heads",
+        "b": "some/dir",
+        "eagle": "other/eagle/",
     }
     with pytest.raises(ValueError, match="taken"):
         bench_cli.parse_heads(["x/a", "y/a"])

@@ -52,7 +52,7 @@ def test_encode_prompt_chat_messages_use_the_template_with_generation_prompt():
     tok = CharTokenizer()
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     expected = tok.apply_chat_template(messages, add_generation_prompt=True)
-    assert expected[-len("<assistant>"):] == tok.encode_text("<assistant>")
+    assert expected[-len("<assistant>") :] == tok.encode_text("<assistant>")
     assert encode_prompt(tok, messages).tolist() == expected
     assert encode_messages(tok, messages).tolist() == expected
     assert encode_messages(tok, tuple(messages)).dtype == torch.long
@@ -133,8 +133,14 @@ def test_load_prompts_per_category(tmp_path):
 
 
 CONVS = [
-    {"id": f"c{i}", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"q{i}"},
-                                 {"role": "assistant", "content": "a"}]}
+    {
+        "id": f"c{i}",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": f"q{i}"},
+            {"role": "assistant", "content": "a"},
+        ],
+    }
     for i in range(200)
 ]
 
@@ -157,9 +163,18 @@ def fake_data(monkeypatch):
 def write_record(head_dir, heldout_ids, **over):
     head_dir.mkdir(parents=True, exist_ok=True)
     record = {
-        "format": "selfspec-training-record", "version": 1, "head": "eagle", "target": "tiny",
-        "target_fingerprint": "f" * 16, "data": "my-chats.jsonl", "max_conversations": 150, "eval_fraction": 0.1,
-        "seed": 3, "max_length": 256, "heldout_ids": heldout_ids, "calibration_ids": heldout_ids[-1:],
+        "format": "selfspec-training-record",
+        "version": 1,
+        "head": "eagle",
+        "target": "tiny",
+        "target_fingerprint": "f" * 16,
+        "data": "my-chats.jsonl",
+        "max_conversations": 150,
+        "eval_fraction": 0.1,
+        "seed": 3,
+        "max_length": 256,
+        "heldout_ids": heldout_ids,
+        "calibration_ids": heldout_ids[-1:],
     }
     record.update(over)
     (head_dir / "training_record.json").write_text(json.dumps(record))

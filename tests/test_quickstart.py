@@ -34,8 +34,16 @@ def test_shipped_configs_load_and_share_data_and_budget(head):
     assert cfg.head == head
     # EAGLE vs Medusa is compared on the same data and the same time budget (issue: "same wall-clock budget")
     other = load_config(default_config("medusa" if head == "eagle" else "eagle"))
-    for key in ("distill_conversations", "original_conversations", "max_train_minutes", "max_length", "seed",
-                "draft_vocab_size", "data", "eval_fraction"):
+    for key in (
+        "distill_conversations",
+        "original_conversations",
+        "max_train_minutes",
+        "max_length",
+        "seed",
+        "draft_vocab_size",
+        "data",
+        "eval_fraction",
+    ):
         assert getattr(cfg, key) == getattr(other, key), key
     assert isinstance(cfg.lr, float) and cfg.max_train_minutes and cfg.max_train_minutes < 30
 
@@ -76,10 +84,21 @@ def tiny_target_dir(tmp_path_factory):
 
 
 TINY_BUDGET = [
-    "max_conversations=40", "eval_fraction=0.25", "max_length=96", "draft_vocab_size=512",
-    "distill_conversations=6", "distill_max_new_tokens=8", "distill_batch_size=8", "original_conversations=6",
-    "epochs=2", "max_train_minutes=null", "warmup_steps=1", "eval_every=4", "save_every=4",
-    "calibrate_prompts=2", "calibrate_max_new_tokens=8",
+    "max_conversations=40",
+    "eval_fraction=0.25",
+    "max_length=96",
+    "draft_vocab_size=512",
+    "distill_conversations=6",
+    "distill_max_new_tokens=8",
+    "distill_batch_size=8",
+    "original_conversations=6",
+    "epochs=2",
+    "max_train_minutes=null",
+    "warmup_steps=1",
+    "eval_every=4",
+    "save_every=4",
+    "calibrate_prompts=2",
+    "calibrate_max_new_tokens=8",
 ]
 FAMILY_BUDGET = {"eagle": ["eagle.batch_tokens=256"], "medusa": ["medusa.num_heads=2", "medusa.batch_positions=64"]}
 
@@ -93,11 +112,27 @@ def test_quickstart_command_runs_end_to_end_on_a_tiny_target(tiny_target_dir, tm
     write_conversations(data, 40)
     out = tmp_path / "run"
     t0 = time.perf_counter()
-    code = selfspec_main([
-        "quickstart", "--head", head, "--target", str(tiny_target_dir), "--data", str(data),
-        "--output-dir", str(out), "--bench-prompts", "3", "--max-new-tokens", "8", "--threads", "1",
-        *TINY_BUDGET, *FAMILY_BUDGET[head],
-    ])
+    code = selfspec_main(
+        [
+            "quickstart",
+            "--head",
+            head,
+            "--target",
+            str(tiny_target_dir),
+            "--data",
+            str(data),
+            "--output-dir",
+            str(out),
+            "--bench-prompts",
+            "3",
+            "--max-new-tokens",
+            "8",
+            "--threads",
+            "1",
+            *TINY_BUDGET,
+            *FAMILY_BUDGET[head],
+        ]
+    )
     elapsed = time.perf_counter() - t0
     assert code == 0
     printed = capsys.readouterr().out
@@ -165,8 +200,9 @@ def imported_modules(paths: list[Path]) -> set[str]:
 def test_every_third_party_import_is_a_declared_dependency():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    declared = {re.split(r"[<>=!~ ;\[]", req, maxsplit=1)[0].lower().replace("_", "-")
-                for req in project["dependencies"]}
+    declared = {
+        re.split(r"[<>=!~ ;\[]", req, maxsplit=1)[0].lower().replace("_", "-") for req in project["dependencies"]
+    }
     files = [p for d in PACKAGE_DIRS for p in (ROOT / d).rglob("*.py")]
     third_party = imported_modules(files) - set(sys.stdlib_module_names) - {"selfspec", "__future__"}
     undeclared = sorted(m for m in third_party if DISTRIBUTION_OF.get(m, m).lower().replace("_", "-") not in declared)

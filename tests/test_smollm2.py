@@ -20,8 +20,9 @@ PROMPTS = [
 
 def fresh_heads(model, seed: int = 0) -> MedusaHeads:
     torch.manual_seed(seed)
-    cfg = MedusaConfig(hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size, num_heads=3,
-                       draft_vocab_size=4096)
+    cfg = MedusaConfig(
+        hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size, num_heads=3, draft_vocab_size=4096
+    )
     heads = MedusaHeads(cfg, target_lm_head=model.lm_head.weight, draft_ids=torch.arange(4096))
     for p in heads.blocks.parameters():
         torch.nn.init.normal_(p, std=0.01)
@@ -38,9 +39,15 @@ def test_greedy_matches_plain_generate(smollm2, method):
         ids = spec.encode(messages)
         # An explicit attention mask: the prompt contains <|im_end|> (id 2), which is also SmolLM2's pad id,
         # and generate would otherwise mask those positions out as padding.
-        ref = model.generate(ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=64,
-                             do_sample=False, eos_token_id=None, top_k=None)
-        ref = ref[0, ids.numel():].tolist()
+        ref = model.generate(
+            ids[None],
+            attention_mask=torch.ones_like(ids[None]),
+            max_new_tokens=64,
+            do_sample=False,
+            eos_token_id=None,
+            top_k=None,
+        )
+        ref = ref[0, ids.numel() :].tolist()
         out = spec.generate(messages, max_new_tokens=64, eos_token_id=[])
         assert len(out.tokens) == 64
         assert out.tokens == ref
@@ -71,8 +78,9 @@ def memorising_eagle_head(model, sequences, steps: int = 120):
     store = PairStore.from_examples(examples, hidden_features(model, examples, disable_progress=True), D)
     draft_ids = draft_vocab_from_counts(torch.bincount(store.tokens, minlength=V).float() + 1e-3, 4096)
     torch.manual_seed(0)
-    head = EagleHead(EagleConfig(hidden_size=D, vocab_size=V, draft_vocab_size=4096), model.config,
-                     draft_ids=draft_ids, target=model)
+    head = EagleHead(
+        EagleConfig(hidden_size=D, vocab_size=V, draft_vocab_size=4096), model.config, draft_ids=draft_ids, target=model
+    )
     unrolled = UnrolledEagle(head)
     optim = torch.optim.AdamW(head.parameters(), lr=1e-3)
     b = collate(store, pack_rows([int(n) - 1 for n in store.lengths], 4096))
@@ -95,16 +103,27 @@ def test_eagle_greedy_matches_plain_generate(smollm2):
     refs, seqs = [], []
     for text in PROMPTS:
         ids = spec0.encode([{"role": "user", "content": text}])
-        ref = model.generate(ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=48,
-                             do_sample=False, eos_token_id=None, top_k=None)[0]
-        refs.append((ids, ref[ids.numel():].tolist()))
+        ref = model.generate(
+            ids[None],
+            attention_mask=torch.ones_like(ids[None]),
+            max_new_tokens=48,
+            do_sample=False,
+            eos_token_id=None,
+            top_k=None,
+        )[0]
+        refs.append((ids, ref[ids.numel() :].tolist()))
         seqs.append(ref)
     head = memorising_eagle_head(model, seqs)
     taus = []
     # The settings verify with each linear kernel at every tree size (W @ x^T; oneDNN on packed weights).
     packed = "packed" if Verifier(model).packed_available() else "weight_first"
-    settings = ((1, 1, 1, "weight_first"), (3, 2, 4, "linear"), (5, 4, 12, packed), (6, 3, 24, "packed"),
-                (4, 4, 8, "weight_first"))
+    settings = (
+        (1, 1, 1, "weight_first"),
+        (3, 2, 4, "linear"),
+        (5, 4, 12, packed),
+        (6, 3, 24, "packed"),
+        (4, 4, 8, "weight_first"),
+    )
     for depth, top_k, total, kernel in settings:
         if kernel == "packed" and not Verifier(model).packed_available():
             continue

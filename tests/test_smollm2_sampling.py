@@ -89,9 +89,9 @@ def test_first_two_tokens_follow_target_distribution(smollm2):
     if exp[-1] < 5:  # pool too small to be its own bin: merge it into the smallest
         obs[-2] += obs.pop()
         exp[-2] += exp.pop()
-    chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))
     dof = len(obs) - 1
     assert dof >= 2
-    assert chi2 < chi2_critical(dof), (chi2, dof, list(zip(obs, exp)))
+    assert chi2 < chi2_critical(dof), (chi2, dof, list(zip(obs, exp, strict=True)))
     # both paths were taken: in some samples a draft was accepted, in others every candidate was rejected
     assert 0 < steps_with_acceptance < N_SAMPLES

@@ -30,9 +30,25 @@ def setup(oracle, tmp_path, monkeypatch):
 
 def test_tune_tree_cli_writes_profile_and_prints_choice(setup, capsys):
     t, heads, prompt_file = setup
-    argv = ["tune-tree", "--heads", str(heads), "--prompts", str(prompt_file), "--n-prompts", "2",
-            "--skip-prompts", "1", "--max-new-tokens", "12", "--depth-max", "3", "--total-tokens-max", "6",
-            "--top-k", "2"]
+    argv = [
+        "tune-tree",
+        "--heads",
+        str(heads),
+        "--prompts",
+        str(prompt_file),
+        "--n-prompts",
+        "2",
+        "--skip-prompts",
+        "1",
+        "--max-new-tokens",
+        "12",
+        "--depth-max",
+        "3",
+        "--total-tokens-max",
+        "6",
+        "--top-k",
+        "2",
+    ]
     assert cli_main(argv) == 0
     printed = capsys.readouterr().out
     profile = calibration.load_acceptance_profile(heads, target=t)
@@ -54,8 +70,22 @@ def test_tune_tree_cli_writes_profile_and_prints_choice(setup, capsys):
 
 def test_bench_cli_takes_explicit_or_auto_eagle_budget(setup, tmp_path):
     t, heads, prompt_file = setup
-    base = ["--prompts", str(prompt_file), "--num-prompts", "1", "--max-turns", "1", "--max-new-tokens", "4",
-            "--methods", "baseline", "--heads", f"eagle={heads}", "--warmup", "0"]
+    base = [
+        "--prompts",
+        str(prompt_file),
+        "--num-prompts",
+        "1",
+        "--max-turns",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--methods",
+        "baseline",
+        "--heads",
+        f"eagle={heads}",
+        "--warmup",
+        "0",
+    ]
     assert bench.main([*base, "--eagle-depth", "3", "--eagle-total-tokens", "5", "--out", str(tmp_path / "a")]) == 0
     record = json.loads((tmp_path / "a" / "report.json").read_text())["methods"]["eagle"]["tree_budget"]
     assert (record["depth"], record["total_tokens"], record["chosen_by"]) == (3, 5, "given")
@@ -70,8 +100,9 @@ def test_tune_tree_refuses_medusa_heads(tmp_path, setup):
     from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 
     t, _, prompt_file = setup
-    d = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=96, num_heads=2),
-                    target_lm_head=t.get_output_embeddings().weight).save_pretrained(tmp_path / "medusa")
+    d = MedusaHeads(
+        MedusaConfig(hidden_size=32, vocab_size=96, num_heads=2), target_lm_head=t.get_output_embeddings().weight
+    ).save_pretrained(tmp_path / "medusa")
     with pytest.raises(SystemExit) as err:
         tune.main(["--heads", str(d), "--prompts", str(prompt_file)])
     assert err.value.code == 2

@@ -55,14 +55,26 @@ def run(cfg: TrainConfig) -> Path:
         mine = train_convs[: cfg.distill_conversations][rank::world]
         mine_eval = eval_convs[:n_eval][rank::world]
         shard_dir = Path(cfg.distill_dir) if cfg.distill_dir else out_dir / "distill"
-        distilled = self_distill(target, tokenizer, mine, shard_dir / f"train-rank{rank}-of{world}.jsonl",
-                                 cfg.distill_max_new_tokens, cfg.distill_batch_size,
-                                 max_prompt_tokens=cfg.max_length - cfg.distill_max_new_tokens,
-                                 disable_progress=not accelerator.is_local_main_process)
-        distilled_eval = self_distill(target, tokenizer, mine_eval, shard_dir / f"eval-rank{rank}-of{world}.jsonl",
-                                      cfg.distill_max_new_tokens, cfg.distill_batch_size,
-                                      max_prompt_tokens=cfg.max_length - cfg.distill_max_new_tokens,
-                                      disable_progress=not accelerator.is_local_main_process)
+        distilled = self_distill(
+            target,
+            tokenizer,
+            mine,
+            shard_dir / f"train-rank{rank}-of{world}.jsonl",
+            cfg.distill_max_new_tokens,
+            cfg.distill_batch_size,
+            max_prompt_tokens=cfg.max_length - cfg.distill_max_new_tokens,
+            disable_progress=not accelerator.is_local_main_process,
+        )
+        distilled_eval = self_distill(
+            target,
+            tokenizer,
+            mine_eval,
+            shard_dir / f"eval-rank{rank}-of{world}.jsonl",
+            cfg.distill_max_new_tokens,
+            cfg.distill_batch_size,
+            max_prompt_tokens=cfg.max_length - cfg.distill_max_new_tokens,
+            disable_progress=not accelerator.is_local_main_process,
+        )
         logger.info("self-distillation done in %.1fs", time.perf_counter() - t1)
         start = cfg.distill_conversations
         written = train_convs[start : start + cfg.original_conversations]

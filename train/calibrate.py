@@ -59,25 +59,40 @@ def calibrate_head(
         conv_ids.append(conv["id"])
     ids, conv_ids = ids[-cfg.calibrate_prompts :], conv_ids[-cfg.calibrate_prompts :]
     if skipped:
-        logger.info("calibration: %d held-out prompts skipped (over %d tokens: max_length %d, target context %s)",
-                    skipped, limit, cfg.max_length, getattr(target.config, "max_position_embeddings", None))
+        logger.info(
+            "calibration: %d held-out prompts skipped (over %d tokens: max_length %d, target context %s)",
+            skipped,
+            limit,
+            cfg.max_length,
+            getattr(target.config, "max_position_embeddings", None),
+        )
     if not ids:
         logger.warning("no held-out prompt to calibrate the tree budget on; decoding will use default budgets")
         return {"prompts": 0, "skipped": skipped, "ids": []}
     was_training = head.training
     head.eval()
-    drafter = EagleDrafter(head, target, depth=CALIBRATION_DEPTH_MAX, top_k=CALIBRATION_TOP_K,
-                           total_tokens=CALIBRATION_TOTAL_TOKENS_MAX)
+    drafter = EagleDrafter(
+        head, target, depth=CALIBRATION_DEPTH_MAX, top_k=CALIBRATION_TOP_K, total_tokens=CALIBRATION_TOTAL_TOKENS_MAX
+    )
     eos = target.generation_config.eos_token_id
     profile = calibrate_acceptance(
-        target, drafter, ids, max_new_tokens=cfg.calibrate_max_new_tokens,
-        total_tokens_max=CALIBRATION_TOTAL_TOKENS_MAX, depth_max=CALIBRATION_DEPTH_MAX, eos_token_id=eos,
+        target,
+        drafter,
+        ids,
+        max_new_tokens=cfg.calibrate_max_new_tokens,
+        total_tokens_max=CALIBRATION_TOTAL_TOKENS_MAX,
+        depth_max=CALIBRATION_DEPTH_MAX,
+        eos_token_id=eos,
     )
     save_acceptance_profile(profile, head_dir)
     head.train(was_training)
-    out = {"prompts": len(ids), "skipped": skipped, "seconds": round(time.perf_counter() - t0, 1),
-           "tau": {f"d{d}_n{n}": round(profile.tau_at(d, n), 3) for d, n in ((1, 1), (3, 4), (4, 8), (6, 16), (6, 32))},
-           "ids": conv_ids}
+    out = {
+        "prompts": len(ids),
+        "skipped": skipped,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "tau": {f"d{d}_n{n}": round(profile.tau_at(d, n), 3) for d, n in ((1, 1), (3, 4), (4, 8), (6, 16), (6, 32))},
+        "ids": conv_ids,
+    }
     logger.info("acceptance profile on %d held-out prompts in %.0fs: %s", len(ids), out["seconds"], out["tau"])
     return out
 

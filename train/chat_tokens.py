@@ -91,12 +91,10 @@ def _assistant_header(tokenizer, messages: Sequence[Message], i: int) -> str:
         prompted = _render(tokenizer, messages[:i], add_generation_prompt=True)
     except TemplateError:
         return ""
-    return prompted[len(plain):] if prompted.startswith(plain) else ""
+    return prompted[len(plain) :] if prompted.startswith(plain) else ""
 
 
-def _spans_by_search(
-    tokenizer, messages: Sequence[Message], text: str, specials: list[str]
-) -> list[tuple[int, int]]:
+def _spans_by_search(tokenizer, messages: Sequence[Message], text: str, specials: list[str]) -> list[tuple[int, int]]:
     """Assistant character spans found by searching each message's content in order through the full text.
 
     Before an assistant message the cursor first skips its role header, so a content equal to the role

@@ -239,7 +239,7 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
     fields = {f.name: f.type for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        hint = [f"{k} is now {s}.{k[len(s) + 1:]}" for k in unknown for s in _NESTED if k.startswith(s + "_")]
+        hint = [f"{k} is now {s}.{k[len(s) + 1 :]}" for k in unknown for s in _NESTED if k.startswith(s + "_")]
         hint += [f"{k} is now {s}.{k}" for k in unknown for s, c in _NESTED.items() if k in _field_names(c)]
         raise ValueError(
             f"unknown config keys {[prefix + k for k in unknown]}; valid keys: {sorted(prefix + k for k in fields)}"

@@ -119,7 +119,7 @@ def iter_json_array(path: str | os.PathLike, chunk_chars: int = _READ_CHUNK_CHAR
 
         skip(whitespace)
         if pos >= len(buf) or buf[pos] != "[":
-            raise ValueError(f"{path}: expected a JSON array (first character '['), found {buf[pos:pos + 20]!r}")
+            raise ValueError(f"{path}: expected a JSON array (first character '['), found {buf[pos : pos + 20]!r}")
         pos += 1
         expect_separator = False
         while True:

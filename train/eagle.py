@@ -86,9 +86,15 @@ def eagle_step_loss(
     for j, pred in enumerate(preds):
         later = positions >= j  # pairs with j earlier pairs in their sequence
         pf = pred[base & later]
-        lj, fj, cj = eagle_loss(pf, tf_all[later[base]], softcap(pf @ lm_weight.T, logit_softcap), tl_all[later[base]],
-                                ce_weight=options.ce_weight, feature_weight=options.feature_weight,
-                                hard_labels=hard_labels)
+        lj, fj, cj = eagle_loss(
+            pf,
+            tf_all[later[base]],
+            softcap(pf @ lm_weight.T, logit_softcap),
+            tl_all[later[base]],
+            ce_weight=options.ce_weight,
+            feature_weight=options.feature_weight,
+            hard_labels=hard_labels,
+        )
         w = options.ttt_decay**j
         loss = w * lj if loss is None else loss + w * lj
         if j == 0:
@@ -167,8 +173,14 @@ def evaluate(
         in_vocab += int((t2d[greedy.cpu()] >= 0).sum())
         feat_loss += float(torch.nn.functional.smooth_l1_loss(pred.float(), tf.float(), reduction="sum")) / tf.shape[1]
     head.train(was_training)
-    return {"positions": n, "hits": hits.tolist(), "in_vocab": in_vocab, "feature_loss_sum": feat_loss,
-            "chain_hits": c_hits, "chain_counts": c_counts}
+    return {
+        "positions": n,
+        "hits": hits.tolist(),
+        "in_vocab": in_vocab,
+        "feature_loss_sum": feat_loss,
+        "chain_hits": c_hits,
+        "chain_counts": c_counts,
+    }
 
 
 def summarise_eval(raw: dict[str, Any]) -> dict[str, Any]:
@@ -177,10 +189,15 @@ def summarise_eval(raw: dict[str, Any]) -> dict[str, Any]:
     n = max(1, raw["positions"])
     topk = [round(h / n, 4) for h in raw["hits"]]
     chain = [round(h / max(1, c), 4) for h, c in zip(raw["chain_hits"], raw["chain_counts"], strict=True)]
-    return {"positions": raw["positions"], "top1": topk[0], "topk": topk,
-            "feature_loss": round(raw["feature_loss_sum"] / n, 5),
-            "target_in_draft_vocab": round(raw["in_vocab"] / n, 4), "chain": chain,
-            "chain_tau": round(1 + sum(chain), 4)}
+    return {
+        "positions": raw["positions"],
+        "top1": topk[0],
+        "topk": topk,
+        "feature_loss": round(raw["feature_loss_sum"] / n, 5),
+        "target_in_draft_vocab": round(raw["in_vocab"] / n, 4),
+        "chain": chain,
+        "chain_tau": round(1 + sum(chain), 4),
+    }
 
 
 class EagleRecipe(Recipe):
@@ -193,9 +210,17 @@ class EagleRecipe(Recipe):
 
     family = "eagle"
 
-    def __init__(self, cfg: TrainConfig, accelerator: Accelerator, target: PreTrainedModel,
-                 tokenizer: PreTrainedTokenizerBase | None, train: FeatureStore, held: FeatureStore, signature: str,
-                 eval_convs: list[dict]) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        accelerator: Accelerator,
+        target: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None,
+        train: FeatureStore,
+        held: FeatureStore,
+        signature: str,
+        eval_convs: list[dict],
+    ) -> None:
         self.cfg, self.target, self.tokenizer, self.signature = cfg, target, tokenizer, signature
         self.eval_convs = eval_convs
         self.rank = accelerator.process_index
@@ -209,13 +234,17 @@ class EagleRecipe(Recipe):
         counts = torch.bincount(self.train.tokens[self.train.loss_mask], minlength=V)
         draft_ids = draft_vocabulary(counts, cfg.draft_vocab_size)
         hcfg = EagleConfig(
-            hidden_size=target.config.hidden_size, vocab_size=V,
-            draft_vocab_size=None if draft_ids is None else draft_ids.numel(), fc_bias=opts.fc_bias,
-            target=cfg.target, target_fingerprint=target_fingerprint(target),
+            hidden_size=target.config.hidden_size,
+            vocab_size=V,
+            draft_vocab_size=None if draft_ids is None else draft_ids.numel(),
+            fc_bias=opts.fc_bias,
+            target=cfg.target,
+            target_fingerprint=target_fingerprint(target),
         )
         torch.manual_seed(cfg.seed)
-        self.head = EagleHead(hcfg, target.config, draft_ids=draft_ids, target=target,
-                              init_from_target_layer=opts.init_from_target_layer).float()
+        self.head = EagleHead(
+            hcfg, target.config, draft_ids=draft_ids, target=target, init_from_target_layer=opts.init_from_target_layer
+        ).float()
         self.rows_per_step = max(1, opts.batch_tokens // cfg.max_length)
         self._lm32: torch.Tensor | None = None  # [S, D] frozen, on the head's device once training starts
         self.lm_full = target.get_output_embeddings().weight.detach()
@@ -239,28 +268,39 @@ class EagleRecipe(Recipe):
             feats = feats + noise.to(feats.device)
         if self._lm32 is None:
             self._lm32 = self.head.lm_weight(torch.float32).to(feats.device)
-        out = eagle_step_loss(model, batch, self._lm32, self.cfg.eagle, features=feats,
-                              logit_softcap=self.head.logit_softcap)
-        return StepLoss(out.loss, {"feature_loss": round(out.feature_loss.item(), 4),
-                                   "ce_loss": round(out.ce_loss.item(), 4)},
-                        {"train_tokens": int(batch["valid"].sum()), "scored_tokens": out.scored})
+        out = eagle_step_loss(
+            model, batch, self._lm32, self.cfg.eagle, features=feats, logit_softcap=self.head.logit_softcap
+        )
+        return StepLoss(
+            out.loss,
+            {"feature_loss": round(out.feature_loss.item(), 4), "ce_loss": round(out.ce_loss.item(), 4)},
+            {"train_tokens": int(batch["valid"].sum()), "scored_tokens": out.scored},
+        )
 
     def evaluate(self) -> dict[str, Any]:
         return summarise_eval(evaluate(self.head, self.held, self.lm_full, self.cfg.eval_topk, self.cfg.max_length))
 
     def history(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        return {"heldout_top1": metrics["top1"], "heldout_chain": metrics["chain"],
-                "heldout_chain_tau": metrics["chain_tau"]}
+        return {
+            "heldout_top1": metrics["top1"],
+            "heldout_chain": metrics["chain"],
+            "heldout_chain_tau": metrics["chain_tau"],
+        }
 
     def save(self, metrics: dict[str, Any], head_dir: Path) -> dict[str, Any]:
         self.head.config = dataclasses.replace(self.head.config, heldout_top1=metrics["top1"])
         self.head.save_pretrained(head_dir)
-        out: dict[str, Any] = {"train_sequences": len(self.train), "scored_positions_per_epoch": self.n_scored,
-                               "draft_vocab_size": self.head.config.n_draft, "heldout": metrics,
-                               "options": dataclasses.asdict(self.cfg.eagle)}
+        out: dict[str, Any] = {
+            "train_sequences": len(self.train),
+            "scored_positions_per_epoch": self.n_scored,
+            "draft_vocab_size": self.head.config.n_draft,
+            "heldout": metrics,
+            "options": dataclasses.asdict(self.cfg.eagle),
+        }
         if self.cfg.calibrate_prompts > 0:
-            out["acceptance_profile"] = calibrate_head(self.cfg, self.head, self.target, self.tokenizer,
-                                                       self.eval_convs, head_dir)
+            out["acceptance_profile"] = calibrate_head(
+                self.cfg, self.head, self.target, self.tokenizer, self.eval_convs, head_dir
+            )
             out["calibration_ids"] = out["acceptance_profile"].pop("ids", [])  # the prompts that fit
         return out
 

@@ -52,8 +52,15 @@ class UnrolledEagle3(torch.nn.Module):
         super().__init__()
         self.head = head
 
-    def forward(self, layers: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, segment: torch.Tensor,
-                steps: int, select: torch.Tensor) -> list[torch.Tensor]:
+    def forward(
+        self,
+        layers: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        segment: torch.Tensor,
+        steps: int,
+        select: torch.Tensor,
+    ) -> list[torch.Tensor]:
         """Args: ``layers`` ``[B, T, 3D]`` the target layers at each pair, ``tokens`` / ``positions`` / ``segment``
         Long ``[B, T]`` (:func:`~selfspec.train.eagle_data.collate`), ``steps`` >= 1, ``select`` Bool ``[B, T]``.
 
@@ -79,9 +86,14 @@ def split_features(batch: dict[str, torch.Tensor], hidden_size: int) -> tuple[to
     return batch["features"][..., : 3 * D], batch["targets"][..., 3 * D :]
 
 
-def eagle3_step_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], lm_rows: torch.Tensor,
-                     options: Eagle3Options, hidden_size: int, logit_softcap: float | None = None
-                     ) -> tuple[torch.Tensor, list[float], int]:
+def eagle3_step_loss(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    lm_rows: torch.Tensor,
+    options: Eagle3Options,
+    hidden_size: int,
+    logit_softcap: float | None = None,
+) -> tuple[torch.Tensor, list[float], int]:
     """The EAGLE-3 loss of one packed batch: ``sum_i ttt_decay**i * L_i`` (module docstring).
 
     Args:
@@ -121,8 +133,14 @@ def eagle3_step_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], lm_
 
 
 @torch.no_grad()
-def evaluate(head: Eagle3Head, store: PairStore, target_lm_head: torch.Tensor, depth: int = 3, row_len: int = 512,
-             rows_per_batch: int = 4) -> dict[str, Any]:
+def evaluate(
+    head: Eagle3Head,
+    store: PairStore,
+    target_lm_head: torch.Tensor,
+    depth: int = 3,
+    row_len: int = 512,
+    rows_per_batch: int = 4,
+) -> dict[str, Any]:
     """Held-out agreement with the target's greedy tokens at scored pairs: ``top1`` (teacher-forced, step 0, the
     depth-1 acceptance of greedy decoding) and ``chain[d-1]``, the share of chain starts whose first d drafts
     (the head unrolled on its own outputs, :class:`UnrolledEagle3`) all equal the target's greedy tokens, i.e.
@@ -168,9 +186,17 @@ class Eagle3Recipe(Recipe):
 
     family = "eagle3"
 
-    def __init__(self, cfg: TrainConfig, accelerator: Accelerator, target: PreTrainedModel,
-                 tokenizer: PreTrainedTokenizerBase | None, train: FeatureStore, held: FeatureStore, signature: str,
-                 eval_convs: list[dict]) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        accelerator: Accelerator,
+        target: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None,
+        train: FeatureStore,
+        held: FeatureStore,
+        signature: str,
+        eval_convs: list[dict],
+    ) -> None:
         self.cfg, self.target, self.tokenizer, self.signature = cfg, target, tokenizer, signature
         self.eval_convs = eval_convs
         opts = cfg.eagle3
@@ -181,13 +207,23 @@ class Eagle3Recipe(Recipe):
         counts = torch.bincount(self.train.tokens[self.train.loss_mask], minlength=V)
         draft_ids = draft_vocabulary(counts, cfg.draft_vocab_size)
         hcfg = Eagle3Config(
-            hidden_size=D, vocab_size=V, draft_vocab_size=V if draft_ids is None else draft_ids.numel(),
-            num_target_layers=target.config.num_hidden_layers, target_layers=head_layers(cfg, target),
-            target=cfg.target, target_fingerprint=target_fingerprint(target),
+            hidden_size=D,
+            vocab_size=V,
+            draft_vocab_size=V if draft_ids is None else draft_ids.numel(),
+            num_target_layers=target.config.num_hidden_layers,
+            target_layers=head_layers(cfg, target),
+            target=cfg.target,
+            target_fingerprint=target_fingerprint(target),
         )
         torch.manual_seed(cfg.seed)
-        self.head = Eagle3Head(hcfg, target.config, draft_ids=draft_ids, target=target, init_layer=opts.init_layer,
-                               init_lm_head=opts.init_lm_head).float()
+        self.head = Eagle3Head(
+            hcfg,
+            target.config,
+            draft_ids=draft_ids,
+            target=target,
+            init_layer=opts.init_layer,
+            init_lm_head=opts.init_lm_head,
+        ).float()
         self.rows_per_step = max(1, opts.batch_tokens // cfg.max_length)
         self.lm_full = target.get_output_embeddings().weight.detach()
         self._lm_rows: torch.Tensor | None = None  # [S, D] float32 on the training device
@@ -207,27 +243,37 @@ class Eagle3Recipe(Recipe):
         if self._lm_rows is None:
             dev = batch["tokens"].device
             self._lm_rows = self.lm_full[self.head.draft_ids.to(self.lm_full.device)].float().to(dev)
-        loss, per_step, scored = eagle3_step_loss(model, batch, self._lm_rows, self.cfg.eagle3,
-                                                  self.target.config.hidden_size, self.head.logit_softcap)
-        return StepLoss(loss, {"step_loss": per_step}, {"train_tokens": int(batch["valid"].sum()),
-                                                        "scored_tokens": scored})
+        loss, per_step, scored = eagle3_step_loss(
+            model, batch, self._lm_rows, self.cfg.eagle3, self.target.config.hidden_size, self.head.logit_softcap
+        )
+        return StepLoss(
+            loss, {"step_loss": per_step}, {"train_tokens": int(batch["valid"].sum()), "scored_tokens": scored}
+        )
 
     def evaluate(self) -> dict[str, Any]:
         return evaluate(self.head, self.held, self.lm_full, min(3, self.cfg.eagle3.ttt_steps), self.cfg.max_length)
 
     def history(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        return {"heldout_top1": metrics["top1"], "heldout_chain": metrics["chain"],
-                "heldout_chain_tau": metrics["chain_tau"]}
+        return {
+            "heldout_top1": metrics["top1"],
+            "heldout_chain": metrics["chain"],
+            "heldout_chain_tau": metrics["chain_tau"],
+        }
 
     def save(self, metrics: dict[str, Any], head_dir: Path) -> dict[str, Any]:
         self.head.config = dataclasses.replace(self.head.config, heldout_top1=metrics["top1"])
         self.head.save_pretrained(head_dir)
-        out: dict[str, Any] = {"train_sequences": len(self.train), "draft_vocab_size": self.head.config.n_draft,
-                               "target_layers": list(self.head.target_layers), "heldout": metrics,
-                               "options": dataclasses.asdict(self.cfg.eagle3)}
+        out: dict[str, Any] = {
+            "train_sequences": len(self.train),
+            "draft_vocab_size": self.head.config.n_draft,
+            "target_layers": list(self.head.target_layers),
+            "heldout": metrics,
+            "options": dataclasses.asdict(self.cfg.eagle3),
+        }
         if self.cfg.calibrate_prompts > 0 and self.tokenizer is not None:
-            out["acceptance_profile"] = calibrate_head(self.cfg, self.head, self.target, self.tokenizer,
-                                                       self.eval_convs, head_dir)
+            out["acceptance_profile"] = calibrate_head(
+                self.cfg, self.head, self.target, self.tokenizer, self.eval_convs, head_dir
+            )
             out["calibration_ids"] = out["acceptance_profile"].pop("ids", [])
         return out
 
@@ -237,9 +283,15 @@ def head_layers(cfg: TrainConfig, target: PreTrainedModel) -> tuple[int, ...]:
     return cfg.eagle3.target_layers or default_target_layers(target.config.num_hidden_layers)
 
 
-def train_eagle3(cfg: TrainConfig, accelerator: Accelerator, target: PreTrainedModel,
-                 tokenizer: PreTrainedTokenizerBase | None, train_convs: list[dict], eval_convs: list[dict],
-                 heldout_ids: list[str] | None = None) -> Path:
+def train_eagle3(
+    cfg: TrainConfig,
+    accelerator: Accelerator,
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    train_convs: list[dict],
+    eval_convs: list[dict],
+    heldout_ids: list[str] | None = None,
+) -> Path:
     """Train an EAGLE-3 head on the frozen ``target``; returns the saved head directory (``<output_dir>/heads``).
 
     The feature store holds the three layers and the last hidden state at every position (cached, keyed by

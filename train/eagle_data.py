@@ -111,8 +111,16 @@ def collate(store: PairStore, rows: list[list[int]], dtype: torch.dtype = torch.
     allowed = (segment.unsqueeze(2) == segment.unsqueeze(1)) & (idx.view(1, 1, T) <= idx.view(1, T, 1))
     allowed |= torch.eye(T, dtype=torch.bool).unsqueeze(0)  # padding rows see themselves (no empty softmax)
     mask = torch.zeros(B, 1, T, T, dtype=dtype).masked_fill_(~allowed.unsqueeze(1), torch.finfo(dtype).min)
-    return {"tokens": tokens, "features": feats, "targets": targets, "scored": scored, "positions": positions,
-            "mask": mask, "valid": valid, "segment": segment}
+    return {
+        "tokens": tokens,
+        "features": feats,
+        "targets": targets,
+        "scored": scored,
+        "positions": positions,
+        "mask": mask,
+        "valid": valid,
+        "segment": segment,
+    }
 
 
 def epoch_rows(store: PairStore, row_len: int, seed: int) -> list[list[int]]:

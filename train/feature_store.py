@@ -80,13 +80,18 @@ class FeatureStore:
         """The stores' sequences one after another (in list order)."""
         if len(stores) == 1:
             return cls(stores[0].tokens, stores[0].features, stores[0].loss_mask, stores[0].lengths)
-        return cls(*(torch.cat([getattr(s, name) for s in stores]) for name in ("tokens", "features", "loss_mask",
-                                                                                   "lengths")))
+        return cls(
+            *(torch.cat([getattr(s, name) for s in stores]) for name in ("tokens", "features", "loss_mask", "lengths"))
+        )
 
     def tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """The four tensors by name (``prefix + "tokens"``, ...), as :func:`save_features` writes them."""
-        return {prefix + "tokens": self.tokens, prefix + "features": self.features.contiguous(),
-                prefix + "loss_mask": self.loss_mask, prefix + "lengths": self.lengths}
+        return {
+            prefix + "tokens": self.tokens,
+            prefix + "features": self.features.contiguous(),
+            prefix + "loss_mask": self.loss_mask,
+            prefix + "lengths": self.lengths,
+        }
 
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str = "") -> FeatureStore:
@@ -123,8 +128,9 @@ def save_features(path: Path, train: FeatureStore, held: FeatureStore, signature
     in the metadata."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    save_file({**train.tensors(), **held.tensors("eval_")}, str(tmp), metadata={"signature": signature,
-                                                                               "layers": layers})
+    save_file(
+        {**train.tensors(), **held.tensors("eval_")}, str(tmp), metadata={"signature": signature, "layers": layers}
+    )
     os.replace(tmp, path)
 
 
@@ -136,8 +142,12 @@ def load_features(path: Path, signature: str) -> tuple[FeatureStore, FeatureStor
     with safe_open(str(path), "pt") as fh:
         cached = (fh.metadata() or {}).get("signature")
     if cached != signature:
-        logger.warning("cached features %s were computed from other inputs (signature %s, now %s): recomputing",
-                       path, cached, signature)
+        logger.warning(
+            "cached features %s were computed from other inputs (signature %s, now %s): recomputing",
+            path,
+            cached,
+            signature,
+        )
         return None
     t = load_file(str(path))
     train, held = FeatureStore.from_tensors(t), FeatureStore.from_tensors(t, "eval_")

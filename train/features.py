@@ -76,8 +76,13 @@ def self_distill(
             continue
         todo.append((n, conv, msgs, text))
     todo.sort(key=lambda item: item[0])  # similar lengths share a batch: little padding
-    logger.info("self-distillation: %d cached, %d to generate, %d skipped (prompt over %d tokens)",
-                len(done), len(todo), too_long, max_prompt_tokens)
+    logger.info(
+        "self-distillation: %d cached, %d to generate, %d skipped (prompt over %d tokens)",
+        len(done),
+        len(todo),
+        too_long,
+        max_prompt_tokens,
+    )
     pad_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
@@ -106,7 +111,9 @@ def self_distill(
 
 @torch.inference_mode()
 def hidden_features(
-    model: PreTrainedModel, examples: Iterable[dict], disable_progress: bool = False,
+    model: PreTrainedModel,
+    examples: Iterable[dict],
+    disable_progress: bool = False,
     layers: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """Target last hidden states (after the final norm) for each tokenized example.

@@ -226,8 +226,14 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
         extras = recipe.save(metrics, final_dir)
         calibration_ids = extras.pop("calibration_ids", [])
         rates = {f"{k}_per_s": round(n * world / max(elapsed, 1e-9), 1) for k, n in counts.items()}
-        summary = {"head": recipe.family, "step": step, "train_s": round(elapsed, 1), **rates, **extras,
-                   "history": hist}
+        summary = {
+            "head": recipe.family,
+            "step": step,
+            "train_s": round(elapsed, 1),
+            **rates,
+            **extras,
+            "history": hist,
+        }
         (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
         record = training_record(cfg, recipe.family, recipe.target, heldout_ids, calibration_ids)
         (final_dir / RECORD_FILE).write_text(json.dumps(record, indent=2))

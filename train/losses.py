@@ -59,7 +59,7 @@ def topk_hits(logits: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch
     match = (top == lab).long()
     if match.shape[-1] < k:
         match = F.pad(match, (0, k - match.shape[-1]))
-    scored = (labels.T != IGNORE)  # [K, P]
+    scored = labels.T != IGNORE  # [K, P]
     hits = (match.cumsum(-1) * scored.unsqueeze(-1)).sum(1)
     return hits, scored.sum(1)
 

@@ -67,8 +67,9 @@ def to_draft_labels(labels: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def evaluate(heads: MedusaHeads, hidden: torch.Tensor, labels_draft: torch.Tensor, k: int,
-             batch: int = 1024) -> list[list[float]]:
+def evaluate(
+    heads: MedusaHeads, hidden: torch.Tensor, labels_draft: torch.Tensor, k: int, batch: int = 1024
+) -> list[list[float]]:
     """Held-out cumulative top-1..top-k accuracy per head.
 
     Args:
@@ -107,8 +108,9 @@ class MedusaRecipe(Recipe):
 
     family = "medusa"
 
-    def __init__(self, cfg: TrainConfig, target: PreTrainedModel, train: FeatureStore, held: FeatureStore,
-                 signature: str) -> None:
+    def __init__(
+        self, cfg: TrainConfig, target: PreTrainedModel, train: FeatureStore, held: FeatureStore, signature: str
+    ) -> None:
         self.cfg, self.target, self.signature = cfg, target, signature
         opts = cfg.medusa
         self.hidden, labels = position_table(train, opts.num_heads)
@@ -125,9 +127,13 @@ class MedusaRecipe(Recipe):
         self.labels = labels_draft.masked_fill(labels_draft == -1, IGNORE)  # out-of-vocab tokens: no gradient
         self.held = (held_hidden, to_draft_labels(held_labels, t2d))
         mcfg = MedusaConfig(
-            hidden_size=target.config.hidden_size, vocab_size=V, num_heads=opts.num_heads,
-            num_layers=opts.num_layers, own_lm_head=opts.own_lm_head,
-            draft_vocab_size=n_draft if n_draft < V else None, target=cfg.target,
+            hidden_size=target.config.hidden_size,
+            vocab_size=V,
+            num_heads=opts.num_heads,
+            num_layers=opts.num_layers,
+            own_lm_head=opts.own_lm_head,
+            draft_vocab_size=n_draft if n_draft < V else None,
+            target=cfg.target,
             target_fingerprint=target_fingerprint(target),
         )
         lm_head = target.get_output_embeddings().weight.detach().float().cpu()
@@ -148,8 +154,11 @@ class MedusaRecipe(Recipe):
 
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepLoss:
         loss, per_head = medusa_loss(model(batch["hidden"]), batch["labels"], self.cfg.medusa.head_decay)
-        return StepLoss(loss, {"per_head_loss": [round(float(x), 4) for x in per_head]},
-                        {"positions": int(batch["labels"].shape[0])})
+        return StepLoss(
+            loss,
+            {"per_head_loss": [round(float(x), 4) for x in per_head]},
+            {"positions": int(batch["labels"].shape[0])},
+        )
 
     def evaluate(self) -> dict[str, Any]:
         return {"topk": evaluate(self.heads, *self.held, self.cfg.eval_topk)}

@@ -54,25 +54,47 @@ def build_parser() -> argparse.ArgumentParser:
         description="Speedup, tau and exactness of selfspec methods against plain transformers generate, "
         "measured in one process, methods interleaved per prompt.",
     )
-    p.add_argument("--prompts", default=SHAREGPT_HELDOUT,
-                   help="MT-bench/Spec-Bench JSONL file, or 'sharegpt-heldout' (the split held out by the run "
-                   "that trained the first --heads, from its training_record.json)")
+    p.add_argument(
+        "--prompts",
+        default=SHAREGPT_HELDOUT,
+        help="MT-bench/Spec-Bench JSONL file, or 'sharegpt-heldout' (the split held out by the run "
+        "that trained the first --heads, from its training_record.json)",
+    )
     p.add_argument("--target", default="smollm2-135m-instruct", help="target name, directory or Hub id")
-    p.add_argument("--heads", nargs="*", default=[], metavar="DIR",
-                   help="head directories (or NAME=DIR), one method each")
-    p.add_argument("--methods", nargs="+", default=None, choices=BUILTIN_METHODS,
-                   help=f"built-in methods (default: {' '.join(DEFAULT_METHODS)}, plus draft_model with "
-                   "--draft-model); baseline always runs")
-    p.add_argument("--draft-model", default=None,
-                   help="small causal LM with the target's tokenizer (draft_model method)")
-    p.add_argument("--eagle-depth", type=_int_or_auto, default=None,
-                   help="EAGLE-2 tree depth, or 'auto' (default): sized to this machine when the head has an "
-                   "acceptance profile (selfspec tune-tree), else selfspec's default")
+    p.add_argument(
+        "--heads", nargs="*", default=[], metavar="DIR", help="head directories (or NAME=DIR), one method each"
+    )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        choices=BUILTIN_METHODS,
+        help=f"built-in methods (default: {' '.join(DEFAULT_METHODS)}, plus draft_model with "
+        "--draft-model); baseline always runs",
+    )
+    p.add_argument(
+        "--draft-model", default=None, help="small causal LM with the target's tokenizer (draft_model method)"
+    )
+    p.add_argument(
+        "--eagle-depth",
+        type=_int_or_auto,
+        default=None,
+        help="EAGLE-2 tree depth, or 'auto' (default): sized to this machine when the head has an "
+        "acceptance profile (selfspec tune-tree), else selfspec's default",
+    )
     p.add_argument("--eagle-top-k", type=int, default=None, help="EAGLE-2 expansions per node")
-    p.add_argument("--eagle-total-tokens", type=_int_or_auto, default=None,
-                   help="EAGLE-2 draft tokens kept per step, or 'auto' (default; see --eagle-depth)")
-    p.add_argument("--tree-nodes", type=int, default=None,
-                   help="tree size for Medusa heads (default: sized to this machine from the heads' accuracies)")
+    p.add_argument(
+        "--eagle-total-tokens",
+        type=_int_or_auto,
+        default=None,
+        help="EAGLE-2 draft tokens kept per step, or 'auto' (default; see --eagle-depth)",
+    )
+    p.add_argument(
+        "--tree-nodes",
+        type=int,
+        default=None,
+        help="tree size for Medusa heads (default: sized to this machine from the heads' accuracies)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -113,14 +135,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     methods = args.methods or list(DEFAULT_METHODS) + (["draft_model"] if args.draft_model else [])
-    prompts = load_prompts(args.prompts, args.num_prompts, args.max_turns, args.per_category,
-                           head_dirs=list(heads.values()))
+    prompts = load_prompts(
+        args.prompts, args.num_prompts, args.max_turns, args.per_category, head_dirs=list(heads.values())
+    )
     target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
     draft = load_target(args.draft_model, dtype=args.dtype, device=args.device)[0] if args.draft_model else None
     try:
         eagle_options = {"depth": args.eagle_depth, "top_k": args.eagle_top_k, "total_tokens": args.eagle_total_tokens}
         bench_methods = build_methods(
-            target, tokenizer, settings, methods=methods, heads=heads, draft_model=draft, tree_nodes=args.tree_nodes,
+            target,
+            tokenizer,
+            settings,
+            methods=methods,
+            heads=heads,
+            draft_model=draft,
+            tree_nodes=args.tree_nodes,
             eagle_options=eagle_options,
         )
     except ValueError as err:

@@ -289,8 +289,9 @@ def build_methods(
         head = heads[name]
         method = selfspec_method(SpeculativeModel(target, tokenizer, drafter, verifier), settings, eos)
         source = f" from {head}" if isinstance(head, (str, Path)) else ""
-        out[name] = dataclasses.replace(method, description=method.description + source,
-                                        tree_budget=tree_budget_record(drafter))
+        out[name] = dataclasses.replace(
+            method, description=method.description + source, tree_budget=tree_budget_record(drafter)
+        )
     for name, fn in (extra_methods or {}).items():
         if name in out:
             raise ValueError(f"extra method name {name!r} is taken")

@@ -46,8 +46,10 @@ def _row(agg: Aggregate) -> str:
 def _budget_text(budget: TreeBudgetRecord | None) -> str:
     if budget is None:
         return ""
-    text = (f"; EAGLE tree depth {budget.depth}, top_k {budget.top_k}, total_tokens {budget.total_tokens} "
-            f"({budget.chosen_by}")
+    text = (
+        f"; EAGLE tree depth {budget.depth}, top_k {budget.top_k}, total_tokens {budget.total_tokens} "
+        f"({budget.chosen_by}"
+    )
     if budget.expected_tau is not None:
         speedup = _fmt(budget.expected_speedup, ".2f", "x")
         text += f": expected tau {budget.expected_tau:.2f}, expected speedup {speedup}"

@@ -41,8 +41,12 @@ def write_plots(report: BenchReport, out_dir: Path) -> list[Path]:
     for i, name in enumerate(spec_names):
         counts = [c for s in report.samples for c in (s.results[name].accepted_per_step or [])]
         values = range(1, max(counts) + 1)
-        ax.bar([v - 0.4 + (i + 0.5) * width for v in values], [counts.count(v) / len(counts) for v in values],
-               width, label=name)
+        ax.bar(
+            [v - 0.4 + (i + 0.5) * width for v in values],
+            [counts.count(v) / len(counts) for v in values],
+            width,
+            label=name,
+        )
     if not spec_names:
         ax.text(0.5, 0.5, "no speculative methods", ha="center", va="center", transform=ax.transAxes)
     else:

@@ -114,9 +114,7 @@ def _token_at(tokens: Sequence[int], i: int) -> int | None:
     return tokens[i] if i < len(tokens) else None
 
 
-def _compare_to_reference(
-    sample: Sample, settings: BenchSettings
-) -> tuple[Sample, list[Mismatch]]:
+def _compare_to_reference(sample: Sample, settings: BenchSettings) -> tuple[Sample, list[Mismatch]]:
     """Fill ``speedup`` (always) and ``matches_reference`` / ``first_diff`` (greedy) for one sample; return
     it with the greedy mismatches found."""
     ref = sample.results[settings.reference]
@@ -130,8 +128,17 @@ def _compare_to_reference(
         diff = first_difference(ref.tokens, rec.tokens)
         results[name] = dataclasses.replace(rec, speedup=speedup, matches_reference=diff is None, first_diff=diff)
         if diff is not None:
-            found.append(Mismatch(name, sample.question_id, sample.category, sample.turn, diff,
-                                  _token_at(ref.tokens, diff), _token_at(rec.tokens, diff)))
+            found.append(
+                Mismatch(
+                    name,
+                    sample.question_id,
+                    sample.category,
+                    sample.turn,
+                    diff,
+                    _token_at(ref.tokens, diff),
+                    _token_at(rec.tokens, diff),
+                )
+            )
     return dataclasses.replace(sample, results=results), found
 
 
@@ -202,9 +209,14 @@ def run_bench(
             messages = history + [{"role": "user", "content": text}]
             ids = encode_messages(tokenizer, messages).to(device)
             if limit is not None and ids.numel() > limit:
-                logger.info("%s turn %d skipped: %d prompt tokens, over %d (max_prompt_tokens, or the target's "
-                            "max_position_embeddings less max_new_tokens)", prompt.question_id, turn, ids.numel(),
-                            limit)
+                logger.info(
+                    "%s turn %d skipped: %d prompt tokens, over %d (max_prompt_tokens, or the target's "
+                    "max_position_embeddings less max_new_tokens)",
+                    prompt.question_id,
+                    turn,
+                    ids.numel(),
+                    limit,
+                )
                 skipped.append(Skipped(prompt.question_id, turn, ids.numel()))
                 break
             seed = settings.seed + len(samples)
@@ -213,13 +225,16 @@ def run_bench(
             results = {}
             for name in names[k:] + names[:k]:
                 results[name] = _result(*_timed(methods[name], ids, call_settings, device), eos)
-            sample = Sample(prompt.question_id, prompt.category, turn, ids.numel(), seed,
-                            {name: results[name] for name in names})
+            sample = Sample(
+                prompt.question_id, prompt.category, turn, ids.numel(), seed, {name: results[name] for name in names}
+            )
             sample, found = _compare_to_reference(sample, settings)
             mismatches += found
             samples.append(sample)
             logger.info(
-                "%s turn %d: %s", prompt.question_id, turn,
+                "%s turn %d: %s",
+                prompt.question_id,
+                turn,
                 ", ".join(f"{n} {r.tokens_per_s:.1f} tok/s" for n, r in sample.results.items()),
             )
             answer = tokenizer.decode(sample.results[settings.reference].tokens, skip_special_tokens=True)

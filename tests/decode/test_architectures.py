@@ -99,6 +99,7 @@ MEDUSA_TREES = {
     "mixed": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)],
 }
 
+
 def medusa(paths) -> Callable:
     """A drafter factory: random Medusa heads built for the target, on the static tree ``paths``."""
     return lambda t, arch, ids, ref: MedusaDrafter(random_heads(t), static_tree(paths))
@@ -366,8 +367,14 @@ def tiny_lfm2():
     if not hasattr(transformers, "Lfm2Config"):
         pytest.skip("this transformers has no LFM2")
     config = transformers.Lfm2Config(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, layer_types=["conv", "full_attention"], max_position_embeddings=512,
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention"],
+        max_position_embeddings=512,
     )
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()

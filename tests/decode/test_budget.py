@@ -1,5 +1,6 @@
-"""decode/budget.py, costs.py, calibration.py: the budget choice on hand-made profiles, acceptance calibration checked against real
-smaller-budget runs, cost/acceptance profile files and caching, and make_drafter's "auto" budget."""
+"""decode/budget.py, costs.py, calibration.py: the budget choice on hand-made profiles, acceptance calibration
+checked against real smaller-budget runs, cost/acceptance profile files and caching, and make_drafter's "auto"
+budget."""
 
 from __future__ import annotations
 
@@ -41,8 +42,14 @@ def cost(node_counts, verify_ms, **key) -> CostProfile:
 
 def acceptance(tau, top_k=2) -> AcceptanceProfile:
     tau = tuple(tuple(float(x) for x in row) for row in tau)
-    return AcceptanceProfile(top_k=top_k, tau=tau, inexact_steps=tuple(tuple(0 for _ in r) for r in tau), steps=10,
-                             prompts=2, max_new_tokens=16)
+    return AcceptanceProfile(
+        top_k=top_k,
+        tau=tau,
+        inexact_steps=tuple(tuple(0 for _ in r) for r in tau),
+        steps=10,
+        prompts=2,
+        max_new_tokens=16,
+    )
 
 
 # top_k 2: depth 1 creates 2 candidates, depth 2 six, depth 3 ten; the table stops at N = 6.
@@ -131,8 +138,9 @@ def test_calibration_predicts_smaller_budgets_exactly(oracle):
     t, head = oracle
     ids = prompts(8, seed=11)
     top_k, depth_max, n_max = 3, 4, 14
-    profile = calibration.calibrate_acceptance(t, EagleDrafter(head, t, 2, top_k, 5), ids, max_new_tokens=2,
-                                      total_tokens_max=n_max, depth_max=depth_max)
+    profile = calibration.calibrate_acceptance(
+        t, EagleDrafter(head, t, 2, top_k, 5), ids, max_new_tokens=2, total_tokens_max=n_max, depth_max=depth_max
+    )
     assert (profile.steps, profile.prompts, profile.depth_max, profile.total_tokens_max) == (8, 8, depth_max, n_max)
     assert profile.tau[-1][-1] > 2.0  # the oracle's drafts are accepted: the table is not all ones
     checked_inexact = 0
@@ -183,8 +191,9 @@ def test_step_acceptance_equals_real_verification_step_by_step(oracle, second_be
     rec = Recorder()
 
     def on_step(tree, result):
-        predicted, inexact = calibration.step_acceptance(big.last_candidates, result.accepted_nodes, result.next_token,
-                                                depth_max, n_max)
+        predicted, inexact = calibration.step_acceptance(
+            big.last_candidates, result.accepted_nodes, result.next_token, depth_max, n_max
+        )
         steps.append((rec.context, predicted, inexact, result.num_accepted))
 
     for ids in prompts(n_prompts, seed=12):
@@ -206,7 +215,9 @@ def test_step_acceptance_equals_real_verification_step_by_step(oracle, second_be
                 drafter = EagleDrafter(head, t, d, top_k, n)
                 drafter.begin(context[:-1], hidden)
                 tree = drafter.propose(context, SamplingConfig(), None)
-                logits = verifier.lm_logits(verifier.forward_tree(tree.tokens, tree.parents, cache, context.numel() - 1))
+                logits = verifier.lm_logits(
+                    verifier.forward_tree(tree.tokens, tree.parents, cache, context.numel() - 1)
+                )
                 crop_cache(cache, context.numel() - 1)
                 real = verify_greedy(logits, tree.tokens, tree.parents).num_accepted
                 if inexact[d - 1, n - 1]:
@@ -262,21 +273,41 @@ def test_cost_profile_json_round_trip(tmp_path):
     path = costs.save_cost_profile(c, tmp_path / "p.json")
     assert costs.load_cost_profile(path) == c
     data = json.loads(path.read_text())
-    for broken in ({**data, "verify_ms": [1.0, 2.0]}, {**data, "node_counts": [2, 1, 4]}, {**data, "extra": 1},
-                   {**data, "threads": "1"}, {**data, "version": 99}, [1, 2]):
+    for broken in (
+        {**data, "verify_ms": [1.0, 2.0]},
+        {**data, "node_counts": [2, 1, 4]},
+        {**data, "extra": 1},
+        {**data, "threads": "1"},
+        {**data, "version": 99},
+        [1, 2],
+    ):
         with pytest.raises(ValueError):
             CostProfile.from_dict(broken)
 
 
 def test_cost_profile_kernel_plan_and_validation(tmp_path):
-    c = cost([1, 2, 4, 8, 16], [9.0, 11.0, 12.0, 15.0, 20.0], kernels=("packed", "weight_first", "packed", "linear",
-                                                                        "weight_first"),
-             kernel_ms={"linear": (10.0, 13.0, 14.0, 15.0, 21.0), "weight_first": (None, 11.0, 13.0, 16.0, 20.0),
-                        "packed": (9.0, 12.0, 12.0, 17.0, None)})
+    c = cost(
+        [1, 2, 4, 8, 16],
+        [9.0, 11.0, 12.0, 15.0, 20.0],
+        kernels=("packed", "weight_first", "packed", "linear", "weight_first"),
+        kernel_ms={
+            "linear": (10.0, 13.0, 14.0, 15.0, 21.0),
+            "weight_first": (None, 11.0, 13.0, 16.0, 20.0),
+            "packed": (9.0, 12.0, 12.0, 17.0, None),
+        },
+    )
     # each size follows the largest measured size at or below it; weight-first stops at 32 rows
     plan = c.kernel_plan()
-    assert plan == {1: "packed", 2: "weight_first", 3: "weight_first", 4: "packed", 5: "packed", 6: "packed",
-                    7: "packed", **{n: "weight_first" for n in range(16, 33)}}
+    assert plan == {
+        1: "packed",
+        2: "weight_first",
+        3: "weight_first",
+        4: "packed",
+        5: "packed",
+        6: "packed",
+        7: "packed",
+        **{n: "weight_first" for n in range(16, 33)},
+    }
     assert c.plain_step_ms == 10.0  # one token with plain linear, not the packed 9.0
     assert c.verify_ms_linear == (10.0, 13.0, 14.0, 15.0, 21.0)
     assert cost([1, 2], [1.0, 2.0]).kernel_plan() == {}
@@ -304,8 +335,14 @@ def test_measure_cost_profile_keeps_the_fastest_kernel_per_size(oracle, monkeypa
     the installed kernels restored; the timings here are made up so the choice is known."""
     t, _ = oracle
     packed = costs.available_kernels(t) == ("linear", "weight_first", "packed")
-    fake = {(1, "linear"): 10.0, (2, "linear"): 13.0, (2, "weight_first"): 11.0, (4, "linear"): 14.0,
-            (4, "weight_first"): 16.0, (40, "linear"): 30.0}
+    fake = {
+        (1, "linear"): 10.0,
+        (2, "linear"): 13.0,
+        (2, "weight_first"): 11.0,
+        (4, "linear"): 14.0,
+        (4, "weight_first"): 16.0,
+        (40, "linear"): 30.0,
+    }
     if packed:
         fake |= {(1, "packed"): 10.5, (2, "packed"): 12.0, (4, "packed"): 13.5, (40, "packed"): 29.0}
     seen = []
@@ -392,8 +429,9 @@ def test_draft_cost_measured_per_depth_and_cached(oracle):
 def head_dir(oracle, tmp_path):
     t, head = oracle
     d = head.save_pretrained(tmp_path / "heads")
-    profile = calibration.calibrate_acceptance(t, EagleDrafter(head, t, 1, 2, 1), prompts(3, seed=13), max_new_tokens=8,
-                                      total_tokens_max=10, depth_max=4)
+    profile = calibration.calibrate_acceptance(
+        t, EagleDrafter(head, t, 1, 2, 1), prompts(3, seed=13), max_new_tokens=8, total_tokens_max=10, depth_max=4
+    )
     calibration.save_acceptance_profile(profile, d)
     return d
 
@@ -404,7 +442,7 @@ def test_acceptance_profile_round_trip_and_heads_still_load(oracle, head_dir):
     assert profile is not None and profile.head_digest == calibration.head_files_digest(head_dir)
     assert AcceptanceProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
     loaded = load_heads(head_dir, target=t)  # the extra file does not disturb the head loader
-    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), head.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), head.state_dict().values(), strict=True))
     assert calibration.load_acceptance_profile(head_dir.parent) is None  # no file: no profile
 
 
@@ -413,8 +451,14 @@ def test_bad_acceptance_profile_raises_head_format_error(head_dir):
     good = json.loads(path.read_text())
     shrunk = {**good, "tau": good["tau"][:-1]}
     decreasing = {**good, "tau": [row[::-1] if i == 3 else row for i, row in enumerate(good["tau"])]}
-    for broken in ("{truncated", json.dumps({**good, "surprise": 1}), json.dumps(shrunk), json.dumps(decreasing),
-                   json.dumps({**good, "steps": 0}), json.dumps({**good, "tau": [[0.5] * 10] * 4})):
+    for broken in (
+        "{truncated",
+        json.dumps({**good, "surprise": 1}),
+        json.dumps(shrunk),
+        json.dumps(decreasing),
+        json.dumps({**good, "steps": 0}),
+        json.dumps({**good, "tau": [[0.5] * 10] * 4}),
+    ):
         path.write_text(broken)
         with pytest.raises(HeadFormatError, match="selfspec tune-tree"):
             calibration.load_acceptance_profile(head_dir)
@@ -463,7 +507,11 @@ def test_make_drafter_overrides_and_fallbacks(oracle, head_dir):
     assert half.total_tokens == 4 and half.budget_source == "auto" and half.budget.total_tokens == 4
     other_k = make_drafter(t, head_dir, top_k=3)  # the profile holds for top_k 2 only
     assert (other_k.depth, other_k.total_tokens, other_k.top_k, other_k.budget_source) == (
-        DEFAULT_DEPTH, DEFAULT_TOTAL_TOKENS, 3, "default")
+        DEFAULT_DEPTH,
+        DEFAULT_TOTAL_TOKENS,
+        3,
+        "default",
+    )
     too_deep = make_drafter(t, head_dir, depth=9)
     assert (too_deep.depth, too_deep.total_tokens, too_deep.budget_source) == (9, DEFAULT_TOTAL_TOKENS, "default")
     # a module: defaults, unless it carries a profile
@@ -483,8 +531,12 @@ def test_make_drafter_medusa_installs_the_measured_linears(monkeypatch):
     from tests.decode.test_generate import random_heads
 
     t = tiny_llama(seed=9)
-    made = cost([1, 2, 4, 8], [10.0, 11.0, 12.0, 15.0], kernels=("linear", "weight_first", "linear", "linear"),
-                kernel_ms={"linear": (10.0, 13.0, 12.0, 15.0), "weight_first": (None, 11.0, 13.0, 16.0)})
+    made = cost(
+        [1, 2, 4, 8],
+        [10.0, 11.0, 12.0, 15.0],
+        kernels=("linear", "weight_first", "linear", "linear"),
+        kernel_ms={"linear": (10.0, 13.0, 12.0, 15.0), "weight_first": (None, 11.0, 13.0, 16.0)},
+    )
     monkeypatch.setattr(costs, "measure_cost_profile", lambda target, *a, **k: made)
     monkeypatch.setattr(costs, "cost_key", lambda target: made.key)
     drafter = make_drafter(t, random_heads(t))

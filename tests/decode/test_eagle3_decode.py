@@ -30,8 +30,9 @@ SETTINGS = [(1, 1, 1), (4, 1, 4), (5, 4, 12), (3, 2, 6), (6, 8, 30)]  # (depth, 
 def make_head(target, draft_ids: torch.Tensor | None = None, seed: int = 1, **init) -> Eagle3Head:
     torch.manual_seed(seed)
     S = V if draft_ids is None else draft_ids.numel()
-    cfg = Eagle3Config(hidden_size=D, vocab_size=V, draft_vocab_size=S,
-                       num_target_layers=target.config.num_hidden_layers)
+    cfg = Eagle3Config(
+        hidden_size=D, vocab_size=V, draft_vocab_size=S, num_target_layers=target.config.num_hidden_layers
+    )
     return Eagle3Head(cfg, target.config, draft_ids=draft_ids, target=target, **init).eval()
 
 
@@ -74,7 +75,7 @@ def prompts(n: int, length: int = 8, seed: int = 0) -> list[torch.Tensor]:
 
 def reference(target, ids: torch.Tensor, n: int) -> list[int]:
     out = target.generate(ids[None], do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
-    return out[0, ids.numel():].tolist()
+    return out[0, ids.numel() :].tolist()
 
 
 @pytest.mark.parametrize("depth, top_k, total", SETTINGS)

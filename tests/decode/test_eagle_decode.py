@@ -74,7 +74,7 @@ def prompts(n: int, length: int = 8, seed: int = 0) -> list[torch.Tensor]:
 
 def reference(target, ids: torch.Tensor, n: int) -> list[int]:
     out = target.generate(ids.unsqueeze(0), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
-    return out[0, ids.numel():].tolist()
+    return out[0, ids.numel() :].tolist()
 
 
 class Recorder:
@@ -97,8 +97,13 @@ class Recorder:
         # recover the accepted node indices: follow the accepted tokens down the last tree
         tree, path = self.steps[-1][1], [0]
         for tok in accepted_tokens[1:].tolist():
-            path.append(next(i for i in range(1, tree.tokens.numel())
-                             if int(tree.parents[i]) == path[-1] and int(tree.tokens[i]) == tok))
+            path.append(
+                next(
+                    i
+                    for i in range(1, tree.tokens.numel())
+                    if int(tree.parents[i]) == path[-1] and int(tree.tokens[i]) == tok
+                )
+            )
         self.accepted_paths.append(path)
         self.inner.accept(accepted_tokens, accepted_hidden)
 
@@ -167,8 +172,9 @@ def test_sampling_runs_and_is_reproducible(oracle):
 
     def run(seed):
         g = torch.Generator().manual_seed(seed)
-        return speculative_generate(t, EagleDrafter(head, t, 4, 3, 10), ids, max_new_tokens=30, sampling=sampling,
-                                    generator=g)
+        return speculative_generate(
+            t, EagleDrafter(head, t, 4, 3, 10), ids, max_new_tokens=30, sampling=sampling, generator=g
+        )
 
     a, b = run(7), run(7)
     assert a.tokens == b.tokens and len(a.tokens) == 30

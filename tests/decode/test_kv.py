@@ -21,8 +21,9 @@ def hand_built_cache(layers: int = 2, length: int = 9):
 
 
 def positions(cache) -> list[tuple[list[int], list[int]]]:
-    return [(layer.keys[0, 0, :, 0].long().tolist(), (-layer.values[0, 1, :, 3]).long().tolist())
-            for layer in cache.layers]
+    return [
+        (layer.keys[0, 0, :, 0].long().tolist(), (-layer.values[0, 1, :, 3]).long().tolist()) for layer in cache.layers
+    ]
 
 
 def test_compact_cache_keeps_prefix_and_accepted_nodes_in_path_order():

@@ -34,10 +34,22 @@ def target():
 
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=512, tie_word_embeddings=True,
-        initializer_range=0.2, sliding_window=WINDOW, sliding_window_pattern=2, query_pre_attn_scalar=8,
-        bos_token_id=1, eos_token_id=None, pad_token_id=0,
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        sliding_window=WINDOW,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=8,
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=0,
     )
     model = AutoModelForCausalLM.from_config(cfg).eval()
     model.requires_grad_(False)
@@ -80,8 +92,9 @@ def medusa_drafter(t) -> MedusaDrafter:
 
 def eagle_drafter(t) -> EagleDrafter:
     torch.manual_seed(0)
-    head = EagleHead(EagleConfig(hidden_size=32, vocab_size=V, draft_vocab_size=S), t.config,
-                     draft_ids=draft_ids(2), target=t).eval()
+    head = EagleHead(
+        EagleConfig(hidden_size=32, vocab_size=V, draft_vocab_size=S), t.config, draft_ids=draft_ids(2), target=t
+    ).eval()
     return EagleDrafter(head, t, depth=3, top_k=4, total_tokens=8)
 
 

@@ -59,8 +59,9 @@ def test_packed_equals_linear(bias, shape):
     assert got.shape == (*shape[:-1], 40)
     torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
     x_t = torch.randn(24, 3).T  # a non-contiguous input
-    torch.testing.assert_close(cpu_linear.packed_linear(x_t, packed, lin.bias), F.linear(x_t, lin.weight, lin.bias),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        cpu_linear.packed_linear(x_t, packed, lin.bias), F.linear(x_t, lin.weight, lin.bias), rtol=1e-5, atol=1e-5
+    )
     module = cpu_linear.PackedLinear(lin, packed)
     assert module.weight is lin.weight and module.bias is lin.bias
     torch.testing.assert_close(module(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)

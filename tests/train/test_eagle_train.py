@@ -51,8 +51,10 @@ def test_pack_rows():
 
 def _store(lengths, D=32, V=96, seed=0):
     g = torch.Generator().manual_seed(seed)
-    ex = [{"input_ids": torch.randint(0, V, (n,), generator=g), "loss_mask": torch.rand(n, generator=g) > 0.3}
-          for n in lengths]
+    ex = [
+        {"input_ids": torch.randint(0, V, (n,), generator=g), "loss_mask": torch.rand(n, generator=g) > 0.3}
+        for n in lengths
+    ]
     feats = [torch.randn(n, D, generator=g) for n in lengths]
     return PairStore.from_examples(ex, feats, D)
 
@@ -109,7 +111,9 @@ def _distilled_store(target, n: int, seed: int) -> PairStore:
     examples = []
     for _ in range(n):
         prompt = torch.randint(3, 96, (6,), generator=g)
-        out = target.generate(prompt.unsqueeze(0), do_sample=False, max_new_tokens=18, min_new_tokens=18, pad_token_id=0)
+        out = target.generate(
+            prompt.unsqueeze(0), do_sample=False, max_new_tokens=18, min_new_tokens=18, pad_token_id=0
+        )
         ids = out[0]
         mask = torch.zeros(ids.numel(), dtype=torch.bool)
         mask[6:] = True
@@ -140,9 +144,20 @@ def test_tiny_training_run_learns_saves_and_resumes_exactly(tmp_path, monkeypatc
     train, held = _distilled_store(target, 64, seed=0), _distilled_store(target, 6, seed=1)
     run_a = tmp_path / "a"
     (run_a / "features").mkdir(parents=True)
-    base = dict(head="eagle", target="tiny", max_length=32, draft_vocab_size=80, lr=3e-3, warmup_steps=2,
-                grad_clip=0.5, epochs=100, eval_every=1000, eval_topk=3, seed=0,
-                eagle={"batch_tokens": 64})  # 2 rows of 32 pairs per step
+    base = dict(
+        head="eagle",
+        target="tiny",
+        max_length=32,
+        draft_vocab_size=80,
+        lr=3e-3,
+        warmup_steps=2,
+        grad_clip=0.5,
+        epochs=100,
+        eval_every=1000,
+        eval_topk=3,
+        seed=0,
+        eagle={"batch_tokens": 64},
+    )  # 2 rows of 32 pairs per step
     # Cached features carry the signature of the data they came from (here: no conversations).
     save_features(store_path(run_a), train, held, feature_signature(target, [], [], 32))
 
@@ -166,7 +181,10 @@ def test_tiny_training_run_learns_saves_and_resumes_exactly(tmp_path, monkeypatc
     shutil.rmtree(run_b / "heads")
     assert json.loads((run_b / "checkpoint" / "trainer_state.json").read_text())["step"] == 3
     _run(TrainConfig(**base, max_steps=6, save_every=3, output_dir=str(run_b)), target)
-    wa, wb = load_file(str(run_a / "heads" / "model.safetensors")), load_file(str(run_b / "heads" / "model.safetensors"))
+    wa, wb = (
+        load_file(str(run_a / "heads" / "model.safetensors")),
+        load_file(str(run_b / "heads" / "model.safetensors")),
+    )
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)
@@ -195,8 +213,9 @@ def test_unrolled_steps_equal_chain_drafting():
             n = tok.numel()
             for t in range(n):
                 cache = DynamicCache(config=head.arch_config)
-                out = head(f_in[: t + 1].unsqueeze(0), tok[: t + 1].unsqueeze(0), torch.arange(t + 1).unsqueeze(0),
-                           None, cache)
+                out = head(
+                    f_in[: t + 1].unsqueeze(0), tok[: t + 1].unsqueeze(0), torch.arange(t + 1).unsqueeze(0), None, cache
+                )
                 torch.testing.assert_close(preds[0][0, o + t], out[0, -1], rtol=1e-5, atol=1e-5)
                 feat = out[0, -1:]
                 for j in range(1, steps):
@@ -204,7 +223,9 @@ def test_unrolled_steps_equal_chain_drafting():
                         break
                     past = t + j
                     mask = torch.zeros(1, 1, 1, past + 1)
-                    out = head(feat.unsqueeze(0), tok[t + j : t + j + 1].unsqueeze(0), torch.tensor([[t + j]]), mask, cache)
+                    out = head(
+                        feat.unsqueeze(0), tok[t + j : t + j + 1].unsqueeze(0), torch.tensor([[t + j]]), mask, cache
+                    )
                     torch.testing.assert_close(preds[j][0, o + t + j], out[0, -1], rtol=1e-5, atol=1e-5)
                     feat = out[0, -1:]
                     checked += 1
@@ -228,18 +249,41 @@ def test_feature_signature_tracks_the_data():
     b = [{"id": "1", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo!"}]}]
     s = feature_signature(target, a, [], 32)
     assert s == feature_signature(target, a, [], 32)
-    assert len({s, feature_signature(target, b, [], 32), feature_signature(target, [], a, 32),
-                feature_signature(target, a, [], 64), feature_signature(target, a, [], 32, layers="15,final_norm"),
-                feature_signature(tiny_llama(seed=1), a, [], 32)}) == 6
+    assert (
+        len(
+            {
+                s,
+                feature_signature(target, b, [], 32),
+                feature_signature(target, [], a, 32),
+                feature_signature(target, a, [], 64),
+                feature_signature(target, a, [], 32, layers="15,final_norm"),
+                feature_signature(tiny_llama(seed=1), a, [], 32),
+            }
+        )
+        == 6
+    )
 
 
 def test_training_time_test_and_prompt_scoring_learn(tmp_path):
     target = tiny_llama()
     train, held = _distilled_store(target, 32, seed=0), _distilled_store(target, 6, seed=1)
-    base = dict(head="eagle", target="tiny", max_length=32, draft_vocab_size=80, lr=3e-3, warmup_steps=2,
-                grad_clip=0.5, epochs=100, eval_every=1000, eval_topk=3, seed=0,
-                eagle={"batch_tokens": 64, "ttt_steps": 3, "score_prompt": True}, max_steps=120, save_every=1000,
-                output_dir=str(tmp_path))
+    base = dict(
+        head="eagle",
+        target="tiny",
+        max_length=32,
+        draft_vocab_size=80,
+        lr=3e-3,
+        warmup_steps=2,
+        grad_clip=0.5,
+        epochs=100,
+        eval_every=1000,
+        eval_topk=3,
+        seed=0,
+        eagle={"batch_tokens": 64, "ttt_steps": 3, "score_prompt": True},
+        max_steps=120,
+        save_every=1000,
+        output_dir=str(tmp_path),
+    )
     save_features(store_path(tmp_path), train, held, feature_signature(target, [], [], 32))
     _run(TrainConfig(**base), target)
     summary = json.loads((tmp_path / "train_summary.json").read_text())

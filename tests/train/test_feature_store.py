@@ -11,8 +11,8 @@ import logging
 import pytest
 import torch
 
-from selfspec.train.config import TrainConfig
 from selfspec.train.chat_tokens import build_training_examples
+from selfspec.train.config import TrainConfig
 from selfspec.train.eagle import train_eagle
 from selfspec.train.feature_store import FeatureStore, feature_signature, load_features, store_path
 from selfspec.train.medusa import train_medusa
@@ -34,15 +34,35 @@ def tokenizer():
 
 
 def conversations(n: int, tag: str) -> list[dict]:
-    return [{"id": f"{tag}{i}", "messages": [{"role": "user", "content": f"Tell me about {tag} number {i}."},
-                                             {"role": "assistant", "content": f"{tag} {i} is {i * 7} in all."}]}
-            for i in range(n)]
+    return [
+        {
+            "id": f"{tag}{i}",
+            "messages": [
+                {"role": "user", "content": f"Tell me about {tag} number {i}."},
+                {"role": "assistant", "content": f"{tag} {i} is {i * 7} in all."},
+            ],
+        }
+        for i in range(n)
+    ]
 
 
 def _cfg(head: str, out, **overrides) -> TrainConfig:
-    base = dict(head=head, target="tiny", self_distill=False, max_length=64, draft_vocab_size=64, max_steps=2,
-                warmup_steps=1, eval_every=1000, save_every=1, eval_topk=2, calibrate_prompts=0, output_dir=str(out),
-                medusa={"num_heads": 2, "batch_positions": 16}, eagle={"batch_tokens": 64})
+    base = dict(
+        head=head,
+        target="tiny",
+        self_distill=False,
+        max_length=64,
+        draft_vocab_size=64,
+        max_steps=2,
+        warmup_steps=1,
+        eval_every=1000,
+        save_every=1,
+        eval_topk=2,
+        calibrate_prompts=0,
+        output_dir=str(out),
+        medusa={"num_heads": 2, "batch_positions": 16},
+        eagle={"batch_tokens": 64},
+    )
     return TrainConfig(**{**base, **overrides})
 
 
@@ -52,8 +72,12 @@ def test_changed_data_recomputes_features_for_every_head_family(tmp_path, tokeni
     target = tiny_llama(vocab_size=len(tokenizer), hidden_size=32)
     out = tmp_path / "run"
     data = {"a": conversations(12, "alpha"), "b": conversations(12, "beta")}
-    runs = [("medusa", train_medusa, "a"), ("medusa", train_medusa, "b"), ("eagle", train_eagle, "a"),
-            ("eagle", train_eagle, "b")]
+    runs = [
+        ("medusa", train_medusa, "a"),
+        ("medusa", train_medusa, "b"),
+        ("eagle", train_eagle, "a"),
+        ("eagle", train_eagle, "b"),
+    ]
     for n, (head, train, key) in enumerate(runs):
         convs = data[key]
         caplog.clear()
@@ -90,14 +114,30 @@ def test_training_record_layout(tmp_path, tokenizer):
     convs = conversations(14, "gamma")
     split_ids = ["gamma13", "gamma11", "gamma12", "gamma10"]  # as a split would order them
     for head, train, prompts in (("medusa", train_medusa, 0), ("eagle", train_eagle, 2)):
-        cfg = _cfg(head, tmp_path / head, calibrate_prompts=prompts, calibrate_max_new_tokens=4, data="chats.jsonl",
-                   max_conversations=None, eval_fraction=0.25, seed=3)
+        cfg = _cfg(
+            head,
+            tmp_path / head,
+            calibrate_prompts=prompts,
+            calibrate_max_new_tokens=4,
+            data="chats.jsonl",
+            max_conversations=None,
+            eval_fraction=0.25,
+            seed=3,
+        )
         heads_dir = train(cfg, Accelerator(cpu=True), target, tokenizer, convs[:10], convs[10:], split_ids)
         record = json.loads((heads_dir / "training_record.json").read_text())
         assert record == {
-            "format": "selfspec-training-record", "version": 1, "head": head, "target": "tiny",
-            "target_fingerprint": target_fingerprint(target), "data": "chats.jsonl", "max_conversations": None,
-            "eval_fraction": 0.25, "seed": 3, "max_length": 64, "heldout_ids": split_ids,
+            "format": "selfspec-training-record",
+            "version": 1,
+            "head": head,
+            "target": "tiny",
+            "target_fingerprint": target_fingerprint(target),
+            "data": "chats.jsonl",
+            "max_conversations": None,
+            "eval_fraction": 0.25,
+            "seed": 3,
+            "max_length": 64,
+            "heldout_ids": split_ids,
             "calibration_ids": ["gamma12", "gamma13"] if head == "eagle" else [],
         }
 
@@ -106,8 +146,10 @@ def test_store_round_trip_and_concatenation(tmp_path):
     from selfspec.train.feature_store import save_features
 
     g = torch.Generator().manual_seed(0)
-    ex = [{"input_ids": torch.randint(0, 9, (n,), generator=g), "loss_mask": torch.rand(n, generator=g) > 0.5}
-          for n in (3, 1, 5)]
+    ex = [
+        {"input_ids": torch.randint(0, 9, (n,), generator=g), "loss_mask": torch.rand(n, generator=g) > 0.5}
+        for n in (3, 1, 5)
+    ]
     store = FeatureStore.from_examples(ex, [torch.randn(e["input_ids"].numel(), 4, generator=g) for e in ex], 4)
     assert len(store) == 2 and store.lengths.tolist() == [3, 5]  # the 1-token sequence has no pair
     tokens, feats, mask = store.sequence(1)

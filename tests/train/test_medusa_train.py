@@ -30,8 +30,13 @@ def tokenizer():
 def conversations(n: int) -> list[dict]:
     answers = ["The answer is four, because two plus two is four.", "Paris is the capital of France."]
     return [
-        {"id": f"c{i}", "messages": [{"role": "user", "content": f"Question number {i}?"},
-                                      {"role": "assistant", "content": answers[i % 2] + f" Note {i % 3}."}]}
+        {
+            "id": f"c{i}",
+            "messages": [
+                {"role": "user", "content": f"Question number {i}?"},
+                {"role": "assistant", "content": answers[i % 2] + f" Note {i % 3}."},
+            ],
+        }
         for i in range(n)
     ]
 
@@ -41,9 +46,19 @@ def run(tmp_path, tokenizer, target, name: str, **overrides):
 
     from selfspec.train.medusa import train_medusa
 
-    cfg = TrainConfig(self_distill=False, medusa={"num_heads": 2, "batch_positions": 64}, draft_vocab_size=128,
-                      epochs=15, lr=1e-2, warmup_steps=2, eval_every=4, save_every=4, output_dir=str(tmp_path / name),
-                      target="tiny", **overrides)
+    cfg = TrainConfig(
+        self_distill=False,
+        medusa={"num_heads": 2, "batch_positions": 64},
+        draft_vocab_size=128,
+        epochs=15,
+        lr=1e-2,
+        warmup_steps=2,
+        eval_every=4,
+        save_every=4,
+        output_dir=str(tmp_path / name),
+        target="tiny",
+        **overrides,
+    )
     convs = conversations(24)
     return train_medusa(cfg, Accelerator(cpu=True), target, tokenizer, convs[:20], convs[20:]), cfg
 
@@ -127,11 +142,15 @@ def test_config_values_are_checked_and_numbers_coerced(tmp_path):
     assert cfg.max_train_minutes == 2.0 and isinstance(cfg.max_train_minutes, float)
     assert cfg.eagle.noise == pytest.approx(0.1) and cfg.draft_vocab_size is None
     assert cfg.epochs == 3 and cfg.warmup_steps == 10 and isinstance(cfg.warmup_steps, int)
-    for bad, message in [("lr=fast", "lr must be a number"), ("epochs=2.5", "epochs must be an integer"),
-                         ("self_distill=3", "self_distill must be true or false"), ("lr=", "lr cannot be empty"),
-                         ("output_dir=7", "output_dir must be a string"),
-                         ("eagle.ttt_steps=1.5", "eagle.ttt_steps must be an integer"),
-                         ("medusa.own_lm_head=2", "medusa.own_lm_head must be true or false")]:
+    for bad, message in [
+        ("lr=fast", "lr must be a number"),
+        ("epochs=2.5", "epochs must be an integer"),
+        ("self_distill=3", "self_distill must be true or false"),
+        ("lr=", "lr cannot be empty"),
+        ("output_dir=7", "output_dir must be a string"),
+        ("eagle.ttt_steps=1.5", "eagle.ttt_steps must be an integer"),
+        ("medusa.own_lm_head=2", "medusa.own_lm_head must be true or false"),
+    ]:
         with pytest.raises(ValueError, match=message):
             load_config(None, [bad])
 

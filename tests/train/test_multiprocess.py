@@ -33,15 +33,41 @@ def test_two_process_training_resumes_and_saves(tmp_path):
     data = tmp_path / "chats.jsonl"
     with data.open("w") as fh:
         for i in range(40):
-            fh.write(json.dumps({"id": f"x{i}", "conversations": [
-                {"from": "human", "value": f"Say something about number {i}."},
-                {"from": "gpt", "value": f"Number {i} is a fine number, and {i + 1} comes after it."}]}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "id": f"x{i}",
+                        "conversations": [
+                            {"from": "human", "value": f"Say something about number {i}."},
+                            {"from": "gpt", "value": f"Number {i} is a fine number, and {i + 1} comes after it."},
+                        ],
+                    }
+                )
+                + "\n"
+            )
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs/accelerate-2cpu.yaml"),
-           "--multi_gpu", "-m", "selfspec.train", f"target={target_dir}", f"data={data}", "self_distill=false",
-           "medusa.num_heads=2", "draft_vocab_size=256", "medusa.batch_positions=32", "epochs=2", "eval_every=5",
-           "save_every=5",
-           "eval_fraction=0.2", f"output_dir={out}", "threads=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "configs/accelerate-2cpu.yaml"),
+        "--multi_gpu",
+        "-m",
+        "selfspec.train",
+        f"target={target_dir}",
+        f"data={data}",
+        "self_distill=false",
+        "medusa.num_heads=2",
+        "draft_vocab_size=256",
+        "medusa.batch_positions=32",
+        "epochs=2",
+        "eval_every=5",
+        "save_every=5",
+        "eval_fraction=0.2",
+        f"output_dir={out}",
+        "threads=1",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
