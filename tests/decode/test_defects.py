@@ -137,6 +137,30 @@ def test_draft_model_with_a_short_absolute_context_drafts_inside_it(tiny_target,
     assert out.stats.accepted_per_step[-5:] == [1] * 5
 
 
+def test_short_context_draft_proposes_its_own_greedy_continuation(tiny_target):
+    """The GPT-2 draft's cache (cropped by position each step) is right: each chain is what the draft model
+    itself continues the context with, shorter as its context runs out, none past it."""
+    draft = _tiny_gpt2(n_positions=24)
+    drafter = DraftModelDrafter(draft, num_tokens=4)
+    chains: list[tuple[int, list[int]]] = []
+    propose = drafter.propose
+
+    def recording(context, sampling, generator, max_depth=None):
+        tree = propose(context, sampling, generator, max_depth=max_depth)
+        chains.append((context.numel(), tree.tokens[1:].tolist()))
+        alone = context.clone()  # the draft model's greedy continuation, each token from a full forward
+        for _ in range(tree.tokens.numel() - 1):
+            alone = torch.cat([alone, draft(alone[None]).logits[0, -1].argmax()[None]])
+        assert tree.tokens[1:].tolist() == alone[context.numel():].tolist()
+        return tree
+
+    drafter.propose = recording
+    ids = torch.randint(3, V, (14,), generator=torch.Generator().manual_seed(4))
+    speculative_generate(tiny_target, drafter, ids, max_new_tokens=16)
+    for length, chain in chains:
+        assert len(chain) == max(0, min(4, 24 - length + 1))
+
+
 def test_draft_model_drafts_no_more_than_the_tokens_still_allowed(tiny_target):
     ids = torch.randint(3, V, (6,), generator=torch.Generator().manual_seed(6))
     drafter = DraftModelDrafter(tiny_target, num_tokens=7)
