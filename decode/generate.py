@@ -241,9 +241,8 @@ def speculative_generate(
     if acceptance not in ("exact", "typical"):
         raise ValueError("acceptance must be 'exact' (lossless) or 'typical' (lossy, Medusa)")
     input_ids = _single_prompt(input_ids)
-    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("min_new_tokens", min_new_tokens, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    max_new_tokens = _count("max_new_tokens", max_new_tokens, 1)
+    min_new_tokens = _count("min_new_tokens", min_new_tokens, 0)
     eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
     verifier = as_verifier(verifier)
     device = next(verifier.target.parameters()).device
@@ -338,6 +337,13 @@ def _decode(verifier, drafter, input_ids, stopper, stats, sampling, min_new_toke
     stats.total_s = time.perf_counter() - t0
     text = tokenizer.decode(out, skip_special_tokens=True) if tokenizer is not None else None
     return GenerationOutput(tokens=out, stats=stats, text=text)
+
+
+def _count(name: str, value, low: int) -> int:
+    """``value`` as an int (anything with ``__index__``, e.g. numpy integers; not bool), at least ``low``."""
+    if isinstance(value, bool) or not hasattr(value, "__index__") or value.__index__() < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value.__index__()
 
 
 def _single_prompt(input_ids: torch.Tensor) -> torch.Tensor:
