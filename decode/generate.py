@@ -4,6 +4,10 @@ The output is exactly the target's: under greedy the same tokens as ``model.gene
 (up to floating-point ties between a tree forward and a one-token forward), under sampling the same
 distribution (Leviathan et al. 2023; Chen et al. 2023; Miao et al. 2024 for trees), because every target
 distribution p is processed exactly as plain ``generate`` would process it at that position.
+
+Outputs stay inside the target's context (``max_position_embeddings``): near its end the tree is cut to the
+depth that still fits, down to the root alone (plain decoding), and a prompt that fills it is refused.
+Streamers (``transformers``' ``BaseStreamer``) get the prompt, then only accepted tokens, then ``end()``.
 """
 
 from __future__ import annotations
@@ -160,7 +164,9 @@ def target_distributions(
         context: LongTensor ``[T]`` decided tokens ending with the root.
         tree: the draft tree.
         generated_before_root: new tokens emitted before the root... i.e. ``len(output)`` (root included).
-        min_new_tokens: EOS is masked while fewer than this many tokens have been generated.
+        min_new_tokens: EOS is masked while fewer than this many tokens have been generated, after the
+            repetition penalty and before the user's processors and the warpers, as ``generate`` orders its
+            ``MinNewTokensLengthLogitsProcessor`` (:class:`~selfspec.decode.sampling.EosBan`).
         depths: LongTensor ``[N]`` node depths (computed once per step by the caller).
 
     Returns:
