@@ -386,15 +386,24 @@ def _room_in_context(target, prompt_len: int) -> int | None:
 
 
 def _finite(logits: torch.Tensor, step: int) -> torch.Tensor:
-    """``logits`` unchanged, after checking they hold no NaN or inf (step 0 = the prefill)."""
-    if not bool(torch.isfinite(logits).all()):
-        where = "the prefill (step 0)" if step == 0 else f"verification step {step}"
-        bad = "NaN" if bool(torch.isnan(logits).any()) else "inf"
-        raise NonFiniteLogitsError(
-            f"the target's logits hold {bad} at {where}: no token can be chosen from them; check the target's "
-            "weights and dtype (e.g. float16 overflow; load in float32 or bfloat16)"
-        )
-    return logits
+    """``logits`` unchanged, after checking that a token can be chosen from every row (step 0 = the prefill):
+    no NaN, no +inf, not every entry -inf. A ``-inf`` entry among finite ones is a token the model rules out,
+    as ``generate`` takes it, and passes."""
+    if bool(torch.isfinite(logits).all()):
+        return logits
+    if bool(torch.isnan(logits).any()):
+        bad = "NaN"
+    elif bool(torch.isposinf(logits).any()):
+        bad = "inf"
+    elif bool(torch.isneginf(logits).all(dim=-1).any()):
+        bad = "-inf for every token"
+    else:
+        return logits
+    where = "the prefill (step 0)" if step == 0 else f"verification step {step}"
+    raise NonFiniteLogitsError(
+        f"the target's logits hold {bad} at {where}: no token can be chosen from them; check the target's "
+        "weights and dtype (e.g. float16 overflow; load in float32 or bfloat16)"
+    )
 
 
 def cut_tree(tree: DraftTree, depths: torch.Tensor, max_depth: int) -> tuple[DraftTree, torch.Tensor]:

@@ -175,7 +175,8 @@ def _refuse_batch(prompt: Any) -> None:
     if isinstance(prompt, torch.Tensor):
         batched = prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1)
     elif isinstance(prompt, (list, tuple)) and prompt:
-        batched = isinstance(prompt[0], (list, tuple, str, torch.Tensor))
+        first = prompt[0]  # a token id may be a 0-d tensor; a list, string or 1-d tensor is a prompt
+        batched = isinstance(first, (list, tuple, str)) or (isinstance(first, torch.Tensor) and first.dim() > 0)
     else:
         batched = False
     if batched:

@@ -56,8 +56,8 @@ def test_empty_text_prompt_is_refused_and_stream_raises_the_generation_error():
         model.generate("", max_new_tokens=3)
     with pytest.raises(ValueError, match="the prompt is empty"):
         list(model.stream("", max_new_tokens=3))
-    model.target.lm_head.weight[0, 0] = float("inf")
-    with pytest.raises(NonFiniteLogitsError, match="logits hold inf at the prefill"):
+    model.target.lm_head.weight[0, 0] = float("nan")
+    with pytest.raises(NonFiniteLogitsError, match="logits hold NaN at the prefill"):
         list(model.stream("hello", max_new_tokens=3))
 
 
@@ -84,6 +84,23 @@ def test_nan_in_the_lm_head_stops_at_the_prefill():
     model = selfspec.load(target, prompt_lookup=True, tune="off")
     with pytest.raises(RuntimeError, match="NaN at the prefill"):
         model.generate(PROMPT, max_new_tokens=5)
+
+
+def test_logits_ruling_out_some_tokens_pass_but_not_all():
+    target = tiny_llama(seed=7)
+    target.lm_head.bias = torch.nn.Parameter(torch.zeros(96), requires_grad=False)
+    target.lm_head.bias[10:20] = float("-inf")  # tokens the model rules out: generate samples around them
+    ids = torch.tensor(PROMPT)
+    ref = target.generate(ids[None], max_new_tokens=8, do_sample=False, pad_token_id=0)[0, 6:].tolist()
+    assert speculative_generate(target, PromptLookupDrafter(), ids, max_new_tokens=8).tokens == ref
+    target.lm_head.bias[:] = float("-inf")
+    with pytest.raises(NonFiniteLogitsError, match=r"-inf for every token at the prefill"):
+        speculative_generate(target, PromptLookupDrafter(), torch.tensor(PROMPT), max_new_tokens=8)
+
+
+def test_token_ids_given_as_0d_tensors_are_one_prompt(model):
+    assert model.generate([torch.tensor(t) for t in PROMPT], max_new_tokens=4).tokens == \
+        model.generate(PROMPT, max_new_tokens=4).tokens
 
 
 def test_nan_reached_later_names_the_step():
