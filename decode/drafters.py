@@ -168,6 +168,11 @@ class DraftModelDrafter:
         logits_processor: user processors applied to the draft logits (as to the target's).
         target_vocab_size: V of the target's logits; when given, a draft vocabulary of another size is
             refused now (see :meth:`check_vocab`), else at the first :func:`speculative_generate` call.
+        shared_vocab_size: for a draft model with the target's tokenizer whose embedding matrices are padded
+            to another size (e.g. two sizes of one family): the ids both share, ``len(tokenizer)``, at most
+            S and V. Drafts are then drawn among ids below it only, and q is over the target's V ids (zero
+            elsewhere): an exact id mapping. A context id beyond the draft's input embeddings (a padding id
+            the target produced) stops drafting: the root alone from then on.
 
     Raises:
         selfspec.decode.masks.UnsupportedLayoutError: a draft model whose attention layers the cache
@@ -177,12 +182,21 @@ class DraftModelDrafter:
 
     name = "draft_model"
 
-    def __init__(self, model, num_tokens: int = 4, logits_processor=None, target_vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        num_tokens: int = 4,
+        logits_processor=None,
+        target_vocab_size: int | None = None,
+        shared_vocab_size: int | None = None,
+    ) -> None:
         attention_layout(model.config)  # refuses, now rather than at the first step, a cache it cannot crop
         self.model = model
         self.num_tokens = num_tokens
         self.logits_processor = logits_processor
         self.context_length = context_length(model)
+        self.shared_vocab_size = shared_vocab_size
+        self._mapped: tuple[int, int] | None = None  # (shared ids, V) when the sizes differ
         self._cache = None
         self._cached: list[int] = []
         if target_vocab_size is not None:
@@ -192,25 +206,35 @@ class DraftModelDrafter:
         """Refuse a draft model whose vocabulary is not the target's: its input embeddings would be indexed
         with target ids beyond them, or the target with draft ids beyond its own (an ``IndexError`` mid-way).
 
-        Draft and target must share one tokenizer with one vocabulary size. Models of one family whose
-        embedding matrices are padded to different sizes (the same tokenizer) are refused too: which ids
-        are padding cannot be told from the models, and no id mapping is guessed.
+        Draft and target must share one tokenizer. With one vocabulary size, ids map to themselves. Models
+        whose embedding matrices are padded to different sizes (the same tokenizer) need
+        ``shared_vocab_size``: which ids are padding cannot be told from the models, so no mapping is guessed.
 
         Args:
             target_vocab_size: V, the number of the target's logits.
 
         Raises:
-            ValueError: the draft's input embeddings or lm_head have another size than V.
+            ValueError: the draft's input embeddings or lm_head have another size than V and no valid
+                ``shared_vocab_size`` (at most S and V) was given.
         """
         s_in = self.model.get_input_embeddings().num_embeddings
         s_out = self.model.get_output_embeddings().weight.shape[0]
-        if s_in != target_vocab_size or s_out != target_vocab_size:
-            raise ValueError(
-                f"the draft model's vocabulary ({s_out} ids: input embeddings {s_in}, lm_head {s_out}) differs "
-                f"from the target's ({target_vocab_size} ids); a draft model must use the target's tokenizer and "
-                "vocabulary size, or its ids would fall outside one of the two embeddings. Pick a draft model of "
-                "the target's family with the same vocab_size, or use prompt_lookup=True"
-            )
+        v = target_vocab_size
+        if s_in == s_out == v:
+            self._mapped = None
+            return
+        shared = self.shared_vocab_size
+        if shared is not None and 0 < shared <= min(s_in, s_out, v):
+            self._mapped = (shared, v)
+            return
+        raise ValueError(
+            f"the draft model's vocabulary ({s_out} ids: input embeddings {s_in}, lm_head {s_out}) differs "
+            f"from the target's ({v} ids); a draft model must use the target's tokenizer, or its ids would fall "
+            "outside one of the two embeddings. Pick a draft model of the target's family with the same "
+            "vocab_size, or use prompt_lookup=True; if both use one tokenizer and only the embeddings are padded, "
+            f"pass draft_shared_vocab=len(tokenizer), at most {min(s_in, s_out, v)}"
+            + (f" (got {shared})" if shared is not None else "")
+        )
 
     def begin(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
         device = next(self.model.parameters()).device
@@ -251,6 +275,8 @@ class DraftModelDrafter:
         """A chain: the root then ``K`` draft tokens (see :meth:`_chain_length`; ``K = 0``: the root alone)."""
         ctx = context.tolist()
         k = self._chain_length(len(ctx), max_depth)
+        if self._mapped is not None and max(ctx) >= self.model.get_input_embeddings().num_embeddings:
+            k = 0  # a target id the draft cannot embed: no more drafts (exact, just plain decoding)
         if k == 0:
             return DraftTree(tokens=context[-1:], parents=_chain_parents(1, context.device))
         common = 0
@@ -267,6 +293,8 @@ class DraftModelDrafter:
         q_rows: list[torch.Tensor] = []
         running = list(ctx)
         for i in range(k):
+            if self._mapped is not None:
+                logits = self._to_target_ids(logits)
             row = process_logits(
                 logits.unsqueeze(0), torch.tensor([running], device=context.device), sampling, self.logits_processor
             )
@@ -285,6 +313,13 @@ class DraftModelDrafter:
         if sampling.do_sample:
             q = torch.cat([torch.stack(q_rows), torch.zeros_like(q_rows[0]).unsqueeze(0)])  # leaf row unused
         return DraftTree(tokens=tokens, parents=_chain_parents(tokens.numel(), context.device), q=q)
+
+    def _to_target_ids(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits ``[S]`` -> ``[V]`` over the target's ids: the shared ids keep theirs, the rest -inf."""
+        shared, v = self._mapped
+        out = logits.new_full((v,), float("-inf"))
+        out[:shared] = logits[:shared]
+        return out
 
     def accept(self, accepted_tokens: torch.Tensor, accepted_hidden: torch.Tensor) -> None:
         pass

@@ -218,6 +218,7 @@ def make_drafter(
     tree_nodes: int | None = None,
     draft_model=None,
     draft_tokens: int = 4,
+    draft_shared_vocab: int | None = None,
     prompt_lookup: bool = False,
     tune: str = "auto",
     **eagle_options: Any,
@@ -240,7 +241,9 @@ def make_drafter(
     Heads (a directory or a module) are moved and cast to the target's device and dtype, whatever they were
     saved or built in. A draft model given by name is loaded in the target's dtype; a draft model module must
     already be on the target's device (else the first ``generate`` refuses it) and have the target's
-    vocabulary size (else it is refused here).
+    vocabulary size (else it is refused here), unless both use one tokenizer and only their embeddings are
+    padded to other sizes: then ``draft_shared_vocab=len(tokenizer)`` maps ids exactly
+    (see :class:`~selfspec.decode.drafters.DraftModelDrafter`).
 
     Raises:
         ValueError: none or several drafting methods given, a draft model whose vocabulary is not the
@@ -263,7 +266,8 @@ def make_drafter(
             draft_model, _ = load_target(draft_model, dtype=next(target.parameters()).dtype)
         # a vocabulary other than the target's is refused here, at load (DraftModelDrafter.check_vocab)
         return DraftModelDrafter(draft_model, num_tokens=draft_tokens,
-                                 target_vocab_size=target.get_output_embeddings().weight.shape[0])
+                                 target_vocab_size=target.get_output_embeddings().weight.shape[0],
+                                 shared_vocab_size=draft_shared_vocab)
     from selfspec.heads import load_heads  # the head package imports the training-side configs
 
     head_dir = None
@@ -376,9 +380,9 @@ def load(
             cores, and a progress bar; then cached), and the packed kernel may hold a second copy of the
             linear weights (logged with its size). ``"off"``: no measurement, no packing, plain kernels,
             default tree sizes.
-        drafter_options: ``tree``, ``tree_nodes``, ``draft_model``, ``draft_tokens``, ``prompt_lookup``,
-            and EAGLE options (``depth``, ``top_k``, ``total_tokens``; ``"auto"`` = sized to this machine
-            when the head has an acceptance profile, see :func:`make_drafter`).
+        drafter_options: ``tree``, ``tree_nodes``, ``draft_model``, ``draft_tokens``, ``draft_shared_vocab``,
+            ``prompt_lookup``, and EAGLE options (``depth``, ``top_k``, ``total_tokens``; ``"auto"`` = sized
+            to this machine when the head has an acceptance profile, see :func:`make_drafter`).
 
     Returns:
         :class:`SpeculativeModel`. Nothing is stored on the target model.

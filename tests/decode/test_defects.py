@@ -2,7 +2,8 @@
 
 1. ``min_new_tokens`` under sampling: EOS is banned *before* the warpers, as ``generate`` orders its
    processors (``MinNewTokensLengthLogitsProcessor`` ahead of temperature / top-k / top-p / min-p).
-2. A draft model whose vocabulary differs from the target's is refused at load (never an out-of-range id).
+2. A draft model whose vocabulary differs from the target's is refused at load (never an out-of-range id),
+   unless both use one tokenizer and only the embeddings are padded: ``draft_shared_vocab`` maps ids exactly.
 3. A draft model with absolute positions and a shorter context than the target's (GPT-2, small
    ``n_positions``) drafts only inside its context; output stays exact.
 4. A ``[2, T]`` prompt is refused (batch > 1 is not supported yet), never flattened.
@@ -183,3 +184,26 @@ def test_batch_shaped_prompt_is_refused_not_flattened(tiny_target, prompt):
     # one row as [1, T] is a single prompt
     assert model.generate(prompt.reshape(-1)[None, :5], max_new_tokens=3).tokens == \
         model.generate(prompt.reshape(-1)[:5], max_new_tokens=3).tokens
+
+
+@pytest.mark.parametrize("draft_vocab, shared", [(128, 96), (80, 80)])
+def test_padded_draft_vocabulary_maps_ids_exactly_when_the_shared_size_is_given(tiny_target, draft_vocab, shared):
+    draft = tiny_llama(vocab_size=draft_vocab, seed=3)
+    with pytest.raises(ValueError, match=r"pass draft_shared_vocab=len\(tokenizer\), at most"):
+        selfspec.load(tiny_target, draft_model=draft, tune="off")
+    with pytest.raises(ValueError, match=r"at most 80 \(got 90\)"):
+        selfspec.load(tiny_target, draft_model=tiny_llama(vocab_size=80, seed=3), draft_shared_vocab=90, tune="off")
+    model = selfspec.load(tiny_target, draft_model=draft, draft_shared_vocab=shared, tune="off")
+    drafts: list[int] = []
+    for seed in range(3):
+        ids = torch.randint(3, 60, (9,), generator=torch.Generator().manual_seed(seed))
+        ref = tiny_target.generate(ids[None], max_new_tokens=25, do_sample=False, pad_token_id=0)[0, 9:].tolist()
+        out = speculative_generate(model.verifier, model.drafter, ids, max_new_tokens=25,
+                                   step_callback=lambda tree, result: drafts.extend(tree.tokens[1:].tolist()))
+        assert out.tokens == ref  # with target ids >= 80 in the context the 80-id draft stops drafting
+        sampled = speculative_generate(model.verifier, model.drafter, ids, max_new_tokens=25,
+                                       sampling=SamplingConfig(do_sample=True, top_k=20),
+                                       generator=torch.Generator().manual_seed(seed),
+                                       step_callback=lambda tree, result: drafts.extend(tree.tokens[1:].tolist()))
+        assert len(sampled.tokens) == 25
+    assert drafts and max(drafts) < shared
