@@ -77,6 +77,23 @@ def test_sampling_near_the_context_limit_completes(short_target):
         assert len(out.tokens) == 3
 
 
+@pytest.mark.parametrize("prompt_len", [CONTEXT - 3, CONTEXT - 24])
+def test_eagle_trees_shrink_at_the_context_limit_and_stay_exact(prompt_len):
+    from selfspec.decode.eagle import EagleDrafter
+    from tests.decode.test_eagle_decode import build_oracle
+
+    target, head = build_oracle()  # a head that nearly reproduces its target: deep accepted paths
+    target.config.max_position_embeddings = CONTEXT
+    for seed in range(2):
+        ids = torch.randint(3, 96, (prompt_len,), generator=torch.Generator().manual_seed(seed))
+        verifier = PositionRecorder(target)
+        out = speculative_generate(verifier, EagleDrafter(head, target, 5, 4, 16), ids, max_new_tokens=500)
+        assert out.tokens == _plain(target, ids, CONTEXT - prompt_len)
+        assert prompt_len + len(out.tokens) == CONTEXT and max(verifier.max_positions) <= CONTEXT - 2
+        if prompt_len == CONTEXT - 24:
+            assert out.stats.mean_accepted_tokens > 1.5  # drafts were accepted on the way to the limit
+
+
 @pytest.mark.parametrize("prompt_len", [CONTEXT, CONTEXT + 5])
 def test_prompt_that_leaves_no_room_is_refused(short_target, prompt_len):
     ids = _prompt(prompt_len, 0)
