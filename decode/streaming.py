@@ -8,7 +8,8 @@ string never makes a sent token go back).
 :func:`iterate_text` runs a generation in a worker thread with a ``TextIteratorStreamer`` and yields its
 text pieces; the streamer holds back text until a word (or a CJK character, or a line) is complete, so a
 character spread over several byte-level tokens is never sent half decoded. An error in the worker is
-raised in the caller once the pieces before it are consumed.
+raised in the caller once the pieces before it are consumed. Leaving the loop early (``break``, or the
+iterator dropped) stops the generation at its next step.
 """
 
 from __future__ import annotations
@@ -45,21 +46,38 @@ def iterate_text(
     """
     from transformers import TextIteratorStreamer  # transformers' streamers import the tokenizer machinery
 
-    streamer = TextIteratorStreamer(tokenizer, skip_prompt=skip_prompt, timeout=timeout_s, **decode_kwargs)
+    class Streamer(TextIteratorStreamer):
+        cancelled = False
+
+        def put(self, value: Any) -> None:
+            if self.cancelled:  # the consumer left: end the generation at this step
+                raise _Cancelled
+            super().put(value)
+
+    streamer = Streamer(tokenizer, skip_prompt=skip_prompt, timeout=timeout_s, **decode_kwargs)
     failure: list[BaseException] = []
 
     def work() -> None:
         try:
             run(streamer)
+        except _Cancelled:
+            pass
         except BaseException as err:  # handed to the consumer below, which re-raises it
             failure.append(err)
             streamer.end()  # wakes the consumer; a second end() after generate's own is harmless
 
     worker = threading.Thread(target=work, name="selfspec-generate", daemon=True)
     worker.start()
+    finished = False
     try:
         yield from streamer
+        finished = True
     finally:
+        streamer.cancelled = not finished
         worker.join()
     if failure:
         raise failure[0]
+
+
+class _Cancelled(Exception):
+    """Raised inside the worker's generation when the consumer of :func:`iterate_text` has left."""

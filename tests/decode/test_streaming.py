@@ -166,3 +166,20 @@ def test_smollm2_tokenizer_chat_prompt_streams_exactly(capsys):
         if stop.strip():
             cut = model.generate(messages, stop_strings=[stop], **kwargs)
             assert "".join(model.stream(messages, stop_strings=[stop], **kwargs)) == cut.text
+
+
+def test_leaving_the_stream_early_stops_the_generation(setup):
+    model, prompt, forced = setup
+    force = Force(forced, prompt.numel())
+    calls = []
+
+    def counting(input_ids, scores):
+        calls.append(input_ids.shape[1])
+        return force(input_ids, scores)
+
+    pieces = model.stream(prompt, max_new_tokens=400, logits_processor=[counting])
+    assert isinstance(next(pieces), str)
+    pieces.close()  # returns once the worker has stopped, at its next step
+    n = len(calls)
+    assert n < 200  # the whole run of 400 tokens calls the processor about 900 times (once per tree depth)
+    assert len(calls) == n  # nothing runs on
