@@ -133,13 +133,13 @@ class PromptLookupDrafter:
         ctx = context.tolist()
         draft: list[int] = []
         k = self.num_tokens if max_depth is None else max(0, min(self.num_tokens, max_depth))
-        for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
+        for n in range(min(self.max_ngram, len(ctx) - 1) if k else 0, self.min_ngram - 1, -1):
             tail = ctx[-n:]
             for start in range(len(ctx) - n - 1, -1, -1):  # latest match first
                 if ctx[start : start + n] == tail:
                     draft = ctx[start + n : start + n + k]
                     break
-            if draft or k == 0:
+            if draft:
                 break
         tokens = torch.tensor([ctx[-1]] + draft, dtype=torch.long, device=context.device)
         return DraftTree(tokens=tokens, parents=_chain_parents(tokens.numel(), context.device))

@@ -170,6 +170,11 @@ def test_draft_model_drafts_no_more_than_the_tokens_still_allowed(tiny_target):
                                step_callback=lambda tree, result: seen.append(tree.tokens.numel()))
     # after the first token 4 may still come: root + 3 drafts, all accepted, plus the bonus token
     assert len(out.tokens) == 5 and seen == [4]
+    seen.clear()
+    loop = torch.arange(3, 15).repeat(3)  # prompt lookup matches and would propose 8 tokens
+    speculative_generate(tiny_target, PromptLookupDrafter(num_tokens=8), loop, max_new_tokens=3,
+                         step_callback=lambda tree, result: seen.append(tree.tokens.numel()))
+    assert seen and max(seen) <= 2  # after the first token 2 may come: root + at most 1 draft
 
 
 @pytest.mark.parametrize("prompt", [torch.arange(3, 13).reshape(2, 5), torch.arange(3, 15).reshape(2, 2, 3)])
