@@ -100,3 +100,27 @@ def test_prompt_that_leaves_no_room_is_refused(short_target, prompt_len):
     with pytest.raises(ValueError, match=rf"prompt has {prompt_len} tokens, which leaves no room .* context of 64 "
                                          r"positions \(max_position_embeddings\); shorten the prompt to at most 63"):
         speculative_generate(short_target, PromptLookupDrafter(), ids, max_new_tokens=5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["prompt_lookup", "medusa"])
+def test_smollm2_at_a_declared_context_limit_equals_plain_decoding(smollm2, method):
+    """The real SmolLM2 weights with their context declared as 512 positions (restored afterwards): a prompt
+    of 509 tokens completes with the 3 tokens plain decoding gives."""
+    import selfspec
+    from tests.test_smollm2 import fresh_heads
+
+    model, tok = smollm2
+    text = "The capital of France is Paris. The capital of Italy is Rome. " * 60
+    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"][:509])
+    kwargs = {"heads": fresh_heads(model)} if method == "medusa" else {"prompt_lookup": True}
+    spec = selfspec.load(model, tokenizer=tok, tune="off", **kwargs)
+    saved = model.config.max_position_embeddings
+    model.config.max_position_embeddings = 512
+    try:
+        out = spec.generate(ids, max_new_tokens=100, eos_token_id=[])
+    finally:
+        model.config.max_position_embeddings = saved
+    ref = model.generate(ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=3, do_sample=False,
+                         eos_token_id=None, pad_token_id=tok.pad_token_id)[0, 509:].tolist()
+    assert out.tokens == ref and out.stats.finish_reason == "length"
