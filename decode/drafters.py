@@ -126,7 +126,10 @@ class PromptLookupDrafter:
         pass
 
     def propose(
-        self, context: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None,
+        self,
+        context: torch.Tensor,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
         max_depth: int | None = None,
     ) -> DraftTree:
         """A chain: the root then up to ``min(num_tokens, max_depth)`` tokens of the latest match."""
@@ -269,7 +272,10 @@ class DraftModelDrafter:
 
     @torch.inference_mode()
     def propose(
-        self, context: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None,
+        self,
+        context: torch.Tensor,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
         max_depth: int | None = None,
     ) -> DraftTree:
         """A chain: the root then ``K`` draft tokens (see :meth:`_chain_length`; ``K = 0``: the root alone)."""

@@ -24,6 +24,8 @@ import torch
 from selfspec.decode import kv
 from selfspec.decode.drafters import Drafter, DraftTree, context_length
 from selfspec.decode.sampling import EosBan, SamplingConfig, probs_from_logits, process_logits, sample
+from selfspec.decode.stopping import Stopper
+from selfspec.decode.streaming import as_streamer
 from selfspec.decode.tree import tree_depths
 from selfspec.decode.verifier import Verifier, as_verifier
 from selfspec.decode.verify import VerifyResult, verify_greedy, verify_tree_sampling, verify_typical
@@ -91,36 +93,6 @@ class GenerationOutput:
     tokens: list[int]
     stats: GenerationStats
     text: str | None = None
-
-
-class _Stopper:
-    """Exact stopping: EOS ids, stop strings and ``max_new_tokens``, checked token by token."""
-
-    def __init__(self, eos_ids: Sequence[int], stop_strings: Sequence[str], tokenizer, max_new_tokens: int) -> None:
-        self.eos = set(int(e) for e in eos_ids)
-        self.stop_strings = [s for s in stop_strings if s]
-        if self.stop_strings and tokenizer is None:
-            raise ValueError("stop_strings need a tokenizer: pass tokenizer=... to generate")
-        self.tokenizer = tokenizer
-        self.max_new_tokens = max_new_tokens
-        self._window = max((len(s) for s in self.stop_strings), default=0)
-
-    def push(self, out: list[int], new: list[int]) -> str | None:
-        """Append ``new`` to ``out`` one token at a time; return a finish reason as soon as one holds."""
-        for tok in new:
-            if len(out) >= self.max_new_tokens:
-                return "length"
-            out.append(tok)
-            if tok in self.eos:
-                return "stop"
-            if self.stop_strings:
-                # Decode only the tail: enough tokens to hold the longest stop string plus this token.
-                tail_text = self.tokenizer.decode(out[-(self._window + 1) :], skip_special_tokens=False)
-                prev_text = self.tokenizer.decode(out[-(self._window + 1) : -1], skip_special_tokens=False)
-                for s in self.stop_strings:
-                    if s in tail_text and not (s in prev_text and len(out) > 1):
-                        return "stop"
-        return "length" if len(out) >= self.max_new_tokens else None
 
 
 def _node_contexts(
@@ -259,18 +231,48 @@ def speculative_generate(
         check_vocab(verifier.target.get_output_embeddings().weight.shape[0])
     stats = GenerationStats(lossy=acceptance == "typical")
     limit = max_new_tokens if room is None else min(max_new_tokens, room)
-    stopper = _Stopper(eos_ids, stop_strings, tokenizer, limit)
-    stream = _as_streamer(streamer)
+    stopper = Stopper(eos_ids, stop_strings, tokenizer, limit)
+    stream = as_streamer(streamer)
     try:
-        return _decode(verifier, drafter, input_ids, stopper, stats, sampling, min_new_tokens, eos_ids,
-                       logits_processor, generator, acceptance, stream, step_callback, tokenizer, room)
+        return _decode(
+            verifier,
+            drafter,
+            input_ids,
+            stopper,
+            stats,
+            sampling,
+            min_new_tokens,
+            eos_ids,
+            logits_processor,
+            generator,
+            acceptance,
+            stream,
+            step_callback,
+            tokenizer,
+            room,
+        )
     finally:
         if stream is not None:
             stream.end()
 
 
-def _decode(verifier, drafter, input_ids, stopper, stats, sampling, min_new_tokens, eos_ids, logits_processor,
-            generator, acceptance, stream, step_callback, tokenizer, room) -> GenerationOutput:
+def _decode(
+    verifier,
+    drafter,
+    input_ids,
+    stopper,
+    stats,
+    sampling,
+    min_new_tokens,
+    eos_ids,
+    logits_processor,
+    generator,
+    acceptance,
+    stream,
+    step_callback,
+    tokenizer,
+    room,
+) -> GenerationOutput:
     """The loop of :func:`speculative_generate` on validated arguments (``room``: new tokens the target's
     context holds after the prompt, None for no limit)."""
     device = input_ids.device
@@ -285,8 +287,15 @@ def _decode(verifier, drafter, input_ids, stopper, stats, sampling, min_new_toke
     hidden, feats = _with_layers(verifier.prefill(input_ids, cache, layers=layers), layers)
     root_tree = DraftTree(tokens=input_ids[-1:], parents=torch.tensor([-1]))
     p0 = target_distributions(
-        _finite(verifier.lm_logits(hidden[-1:]), 0), input_ids, root_tree, sampling, logits_processor, 0,
-        min_new_tokens, eos_ids, torch.zeros(1, dtype=torch.long),
+        _finite(verifier.lm_logits(hidden[-1:]), 0),
+        input_ids,
+        root_tree,
+        sampling,
+        logits_processor,
+        0,
+        min_new_tokens,
+        eos_ids,
+        torch.zeros(1, dtype=torch.long),
     )
     first = int(sample(probs_from_logits(p0), generator)[0]) if sampling.do_sample else int(p0[0].argmax())
     drafter.begin(input_ids, feats)
@@ -336,8 +345,11 @@ def _decode(verifier, drafter, input_ids, stopper, stats, sampling, min_new_toke
         context = torch.cat([context, torch.tensor(new, device=device)])
 
     if reason == "length" and room is not None and len(out) == room:
-        logger.info("generation stopped after %d new tokens at the target's context of %d positions",
-                    len(out), input_ids.numel() + len(out))
+        logger.info(
+            "generation stopped after %d new tokens at the target's context of %d positions",
+            len(out),
+            input_ids.numel() + len(out),
+        )
     stats.finish_reason = reason
     stats.new_tokens = len(out)
     stats.total_s = time.perf_counter() - t0
@@ -435,32 +447,6 @@ def _proposer(drafter: Drafter) -> Callable[[torch.Tensor, SamplingConfig, torch
     if "max_depth" in inspect.signature(drafter.propose).parameters:
         return lambda c, s, g, d: drafter.propose(c, s, g, max_depth=d)
     return lambda c, s, g, d: drafter.propose(c, s, g)
-
-
-class _CallbackStreamer:
-    """A plain callable as a streamer: called with each step's new token ids (the prompt is not sent)."""
-
-    def __init__(self, fn: Callable[[list[int]], None]) -> None:
-        self.fn, self.prompt_sent = fn, False
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self.prompt_sent:
-            self.prompt_sent = True
-            return
-        self.fn(value.tolist())
-
-    def end(self) -> None:
-        pass
-
-
-def _as_streamer(streamer):
-    if streamer is None:
-        return None
-    if callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None)):
-        return streamer
-    if callable(streamer):
-        return _CallbackStreamer(streamer)
-    raise ValueError(f"streamer must be a transformers BaseStreamer (put / end) or a callable, got {streamer!r}")
 
 
 def _with_layers(out, layers) -> tuple[torch.Tensor, torch.Tensor]:

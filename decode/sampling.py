@@ -121,9 +121,7 @@ class SamplingConfig:
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}; pass 0.0 to turn min-p off")
         if self.repetition_penalty <= 0.0:
-            raise ValueError(
-                f"repetition_penalty must be > 0, got {self.repetition_penalty}; pass 1.0 for no penalty"
-            )
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}; pass 1.0 for no penalty")
 
     @classmethod
     def from_generation_config(cls, generation_config: Any) -> SamplingConfig:

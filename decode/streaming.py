@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+
 
 def iterate_text(
     run: Callable[[Any], Any],
@@ -81,3 +83,35 @@ def iterate_text(
 
 class _Cancelled(Exception):
     """Raised inside the worker's generation when the consumer of :func:`iterate_text` has left."""
+
+
+class _CallbackStreamer:
+    """A plain callable as a streamer: called with each step's new token ids (the prompt is not sent)."""
+
+    def __init__(self, fn: Callable[[list[int]], None]) -> None:
+        self.fn, self.prompt_sent = fn, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_sent:
+            self.prompt_sent = True
+            return
+        self.fn(value.tolist())
+
+    def end(self) -> None:
+        pass
+
+
+def as_streamer(streamer: Any) -> Any:
+    """``streamer`` as an object with ``put`` / ``end``: a ``transformers`` ``BaseStreamer`` as it is, a plain
+    callable wrapped (called with each step's new token ids), None as None.
+
+    Raises:
+        ValueError: neither a streamer nor a callable.
+    """
+    if streamer is None:
+        return None
+    if callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None)):
+        return streamer
+    if callable(streamer):
+        return _CallbackStreamer(streamer)
+    raise ValueError(f"streamer must be a transformers BaseStreamer (put / end) or a callable, got {streamer!r}")

@@ -195,8 +195,12 @@ class Verifier:
             Last hidden states after the final norm, ``[T, D]`` in the model dtype; with ``layers``, the pair
             ``(that, layer_states [T, len(layers) * D])`` (see :func:`layer_states`).
         """
-        out = call_with_cache(backbone(self.target), cache, input_ids=input_ids.unsqueeze(0),
-                              **({"output_hidden_states": True} if layers else {}))
+        out = call_with_cache(
+            backbone(self.target),
+            cache,
+            input_ids=input_ids.unsqueeze(0),
+            **({"output_hidden_states": True} if layers else {}),
+        )
         hidden = out.last_hidden_state[0]
         return (hidden, layer_states(out, layers)) if layers else hidden
 
@@ -280,9 +284,7 @@ def layer_states(output, layers: Sequence[int]) -> torch.Tensor:
     return torch.cat([states[i][0] for i in layers], dim=-1)
 
 
-def backbone_twin(
-    module: torch.nn.Module, replace: Callable[[torch.nn.Linear], torch.nn.Module]
-) -> torch.nn.Module:
+def backbone_twin(module: torch.nn.Module, replace: Callable[[torch.nn.Linear], torch.nn.Module]) -> torch.nn.Module:
     """A twin of ``module``: a copy of its module structure that shares every tensor with it, in which each
     ``nn.Linear`` (exactly that type, without a ``forward`` of its own) is ``replace(linear)``.
 

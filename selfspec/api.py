@@ -166,8 +166,11 @@ class SpeculativeModel:
         if "streamer" in kwargs:
             raise ValueError("stream() makes its own streamer; call generate(streamer=...) to pass one")
         _refuse_batch(prompt)
-        return iterate_text(lambda s: self.generate(prompt, streamer=s, **kwargs), self.tokenizer,
-                            skip_special_tokens=skip_special_tokens)
+        return iterate_text(
+            lambda s: self.generate(prompt, streamer=s, **kwargs),
+            self.tokenizer,
+            skip_special_tokens=skip_special_tokens,
+        )
 
 
 def _refuse_batch(prompt: Any) -> None:
@@ -205,8 +208,10 @@ def make_verifier(target: PreTrainedModel, drafter, tune: str = "auto") -> Verif
         return Verifier(target)
     verifier = costs.tuned_verifier(target, costs.get_cost_profile(target))
     if verifier.packed_bytes:
-        logger.info("tree verification uses oneDNN on packed weights: +%.0f MiB of memory (tune='off' avoids it)",
-                    verifier.packed_bytes / 2**20)
+        logger.info(
+            "tree verification uses oneDNN on packed weights: +%.0f MiB of memory (tune='off' avoids it)",
+            verifier.packed_bytes / 2**20,
+        )
     return verifier
 
 
@@ -265,9 +270,12 @@ def make_drafter(
 
             draft_model, _ = load_target(draft_model, dtype=next(target.parameters()).dtype)
         # a vocabulary other than the target's is refused here, at load (DraftModelDrafter.check_vocab)
-        return DraftModelDrafter(draft_model, num_tokens=draft_tokens,
-                                 target_vocab_size=target.get_output_embeddings().weight.shape[0],
-                                 shared_vocab_size=draft_shared_vocab)
+        return DraftModelDrafter(
+            draft_model,
+            num_tokens=draft_tokens,
+            target_vocab_size=target.get_output_embeddings().weight.shape[0],
+            shared_vocab_size=draft_shared_vocab,
+        )
     from selfspec.heads import load_heads  # the head package imports the training-side configs
 
     head_dir = None
@@ -295,8 +303,13 @@ def _medusa_drafter(
         if tree_nodes is None and acc and tune == "auto":
             size = tree_budget.choose_medusa_tree_nodes(costs.get_cost_profile(target), acc)
             n = size.num_nodes
-            logger.info("Medusa tree sized to this machine: %d nodes (expected tau %.2f, %.1f ms a step, %.2fx plain "
-                        "decoding)", n, size.expected_tau, size.expected_cycle_ms, size.expected_speedup)
+            logger.info(
+                "Medusa tree sized to this machine: %d nodes (expected tau %.2f, %.1f ms a step, %.2fx plain decoding)",
+                n,
+                size.expected_tau,
+                size.expected_cycle_ms,
+                size.expected_speedup,
+            )
         else:
             n = tree_nodes or DEFAULT_TREE_NODES
         usable = [p for p in DEFAULT_MEDUSA_PATHS if len(p) <= heads.config.num_heads]
@@ -325,8 +338,11 @@ def _eagle_drafter(
     fixed_total = None if total_tokens == "auto" else total_tokens
     profile = None
     if tune == "auto":
-        profile = load_acceptance_profile(head_dir, target=target) if head_dir is not None else getattr(
-            head, "acceptance_profile", None)
+        profile = (
+            load_acceptance_profile(head_dir, target=target)
+            if head_dir is not None
+            else getattr(head, "acceptance_profile", None)
+        )
     budget, why = None, "it has no acceptance profile (run `selfspec tune-tree` to make one)"
     if tune == "off":
         why = "was loaded with tune='off'"
@@ -342,14 +358,24 @@ def _eagle_drafter(
         drafter = EagleDrafter(head, target, fixed_depth or DEFAULT_DEPTH, k, fixed_total or DEFAULT_TOTAL_TOKENS)
         drafter.budget_source = "default"
         log = logger.info if profile is None else logger.warning  # a profile that cannot serve is worth a warning
-        log("EAGLE tree budget: depth %d, total_tokens %d (defaults): the head %s", drafter.depth, drafter.total_tokens, why)
+        log(
+            "EAGLE tree budget: depth %d, total_tokens %d (defaults): the head %s",
+            drafter.depth,
+            drafter.total_tokens,
+            why,
+        )
         return drafter
     drafter = EagleDrafter(head, target, budget.depth, budget.top_k, budget.total_tokens)
     drafter.budget_source, drafter.budget = "auto", budget
     logger.info(
         "EAGLE tree budget sized to this machine: depth %d, total_tokens %d, top_k %d (expected tau %.2f, "
-        "%.1f ms a step, %.2fx plain decoding)", budget.depth, budget.total_tokens, budget.top_k,
-        budget.expected_tau, budget.expected_cycle_ms, budget.expected_speedup,
+        "%.1f ms a step, %.2fx plain decoding)",
+        budget.depth,
+        budget.total_tokens,
+        budget.top_k,
+        budget.expected_tau,
+        budget.expected_cycle_ms,
+        budget.expected_speedup,
     )
     return drafter
 
@@ -391,7 +417,8 @@ def load(
         ValueError: ``tune`` not ``"auto"`` / ``"off"``, or see :func:`make_drafter`.
         selfspec.decode.target_check.UnsupportedTargetError: (a ``ValueError``) a target that cannot be
             decoded exactly (an unsupported attention-layer type, or a forward that does not apply the tree
-            mask); the message names the model class and the reason (:func:`~selfspec.decode.target_check.check_target`).
+            mask); the message names the model class and the reason
+            (:func:`~selfspec.decode.target_check.check_target`).
     """
     if tune not in TUNE_MODES:
         raise ValueError(f"tune must be one of {TUNE_MODES}, got {tune!r}")

@@ -40,8 +40,7 @@ def _hf_processors(model, prompt_len: int, min_new_tokens: int, eos: list[int], 
     warpers = {"top_k": 0, **warpers}
     config = GenerationConfig(do_sample=True, min_new_tokens=min_new_tokens, eos_token_id=eos, **warpers)
     model._prepare_special_tokens(config, device="cpu")
-    return model._get_logits_processor(generation_config=config, input_ids_seq_length=prompt_len,
-                                       logits_processor=None)
+    return model._get_logits_processor(generation_config=config, input_ids_seq_length=prompt_len, logits_processor=None)
 
 
 @pytest.mark.parametrize("warpers", WARPERS)
@@ -87,14 +86,22 @@ def test_min_new_tokens_first_token_distribution_matches_generate(tiny_target):
 
     def hf_draw(s: int) -> int:
         torch.manual_seed(s)
-        out = tiny_target.generate(ids[None], max_new_tokens=1, do_sample=True, top_k=2, min_new_tokens=2,
-                                   eos_token_id=eos, pad_token_id=0)
+        out = tiny_target.generate(
+            ids[None], max_new_tokens=1, do_sample=True, top_k=2, min_new_tokens=2, eos_token_id=eos, pad_token_id=0
+        )
         return int(out[0, -1])
 
     def ours(s: int) -> int:
-        out = speculative_generate(tiny_target, PromptLookupDrafter(), ids, max_new_tokens=2, min_new_tokens=2,
-                                   eos_token_id=eos, sampling=SamplingConfig(do_sample=True, top_k=2),
-                                   generator=torch.Generator().manual_seed(s))
+        out = speculative_generate(
+            tiny_target,
+            PromptLookupDrafter(),
+            ids,
+            max_new_tokens=2,
+            min_new_tokens=2,
+            eos_token_id=eos,
+            sampling=SamplingConfig(do_sample=True, top_k=2),
+            generator=torch.Generator().manual_seed(s),
+        )
         return out.tokens[0]
 
     n = 400
@@ -118,8 +125,9 @@ def test_draft_model_with_another_vocabulary_is_refused_at_load(tiny_target):
 
 def _tiny_gpt2(n_positions: int) -> GPT2LMHeadModel:
     torch.manual_seed(1)
-    config = GPT2Config(vocab_size=V, n_positions=n_positions, n_embd=32, n_layer=2, n_head=4,
-                        bos_token_id=1, eos_token_id=None)
+    config = GPT2Config(
+        vocab_size=V, n_positions=n_positions, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=None
+    )
     return GPT2LMHeadModel(config).eval().requires_grad_(False)
 
 
@@ -128,8 +136,14 @@ def test_draft_model_with_a_short_absolute_context_drafts_inside_it(tiny_target,
     draft = _tiny_gpt2(n_positions=24)
     ids = torch.randint(3, V, (14,), generator=torch.Generator().manual_seed(4))
     sampling = SamplingConfig(do_sample=do_sample)
-    out = speculative_generate(tiny_target, DraftModelDrafter(draft, num_tokens=4), ids, max_new_tokens=30,
-                               sampling=sampling, generator=torch.Generator().manual_seed(0))
+    out = speculative_generate(
+        tiny_target,
+        DraftModelDrafter(draft, num_tokens=4),
+        ids,
+        max_new_tokens=30,
+        sampling=sampling,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert len(out.tokens) == 30
     if not do_sample:
         ref = tiny_target.generate(ids[None], max_new_tokens=30, do_sample=False, pad_token_id=0)[0, 14:].tolist()
@@ -152,7 +166,7 @@ def test_short_context_draft_proposes_its_own_greedy_continuation(tiny_target):
         alone = context.clone()  # the draft model's greedy continuation, each token from a full forward
         for _ in range(tree.tokens.numel() - 1):
             alone = torch.cat([alone, draft(alone[None]).logits[0, -1].argmax()[None]])
-        assert tree.tokens[1:].tolist() == alone[context.numel():].tolist()
+        assert tree.tokens[1:].tolist() == alone[context.numel() :].tolist()
         return tree
 
     drafter.propose = recording
@@ -166,14 +180,20 @@ def test_draft_model_drafts_no_more_than_the_tokens_still_allowed(tiny_target):
     ids = torch.randint(3, V, (6,), generator=torch.Generator().manual_seed(6))
     drafter = DraftModelDrafter(tiny_target, num_tokens=7)
     seen: list[int] = []
-    out = speculative_generate(tiny_target, drafter, ids, max_new_tokens=5,
-                               step_callback=lambda tree, result: seen.append(tree.tokens.numel()))
+    out = speculative_generate(
+        tiny_target, drafter, ids, max_new_tokens=5, step_callback=lambda tree, result: seen.append(tree.tokens.numel())
+    )
     # after the first token 4 may still come: root + 3 drafts, all accepted, plus the bonus token
     assert len(out.tokens) == 5 and seen == [4]
     seen.clear()
     loop = torch.arange(3, 15).repeat(3)  # prompt lookup matches and would propose 8 tokens
-    speculative_generate(tiny_target, PromptLookupDrafter(num_tokens=8), loop, max_new_tokens=3,
-                         step_callback=lambda tree, result: seen.append(tree.tokens.numel()))
+    speculative_generate(
+        tiny_target,
+        PromptLookupDrafter(num_tokens=8),
+        loop,
+        max_new_tokens=3,
+        step_callback=lambda tree, result: seen.append(tree.tokens.numel()),
+    )
     assert seen and max(seen) <= 2  # after the first token 2 may come: root + at most 1 draft
 
 
@@ -187,8 +207,10 @@ def test_batch_shaped_prompt_is_refused_not_flattened(tiny_target, prompt):
     with pytest.raises(ValueError, match="batch > 1 is not supported yet"):
         model.generate([[3, 4, 5], [6, 7, 8]], max_new_tokens=3)
     # one row as [1, T] is a single prompt
-    assert model.generate(prompt.reshape(-1)[None, :5], max_new_tokens=3).tokens == \
-        model.generate(prompt.reshape(-1)[:5], max_new_tokens=3).tokens
+    assert (
+        model.generate(prompt.reshape(-1)[None, :5], max_new_tokens=3).tokens
+        == model.generate(prompt.reshape(-1)[:5], max_new_tokens=3).tokens
+    )
 
 
 @pytest.mark.parametrize("draft_vocab, shared", [(128, 96), (80, 80)])
@@ -203,12 +225,22 @@ def test_padded_draft_vocabulary_maps_ids_exactly_when_the_shared_size_is_given(
     for seed in range(3):
         ids = torch.randint(3, 60, (9,), generator=torch.Generator().manual_seed(seed))
         ref = tiny_target.generate(ids[None], max_new_tokens=25, do_sample=False, pad_token_id=0)[0, 9:].tolist()
-        out = speculative_generate(model.verifier, model.drafter, ids, max_new_tokens=25,
-                                   step_callback=lambda tree, result: drafts.extend(tree.tokens[1:].tolist()))
+        out = speculative_generate(
+            model.verifier,
+            model.drafter,
+            ids,
+            max_new_tokens=25,
+            step_callback=lambda tree, result: drafts.extend(tree.tokens[1:].tolist()),
+        )
         assert out.tokens == ref  # with target ids >= 80 in the context the 80-id draft stops drafting
-        sampled = speculative_generate(model.verifier, model.drafter, ids, max_new_tokens=25,
-                                       sampling=SamplingConfig(do_sample=True, top_k=20),
-                                       generator=torch.Generator().manual_seed(seed),
-                                       step_callback=lambda tree, result: drafts.extend(tree.tokens[1:].tolist()))
+        sampled = speculative_generate(
+            model.verifier,
+            model.drafter,
+            ids,
+            max_new_tokens=25,
+            sampling=SamplingConfig(do_sample=True, top_k=20),
+            generator=torch.Generator().manual_seed(seed),
+            step_callback=lambda tree, result: drafts.extend(tree.tokens[1:].tolist()),
+        )
         assert len(sampled.tokens) == 25
     assert drafts and max(drafts) < shared

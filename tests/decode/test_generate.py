@@ -56,8 +56,9 @@ class OracleDrafter:
 
 def random_heads(model, num_heads=4, seed=0, draft_vocab=None):
     torch.manual_seed(seed)
-    cfg = MedusaConfig(hidden_size=model.config.hidden_size, vocab_size=V, num_heads=num_heads,
-                       draft_vocab_size=draft_vocab)
+    cfg = MedusaConfig(
+        hidden_size=model.config.hidden_size, vocab_size=V, num_heads=num_heads, draft_vocab_size=draft_vocab
+    )
     ids = torch.randperm(V)[:draft_vocab].sort().values if draft_vocab else None
     heads = MedusaHeads(cfg, target_lm_head=model.lm_head.weight, draft_ids=ids)
     for p in heads.blocks.parameters():
@@ -104,8 +105,11 @@ def test_prompt_lookup_and_draft_model_greedy_equal_target(tiny_target):
         ids = torch.randint(3, V, (9,), generator=torch.Generator().manual_seed(seed))
         ids = torch.cat([ids, ids])  # repetition for prompt lookup to find
         ref = plain_greedy(tiny_target, ids, 25)
-        for drafter in (PromptLookupDrafter(num_tokens=5), DraftModelDrafter(draft, num_tokens=3),
-                        DraftModelDrafter(tiny_target, num_tokens=4)):
+        for drafter in (
+            PromptLookupDrafter(num_tokens=5),
+            DraftModelDrafter(draft, num_tokens=3),
+            DraftModelDrafter(tiny_target, num_tokens=4),
+        ):
             out = speculative_generate(tiny_target, drafter, ids, max_new_tokens=25)
             assert out.tokens == ref, drafter.name
     # the target drafting for itself is always right: every step yields num_tokens + 1 tokens
@@ -119,8 +123,9 @@ def test_eos_inside_accepted_block_stops_right_there(tiny_target):
     # declare a token at position k > 1 an EOS (inside an accepted block)
     k = next(i for i in range(2, 6) if ref[i] not in ref[:i])
     eos = ref[k]
-    out = speculative_generate(tiny_target, DraftModelDrafter(tiny_target, num_tokens=6), ids,
-                               max_new_tokens=20, eos_token_id=[999, eos])
+    out = speculative_generate(
+        tiny_target, DraftModelDrafter(tiny_target, num_tokens=6), ids, max_new_tokens=20, eos_token_id=[999, eos]
+    )
     assert out.stats.steps == 1  # the whole block was accepted in one step ...
     assert out.tokens == ref[: k + 1]  # ... yet output ends at the EOS
     assert out.stats.finish_reason == "stop"
@@ -139,8 +144,14 @@ def test_min_new_tokens_counts_tokens_not_steps(tiny_target):
     ref = plain_greedy(tiny_target, ids, 20)
     eos = ref[2]
     expected = plain_greedy(tiny_target, ids, 20, eos_token_id=eos, min_new_tokens=8)
-    out = speculative_generate(tiny_target, DraftModelDrafter(tiny_target, num_tokens=6), ids,
-                               max_new_tokens=20, eos_token_id=eos, min_new_tokens=8)
+    out = speculative_generate(
+        tiny_target,
+        DraftModelDrafter(tiny_target, num_tokens=6),
+        ids,
+        max_new_tokens=20,
+        eos_token_id=eos,
+        min_new_tokens=8,
+    )
     assert out.tokens == expected
     assert len(out.tokens) >= 8
 
@@ -151,22 +162,38 @@ def test_repetition_penalty_greedy_equals_plain(tiny_target):
         ids = torch.randint(3, V, (8,), generator=torch.Generator().manual_seed(seed))
         ref = plain_greedy(tiny_target, ids, 25, repetition_penalty=1.3)
         for drafter in (MedusaDrafter(heads, static_tree(TREES[2])), DraftModelDrafter(tiny_target, num_tokens=4)):
-            out = speculative_generate(tiny_target, drafter, ids, max_new_tokens=25,
-                                       sampling=SamplingConfig(repetition_penalty=1.3))
+            out = speculative_generate(
+                tiny_target, drafter, ids, max_new_tokens=25, sampling=SamplingConfig(repetition_penalty=1.3)
+            )
             assert out.tokens == ref
 
 
 def test_banned_token_never_appears_under_sampling(tiny_target):
     ids = torch.randint(3, V, (6,), generator=torch.Generator().manual_seed(1))
-    free = speculative_generate(tiny_target, DraftModelDrafter(tiny_target, 4), ids, max_new_tokens=40,
-                                sampling=SamplingConfig(do_sample=True), generator=torch.Generator().manual_seed(0))
+    free = speculative_generate(
+        tiny_target,
+        DraftModelDrafter(tiny_target, 4),
+        ids,
+        max_new_tokens=40,
+        sampling=SamplingConfig(do_sample=True),
+        generator=torch.Generator().manual_seed(0),
+    )
     banned = max(set(free.tokens), key=free.tokens.count)  # the token it likes most
     proc = LogitsProcessorList([NoBadWordsLogitsProcessor([[banned]], eos_token_id=None)])
     for seed in range(5):
-        for drafter in (DraftModelDrafter(tiny_target, 4), MedusaDrafter(random_heads(tiny_target), static_tree(TREES[2]))):
-            out = speculative_generate(tiny_target, drafter, ids, max_new_tokens=40, logits_processor=proc,
-                                       sampling=SamplingConfig(do_sample=True),
-                                       generator=torch.Generator().manual_seed(seed))
+        for drafter in (
+            DraftModelDrafter(tiny_target, 4),
+            MedusaDrafter(random_heads(tiny_target), static_tree(TREES[2])),
+        ):
+            out = speculative_generate(
+                tiny_target,
+                drafter,
+                ids,
+                max_new_tokens=40,
+                logits_processor=proc,
+                sampling=SamplingConfig(do_sample=True),
+                generator=torch.Generator().manual_seed(seed),
+            )
             assert banned not in out.tokens
 
 
@@ -174,8 +201,14 @@ def test_same_seed_same_output(tiny_target):
     ids = torch.randint(3, V, (6,), generator=torch.Generator().manual_seed(2))
     sampling = SamplingConfig(do_sample=True, temperature=0.7, top_p=0.9)
     runs = [
-        speculative_generate(tiny_target, DraftModelDrafter(tiny_llama(seed=4), 3), ids, max_new_tokens=30,
-                             sampling=sampling, generator=torch.Generator().manual_seed(s)).tokens
+        speculative_generate(
+            tiny_target,
+            DraftModelDrafter(tiny_llama(seed=4), 3),
+            ids,
+            max_new_tokens=30,
+            sampling=sampling,
+            generator=torch.Generator().manual_seed(s),
+        ).tokens
         for s in (11, 11, 12)
     ]
     assert runs[0] == runs[1]
@@ -192,17 +225,29 @@ def test_stop_string_ends_output(tiny_target):
     text = CharTokenizer().decode(ref)
     stop = text[4:6]
     first = text.find(stop)
-    out = speculative_generate(tiny_target, DraftModelDrafter(tiny_target, 6), ids, max_new_tokens=20,
-                               stop_strings=[stop], tokenizer=CharTokenizer())
+    out = speculative_generate(
+        tiny_target,
+        DraftModelDrafter(tiny_target, 6),
+        ids,
+        max_new_tokens=20,
+        stop_strings=[stop],
+        tokenizer=CharTokenizer(),
+    )
     assert out.tokens == ref[: first + len(stop)]
     assert out.stats.finish_reason == "stop"
 
 
 def test_typical_acceptance_is_flagged_lossy(tiny_target):
     ids = torch.randint(3, V, (6,), generator=torch.Generator().manual_seed(5))
-    out = speculative_generate(tiny_target, MedusaDrafter(random_heads(tiny_target), static_tree(TREES[2])), ids,
-                               max_new_tokens=10, acceptance="typical", sampling=SamplingConfig(do_sample=True),
-                               generator=torch.Generator().manual_seed(0))
+    out = speculative_generate(
+        tiny_target,
+        MedusaDrafter(random_heads(tiny_target), static_tree(TREES[2])),
+        ids,
+        max_new_tokens=10,
+        acceptance="typical",
+        sampling=SamplingConfig(do_sample=True),
+        generator=torch.Generator().manual_seed(0),
+    )
     assert out.stats.lossy is True and len(out.tokens) == 10
     with pytest.raises(ValueError, match="acceptance"):
         speculative_generate(tiny_target, PromptLookupDrafter(), ids, acceptance="fast")

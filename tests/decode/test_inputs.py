@@ -99,8 +99,10 @@ def test_logits_ruling_out_some_tokens_pass_but_not_all():
 
 
 def test_token_ids_given_as_0d_tensors_are_one_prompt(model):
-    assert model.generate([torch.tensor(t) for t in PROMPT], max_new_tokens=4).tokens == \
-        model.generate(PROMPT, max_new_tokens=4).tokens
+    assert (
+        model.generate([torch.tensor(t) for t in PROMPT], max_new_tokens=4).tokens
+        == model.generate(PROMPT, max_new_tokens=4).tokens
+    )
 
 
 def test_nan_reached_later_names_the_step():

@@ -36,7 +36,7 @@ class PositionRecorder(Verifier):
 
 
 def _plain(model, ids, n):
-    return model.generate(ids[None], max_new_tokens=n, do_sample=False, pad_token_id=0)[0, ids.numel():].tolist()
+    return model.generate(ids[None], max_new_tokens=n, do_sample=False, pad_token_id=0)[0, ids.numel() :].tolist()
 
 
 def _prompt(length: int, seed: int) -> torch.Tensor:
@@ -72,8 +72,14 @@ def test_sampling_near_the_context_limit_completes(short_target):
 
     ids = _prompt(CONTEXT - 3, 1)
     for drafter in (PromptLookupDrafter(), MedusaDrafter(random_heads(short_target), static_tree(TREES[2]))):
-        out = speculative_generate(short_target, drafter, ids, max_new_tokens=50,
-                                   sampling=SamplingConfig(do_sample=True), generator=torch.Generator().manual_seed(0))
+        out = speculative_generate(
+            short_target,
+            drafter,
+            ids,
+            max_new_tokens=50,
+            sampling=SamplingConfig(do_sample=True),
+            generator=torch.Generator().manual_seed(0),
+        )
         assert len(out.tokens) == 3
 
 
@@ -97,8 +103,11 @@ def test_eagle_trees_shrink_at_the_context_limit_and_stay_exact(prompt_len):
 @pytest.mark.parametrize("prompt_len", [CONTEXT, CONTEXT + 5])
 def test_prompt_that_leaves_no_room_is_refused(short_target, prompt_len):
     ids = _prompt(prompt_len, 0)
-    with pytest.raises(ValueError, match=rf"prompt has {prompt_len} tokens, which leaves no room .* context of 64 "
-                                         r"positions \(max_position_embeddings\); shorten the prompt to at most 63"):
+    with pytest.raises(
+        ValueError,
+        match=rf"prompt has {prompt_len} tokens, which leaves no room .* context of 64 "
+        r"positions \(max_position_embeddings\); shorten the prompt to at most 63",
+    ):
         speculative_generate(short_target, PromptLookupDrafter(), ids, max_new_tokens=5)
 
 
@@ -121,6 +130,12 @@ def test_smollm2_at_a_declared_context_limit_equals_plain_decoding(smollm2, meth
         out = spec.generate(ids, max_new_tokens=100, eos_token_id=[])
     finally:
         model.config.max_position_embeddings = saved
-    ref = model.generate(ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=3, do_sample=False,
-                         eos_token_id=None, pad_token_id=tok.pad_token_id)[0, 509:].tolist()
+    ref = model.generate(
+        ids[None],
+        attention_mask=torch.ones_like(ids)[None],
+        max_new_tokens=3,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=tok.pad_token_id,
+    )[0, 509:].tolist()
     assert out.tokens == ref and out.stats.finish_reason == "length"

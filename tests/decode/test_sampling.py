@@ -133,7 +133,7 @@ def test_matches_generate_scores(tiny_model, generation_config):
         pad_token_id=0,
     )
     config = SamplingConfig.from_generation_config(generation_config)
-    for t, (raw, scores) in enumerate(zip(out.logits, out.scores)):
+    for t, (raw, scores) in enumerate(zip(out.logits, out.scores, strict=True)):
         context = out.sequences[:, : prompt.shape[1] + t]
         assert torch.equal(process_logits(raw, context, config), scores), f"step {t}"
         if not config.do_sample:
