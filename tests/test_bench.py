@@ -21,6 +21,7 @@ from selfspec.bench import cli as bench_cli
 from selfspec.bench import methods as bench_methods
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.prompts import load_prompts
+from tests.archs import ARCHS, tiny_target
 from tests.conftest import tiny_llama
 
 CORRUPT_AT = 3
@@ -430,3 +431,31 @@ def test_parse_heads_names():
     }
     with pytest.raises(ValueError, match="taken"):
         bench_cli.parse_heads(["x/a", "y/a"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bench_is_exact_on_every_family(arch, tmp_path):
+    """The bench on each family of tests/archs.py (sliding windows, mixed layers, soft-capping): prompt lookup
+    and a Medusa head (saved and loaded back as --heads DIR is) give the baseline's tokens on every turn,
+    with prompts and answers that run past the 8-token window."""
+    target, tokenizer = tiny_target(arch), CharTokenizer()
+    heads = MedusaHeads(
+        MedusaConfig(hidden_size=32, vocab_size=96, num_heads=3), target_lm_head=target.get_output_embeddings().weight
+    )
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in heads.blocks.parameters():
+            p.normal_(0.0, 0.5)
+    heads_dir = heads.save_pretrained(tmp_path / "heads")
+    settings = BenchSettings(max_new_tokens=14, warmup=0, eos_token_ids=())
+    methods = build_methods(
+        target, tokenizer, settings, methods=["baseline", "prompt_lookup"], heads={"medusa": heads_dir}, tree_nodes=5
+    )
+    prompts = [BenchPrompt("a", "x", ("hello there, hello",)), BenchPrompt("b", "y", ("a b c a b c",))]
+    report = run_bench(target, tokenizer, methods, prompts, settings).to_dict()
+    assert report["mismatches"] == []
+    for sample in report["samples"]:
+        reference = sample["results"]["baseline"]["tokens"]
+        assert len(reference) == 14
+        for name in ("prompt_lookup", "medusa"):
+            assert sample["results"][name]["tokens"] == reference, (arch, name)
