@@ -232,3 +232,24 @@ def test_make_drafter_loads_an_eagle3_head(tmp_path):
     assert isinstance(drafter.head, Eagle3Head) and drafter.target_layers == head.target_layers
     ids = prompts(1)[0]
     assert speculative_generate(target, drafter, ids, max_new_tokens=12).tokens == reference(target, ids, 12)
+
+
+def test_an_eagle3_head_with_an_acceptance_profile_gets_a_machine_sized_budget(tmp_path, monkeypatch):
+    """The "auto" budget path (the bench's and ``selfspec.load``'s default): calibration on the saved head,
+    then drafting and verification costs measured and cached for an EAGLE-3 head (its own cost file), and
+    the chosen budget decodes exactly."""
+    from selfspec.api import make_drafter
+    from selfspec.decode import calibration
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    target, head = trained()
+    head_dir = head.save_pretrained(tmp_path / "heads")
+    profile = calibration.calibrate_acceptance(
+        target, EagleDrafter(head, target, 3, 2, 6), prompts(2), max_new_tokens=6, total_tokens_max=6, depth_max=3
+    )
+    calibration.save_acceptance_profile(profile, head_dir)
+    drafter = make_drafter(target, head_dir)
+    assert drafter.budget_source == "auto" and isinstance(drafter.head, Eagle3Head)
+    assert any(p.name.startswith("draft-eagle3-") for p in (tmp_path / "cache" / "profiles").iterdir())
+    ids = prompts(1)[0]
+    assert speculative_generate(target, drafter, ids, max_new_tokens=12).tokens == reference(target, ids, 12)
