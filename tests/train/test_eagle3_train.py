@@ -113,7 +113,7 @@ def test_loss_hand_built():
         for pl, qi in ((p, q[0]), (p[b["positions"][b["scored"]] >= 1], q[1]))
     ]
     assert n == int(b["scored"].sum()) and per_step == pytest.approx([float(k) for k in kl], abs=1e-4)
-    assert float(loss) == pytest.approx(float(kl[0] + 0.5 * kl[1]), abs=1e-4)
+    assert float(loss.detach()) == pytest.approx(float(kl[0] + 0.5 * kl[1]), abs=1e-4)
     _, ce_steps, _ = eagle3_step_loss(unrolled, b, lm, Eagle3Options(ttt_steps=1, loss="ce"), D)
     want = torch.nn.functional.cross_entropy(q[0], p.argmax(-1))
     assert ce_steps[0] == pytest.approx(float(want), abs=1e-4)
