@@ -13,19 +13,17 @@ into one bin), N = 600 samples, alpha = 0.001 (critical value from the Wilson-Hi
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from selfspec.decode.drafters import DraftTree
 from selfspec.decode.generate import speculative_generate
 from selfspec.decode.sampling import SamplingConfig, probs_from_logits, process_logits
+from tests.stats import chi2_critical
 
 pytestmark = pytest.mark.slow
 
 N_SAMPLES = 600
-ALPHA_Z = 3.0902  # standard normal quantile for alpha = 0.001
 SAMPLING = SamplingConfig(do_sample=True, temperature=0.7, top_p=0.9)
 
 
@@ -54,11 +52,6 @@ class TargetTopKDrafter:
         second = processed_probs(self.model, torch.cat([context, first[:1]])).topk(2).indices
         tokens = torch.cat([context[-1:], first, second])
         return DraftTree(tokens, torch.tensor([-1, 0, 0, 0, 1, 1]))
-
-
-def chi2_critical(dof: int, z: float = ALPHA_Z) -> float:
-    h = 2.0 / (9.0 * dof)
-    return dof * (1.0 - h + z * math.sqrt(h)) ** 3
 
 
 def test_first_two_tokens_follow_target_distribution(smollm2):

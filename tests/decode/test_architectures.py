@@ -9,7 +9,6 @@ at load with its class name and the reason.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import pytest
@@ -34,6 +33,7 @@ from selfspec.decode.tree import static_tree, tree_position_ids
 from selfspec.decode.verifier import Verifier
 from tests.archs import ARCHS, CONFIGS, WINDOW, tiny_target
 from tests.decode.test_generate import OracleDrafter, random_heads
+from tests.stats import chi2_critical
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -261,7 +261,6 @@ def test_soft_capped_logits_are_the_models_own():
 
 # ------------------------------------------------------------------ sampling
 N_SAMPLES = 400
-ALPHA_Z = 3.0902  # standard normal quantile for alpha = 0.001
 SAMPLING = SamplingConfig(do_sample=True, temperature=0.7, top_k=6)
 
 
@@ -290,12 +289,6 @@ class TargetTopKDrafter:
         first = processed_probs(self.model, context).topk(3).indices
         second = processed_probs(self.model, torch.cat([context, first[:1]])).topk(2).indices
         return DraftTree(torch.cat([context[-1:], first, second]), torch.tensor([-1, 0, 0, 0, 1, 1]))
-
-
-def chi2_critical(dof: int, z: float = ALPHA_Z) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile for ``dof`` degrees of freedom."""
-    h = 2.0 / (9.0 * dof)
-    return dof * (1.0 - h + z * math.sqrt(h)) ** 3
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
