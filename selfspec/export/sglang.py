@@ -1,0 +1,192 @@
+"""Export to the SGLang / SpecForge draft layouts: ``LlamaForCausalLMEagle3`` (EAGLE-3) and ``LlamaForCausalLMEagle``
+(EAGLE-1).
+
+The contract, read from the engines' code:
+
+* EAGLE-3 (sglang ``python/sglang/srt/models/llama_eagle3.py``; SpecForge ``specforge/export/to_sglang.py`` and
+  ``configs/*-eagle3.json``): ``config.json`` is a one-layer ``LlamaConfig`` with ``architectures:
+  ["LlamaForCausalLMEagle3"]``, ``draft_vocab_size`` S and ``tie_word_embeddings: false`` (with ``true`` SGLang
+  makes the lm_head the embedding and the draft's own lm_head is lost). Tensors: ``fc.weight [D, 3D]``,
+  ``midlayer.input_layernorm.weight`` (the token-embedding norm), ``midlayer.hidden_norm.weight``,
+  ``midlayer.self_attn.{q,k,v}_proj.weight [., 2D]``, ``midlayer.self_attn.o_proj.weight``,
+  ``midlayer.post_attention_layernorm.weight``, ``midlayer.mlp.{gate,up,down}_proj.weight``, ``norm.weight``,
+  ``lm_head.weight [S, D]``, ``d2t`` int64 ``[S]`` (SGLang's ``hot_token_id = d2t + arange(S)``) and ``t2d`` bool
+  ``[V]``; no ``embed_tokens`` (the target's is used). SGLang's loader skips a name it does not know, so every
+  name written here is one the loader reads, and a head tensor without such a name is an error.
+* The fused target layers: SGLang captures, for each id in ``eagle_config.eagle_aux_hidden_state_layer_ids``, the
+  OUTPUT of that layer (``layers_to_capture = [id + 1 ...]``, the input of the next, in
+  ``set_eagle3_layers_to_capture`` of ``python/sglang/srt/models/llama.py``); without ``eagle_config`` it takes the
+  inputs of layers ``[2, L // 2, L - 3]``. selfspec's ``target_layers`` are layer inputs (``hidden_states[i]``), so
+  the ids written are ``i - 1``; ``eagle_config`` is left out when the layers are SGLang's default.
+* EAGLE-1 (sglang ``python/sglang/srt/models/llama_eagle.py``): a one-layer ``LlamaConfig`` with ``architectures:
+  ["LlamaForCausalLMEagle"]``; tensors ``fc.weight [D, 2D]``, ``fc.bias [D]`` (SGLang's ``fc`` always has a bias)
+  and ``layers.0.*`` without ``input_layernorm`` (the first layer's norm is the identity); the lm_head and
+  embeddings are the target's. The layer's output ``hidden + residual`` goes to the target's lm_head, as in
+  :class:`selfspec.heads.eagle.EagleHead`.
+
+Medusa heads have no SGLang layout: :func:`selfspec.export.medusa_vllm.export_medusa_vllm` writes vLLM's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from selfspec.export.common import (
+    ExportError,
+    Head,
+    family_name,
+    llama_config_dict,
+    rename_exact,
+    require_llama,
+    write_export,
+)
+from selfspec.heads.eagle import EagleHead
+from selfspec.heads.eagle3 import Eagle3Head
+
+__all__ = [
+    "EAGLE3_ARCHITECTURE",
+    "EAGLE_ARCHITECTURE",
+    "eagle3_names",
+    "eagle_names",
+    "export_sglang",
+    "sglang_aux_layer_ids",
+]
+
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"
+FORMAT = "sglang"
+
+_LAYER = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+
+
+def eagle3_names(layer_prefix: str = "midlayer.") -> dict[str, str]:
+    """selfspec :class:`~selfspec.heads.eagle3.Eagle3Head` module names -> the EAGLE-3 file names, with the
+    decoder layer under ``layer_prefix`` (``midlayer.`` for SGLang, ``layers.0.`` for speculators)."""
+    names = {
+        "fc.weight": "fc.weight",
+        "layers.0.input_layernorm.embed_norm.weight": f"{layer_prefix}input_layernorm.weight",
+        "layers.0.input_layernorm.hidden_norm.weight": f"{layer_prefix}hidden_norm.weight",
+        "norm.weight": "norm.weight",
+        "lm_head.weight": "lm_head.weight",
+        "d2t": "d2t",
+        "t2d": "t2d",
+    }
+    names.update({f"layers.0.{k}": f"{layer_prefix}{k}" for k in _LAYER})
+    return names
+
+
+def eagle_names(layer_prefix: str = "layers.0.") -> dict[str, str]:
+    """selfspec :class:`~selfspec.heads.eagle.EagleHead` module names -> the EAGLE-1 file names (no input norm)."""
+    names = {"fc.weight": "fc.weight", "fc.bias": "fc.bias"}
+    names.update({f"layers.0.{k}": f"{layer_prefix}{k}" for k in _LAYER})
+    return names
+
+
+def sglang_aux_layer_ids(target_layers: tuple[int, ...], num_layers: int) -> list[int] | None:
+    """SGLang's ``eagle_aux_hidden_state_layer_ids`` for selfspec ``target_layers`` (layer inputs): ``i - 1`` each
+    (SGLang captures layer outputs), or None when the set is SGLang's default ``{2, L // 2, L - 3}`` of inputs.
+
+    Raises:
+        ExportError: a layer input 0 (the embeddings), which SGLang cannot capture by id, outside the default.
+    """
+    default = {2, num_layers // 2, num_layers - 3}
+    if len(set(target_layers)) == 3 and set(target_layers) == default:
+        return None
+    if min(target_layers) < 1:
+        raise ExportError(
+            f"target_layers {list(target_layers)} fuse the embeddings (layer input 0), which SGLang's "
+            "eagle_aux_hidden_state_layer_ids cannot name; train the head with target_layers >= 1"
+        )
+    return [i - 1 for i in target_layers]
+
+
+def _eagle3(head: Eagle3Head, target_name_or_path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    require_llama(head, FORMAT)
+    tensors = rename_exact(head.state_dict(), eagle3_names("midlayer."), FORMAT)
+    cfg = llama_config_dict(head)
+    cfg.update(
+        {
+            "architectures": [EAGLE3_ARCHITECTURE],
+            "tie_word_embeddings": False,
+            "draft_vocab_size": head.config.draft_vocab_size,
+            "vocab_size": head.config.vocab_size,
+            "target_model": target_name_or_path,
+            "selfspec_target_fingerprint": head.config.target_fingerprint,
+            "selfspec_target_layers": list(head.config.target_layers),
+        }
+    )
+    aux = sglang_aux_layer_ids(head.config.target_layers, head.config.num_target_layers)
+    if aux is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
+    return cfg, tensors
+
+
+def _eagle(head: EagleHead, target_name_or_path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    require_llama(head, FORMAT)
+    if not head.config.fc_bias:
+        raise ExportError(
+            "SGLang's LlamaForCausalLMEagle has fc.bias; this EAGLE-1 head was trained without one. "
+            "Train it with fc_bias=True to export to sglang."
+        )
+    if head.config.draft_vocab_size is not None and head.config.draft_vocab_size != head.config.vocab_size:
+        raise ExportError(
+            f"this EAGLE-1 head drafts over a reduced vocabulary ({head.config.draft_vocab_size} of "
+            f"{head.config.vocab_size} tokens); LlamaForCausalLMEagle drafts over the target's full lm_head. "
+            "Export it to the speculators format, or train it with draft_vocab_size=None."
+        )
+    tensors = rename_exact(head.state_dict(), eagle_names("layers.0."), FORMAT)
+    cfg = llama_config_dict(head)
+    cfg.update(
+        {
+            "architectures": [EAGLE_ARCHITECTURE],
+            "target_model": target_name_or_path,
+            "selfspec_target_fingerprint": head.config.target_fingerprint,
+        }
+    )
+    return cfg, tensors
+
+
+def export_sglang(head: Head, out_dir: str | Path, *, target_name_or_path: str) -> Path:
+    """Write ``head`` as an SGLang / SpecForge draft directory (``config.json`` + ``model.safetensors``; see the
+    module docstring for the names and shapes), atomically.
+
+    This is also the Hugging Face layout that llama.cpp's ``convert_hf_to_gguf.py`` reads for an EAGLE-3 draft.
+
+    Args:
+        head: an :class:`Eagle3Head` (-> ``LlamaForCausalLMEagle3``) or :class:`EagleHead`
+            (-> ``LlamaForCausalLMEagle``), fp32 or any float dtype (written as it is).
+        out_dir: the directory to write (created, or replaced as a whole).
+        target_name_or_path: the target model the head drafts for (its Hub id or directory), written as
+            ``target_model`` in the config for the user and for converters that ask for it.
+
+    Returns:
+        ``out_dir`` as a Path.
+
+    Raises:
+        ExportError: a Medusa head (the format has no Medusa layout: use ``vllm-medusa``), a head whose decoder
+            layer is not Llama's, a tensor the layout does not name, an EAGLE-1 head with a reduced draft
+            vocabulary or without ``fc.bias``, or target layers SGLang cannot name. Nothing is written then.
+    """
+    family = family_name(head)
+    if isinstance(head, Eagle3Head):
+        cfg, tensors = _eagle3(head, target_name_or_path)
+    elif isinstance(head, EagleHead):
+        cfg, tensors = _eagle(head, target_name_or_path)
+    else:
+        raise ExportError(
+            f"the sglang format holds EAGLE-1 and EAGLE-3 heads, not {family}; "
+            "export Medusa heads with --format vllm-medusa (vLLM's MedusaModel layout)"
+        )
+    return write_export(out_dir, cfg, tensors)
