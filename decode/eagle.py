@@ -33,6 +33,7 @@ from selfspec.decode.sampling import SamplingConfig
 
 if TYPE_CHECKING:
     from selfspec.decode.budget import TreeBudget
+    from selfspec.decode.calibration import AcceptanceProfile
 
 # Sized for a 2-core CPU: verifying ~13 nodes costs about 1.5 single-token target steps (DESIGN.md 6).
 DEFAULT_DEPTH = 5
@@ -105,6 +106,8 @@ class EagleDrafter:
         # which then also sets ``budget``, a selfspec.decode.budget.TreeBudget with the expected gain).
         self.budget_source = "given"
         self.budget: TreeBudget | None = None
+        # The acceptance profile the budget came from (set with it), read by the batch tree rule.
+        self.acceptance_profile: AcceptanceProfile | None = None
 
     @property
     def target_layers(self) -> tuple[int, ...] | None:
@@ -129,8 +132,15 @@ class EagleDrafter:
         """Queue the accepted path (root first, ``[A]``) with its target features ``[A, D]`` for the next step.
 
         The root's pair is already stable; the pairs ``(f_root, a_1) ... (f_{A-2}, a_{A-1})`` and the last
-        feature (paired with the next root) are fed at the start of the next :meth:`propose`.
+        feature (paired with the next root) are fed at the start of the next :meth:`propose`. A step decoded
+        without drafting (no :meth:`propose` since the last call, e.g. a batch whose rule turned speculation
+        off) leaves its pairs pending: they are kept, and this step's follow them (its root is the token
+        after the last pending feature).
         """
+        if self._feats is not None and self._tokens is not None and self._cache is not None:
+            self._feats = torch.cat([self._feats, accepted_hidden.to(self._feats.dtype)])
+            self._tokens = torch.cat([self._tokens, accepted_tokens.to(self._tokens.device)])
+            return
         self._feats = accepted_hidden
         self._tokens = accepted_tokens[1:]
 

@@ -372,8 +372,8 @@ def _single_prompt(input_ids: torch.Tensor) -> torch.Tensor:
         input_ids = input_ids[0]
     if input_ids.dim() != 1:
         raise ValueError(
-            f"input_ids of shape {tuple(input_ids.shape)}: batch > 1 is not supported yet; pass one prompt, "
-            "[T] or [1, T], and call generate once per prompt"
+            f"input_ids of shape {tuple(input_ids.shape)}: speculative_generate decodes one prompt; pass [T] or "
+            "[1, T], or decode a batch with selfspec.decode.batch.speculative_generate_batch (a list of prompts)"
         )
     if input_ids.numel() == 0:
         raise ValueError("the prompt is empty: pass at least one token")

@@ -142,3 +142,69 @@ def tree_attention_masks(
     if len(masks) == 1:
         return next(iter(masks.values()))
     return masks
+
+
+def block_allowed(
+    key_positions: torch.Tensor,
+    parents: list[torch.Tensor],
+    node_positions: torch.Tensor,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Which keys each node of a batched block attends to (ragged rows of a batch, one tree per row).
+
+    Row b's cache holds keys at slots whose positions are ``key_positions[b]`` (``-1``: an empty slot, a
+    hole left by a rejected draft or by a shorter row; never attended). Row b's block holds the tree of
+    ``len(parents[b])`` nodes, then padding nodes up to Q, which attend only to themselves (so every query
+    has a key; their outputs are discarded). A real node attends to every filled slot of its row and to
+    its own ancestors (and itself); with ``sliding_window`` W only to keys at positions ``p`` with
+    ``q - W < p`` (positions, not slots: holes do not count).
+
+    Args:
+        key_positions: LongTensor ``[B, K]``.
+        parents: B LongTensors ``[N_b]`` (CPU), ``N_b <= Q``, each a tree (``parents[0] = -1``).
+        node_positions: LongTensor ``[B, Q]``, the position of every block node (padding: any).
+        sliding_window: W, or None for full attention.
+
+    Returns:
+        BoolTensor ``[B, Q, K + Q]``, True = attend.
+    """
+    b, k = key_positions.shape
+    q = node_positions.shape[1]
+    tree = torch.zeros(b, q, q, dtype=torch.bool)
+    for row, par in enumerate(parents):
+        n = par.numel()
+        tree[row, :n, :n] = ancestor_mask(par)
+        tree[row, n:, n:] = torch.eye(q - n, dtype=torch.bool)
+    real = torch.arange(q).unsqueeze(0) < torch.tensor([p.numel() for p in parents]).unsqueeze(1)  # [B, Q]
+    prefix = (key_positions.cpu() >= 0).unsqueeze(1) & real.unsqueeze(2)  # [B, Q, K]
+    allowed = torch.cat([prefix, tree], dim=2)
+    if sliding_window is not None:
+        q_pos = node_positions.cpu()
+        k_pos = torch.cat([key_positions.cpu(), q_pos], dim=1)  # [B, K + Q]
+        allowed &= k_pos.unsqueeze(1) > (q_pos.unsqueeze(2) - sliding_window)
+    return allowed
+
+
+def block_attention_masks(
+    key_positions: torch.Tensor,
+    parents: list[torch.Tensor],
+    node_positions: torch.Tensor,
+    dtype: torch.dtype,
+    layout: AttentionLayout,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The ``attention_mask`` of a batched block forward (see :func:`block_allowed`).
+
+    Returns:
+        One additive mask ``[B, 1, Q, K + Q]`` (``dtype``: 0 attend, ``finfo(dtype).min`` blocked) when every
+        layer is of one type, else ``{"full_attention": mask, "sliding_attention": mask}``.
+    """
+    masks = {}
+    for kind in layout.kinds:
+        window = layout.sliding_window if kind == SLIDING else None
+        allowed = block_allowed(key_positions, parents, node_positions, window)
+        bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        masks[kind] = bias.unsqueeze(1).to(device)
+    if len(masks) == 1:
+        return next(iter(masks.values()))
+    return masks

@@ -24,7 +24,7 @@ import torch
 
 from selfspec.decode import cpu_linear
 from selfspec.decode.kv import backbone, call_with_cache, new_cache
-from selfspec.decode.masks import attention_layout, tree_attention_masks
+from selfspec.decode.masks import attention_layout, block_attention_masks, tree_attention_masks
 from selfspec.decode.tree import tree_position_ids
 
 if TYPE_CHECKING:
@@ -247,6 +247,48 @@ class Verifier:
         hidden = out.last_hidden_state[0]
         return (hidden, layer_states(out, layers)) if layers else hidden
 
+    def forward_block(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        key_positions: torch.Tensor,
+        parents: Sequence[torch.Tensor],
+        cache: DynamicCache,
+        layers: Sequence[int] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One target forward over a batch of ragged rows, each a tree (or a prompt, as a chain) after its cache.
+
+        Row b's block is its tree of ``len(parents[b])`` nodes padded to Q; its cache slots hold positions
+        ``key_positions[b]`` (``-1``: empty). The masks are :func:`~selfspec.decode.masks.block_attention_masks`
+        (per attention-layer type, sliding windows by position). Runs the target's own backbone (the kernel
+        plan is for batch-1 trees).
+
+        Args:
+            tokens: LongTensor ``[B, Q]`` (padding: any valid id).
+            positions: LongTensor ``[B, Q]``, each node's position (``length_b + depth``).
+            key_positions: LongTensor ``[B, S]``, the positions the cache's slots hold
+                (:class:`~selfspec.decode.batch_cache.SlotTable`).
+            parents: B LongTensors ``[N_b]``, ``N_b <= Q``.
+            cache: ``DynamicCache`` with S slots for B rows (or empty); grows by Q.
+            layers: optional decoder-layer indices whose input hidden states to return too.
+
+        Returns:
+            Hidden states ``[B, Q, D]`` after the final norm (model dtype; padding nodes' are meaningless);
+            with ``layers`` the pair ``(that, [B, Q, len(layers) * D])``.
+        """
+        dtype = next(self.target.parameters()).dtype
+        device = tokens.device
+        layout = attention_layout(self.target.config)
+        mask = block_attention_masks(key_positions, list(parents), positions, dtype, layout, device)
+        kwargs = dict(input_ids=tokens, attention_mask=mask, position_ids=positions.to(device))
+        if layers:
+            kwargs["output_hidden_states"] = True
+        out = call_with_cache(backbone(self.target), cache, **kwargs)
+        hidden = out.last_hidden_state
+        if not layers:
+            return hidden
+        return hidden, torch.cat([out.hidden_states[i] for i in _checked_layers(out, layers)], dim=-1)
+
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target logits from last hidden states: ``[N, D] -> [N, V]`` float32.
 
@@ -278,10 +320,15 @@ def layer_states(output, layers: Sequence[int]) -> torch.Tensor:
         ValueError: a layer index outside ``[0, L)`` (``hidden_states[L]`` is after the final norm).
     """
     states = output.hidden_states
-    n_layers = len(states) - 1
+    return torch.cat([states[i][0] for i in _checked_layers(output, layers)], dim=-1)
+
+
+def _checked_layers(output, layers: Sequence[int]) -> list[int]:
+    """``layers`` as a list, each checked to lie in ``[0, L)`` (raises ValueError otherwise)."""
+    n_layers = len(output.hidden_states) - 1
     if any(not 0 <= i < n_layers for i in layers):
         raise ValueError(f"layers must lie in [0, {n_layers}), got {list(layers)}")
-    return torch.cat([states[i][0] for i in layers], dim=-1)
+    return list(layers)
 
 
 def backbone_twin(module: torch.nn.Module, replace: Callable[[torch.nn.Linear], torch.nn.Module]) -> torch.nn.Module:

@@ -11,7 +11,10 @@ import torch
 
 from selfspec.decode import budget as tree_budget
 from selfspec.decode import costs
+from selfspec.decode.batch import speculative_generate_batch
+from selfspec.decode.batch_rule import BatchTreeRule, get_batch_cost_profile
 from selfspec.decode.calibration import load_acceptance_profile
+from selfspec.decode.draft_costs import get_draft_cost
 from selfspec.decode.drafters import DraftModelDrafter, MedusaDrafter, PromptLookupDrafter
 from selfspec.decode.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, EagleDrafter
 from selfspec.decode.generate import GenerationOutput, speculative_generate
@@ -50,6 +53,7 @@ class SpeculativeModel:
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.verifier = make_verifier(target, drafter) if verifier is None else verifier
+        self.tune = "auto"  # "off" (load(tune="off")): nothing is measured; batches draft the drafter's own tree
 
     # ------------------------------------------------------------------ inputs
     def encode(self, prompt: Any) -> torch.Tensor:
@@ -87,14 +91,17 @@ class SpeculativeModel:
         generator: torch.Generator | None = None,
         acceptance: str = "exact",
         streamer: BaseStreamer | Callable[[list[int]], None] | None = None,
-    ) -> GenerationOutput:
-        """Generate like ``transformers`` ``generate`` (batch 1), with speculative decoding.
+        batch_tree: str = "auto",
+    ) -> GenerationOutput | list[GenerationOutput]:
+        """Generate like ``transformers`` ``generate``, with speculative decoding, for one prompt or a batch.
 
         Output is exactly the target's: token-identical under greedy, distribution-identical under
         sampling (``acceptance="typical"`` is the one lossy opt-in, flagged in ``stats.lossy``).
 
         Args:
-            prompt: ids, a string or chat messages (see :meth:`encode`).
+            prompt: ids, a string or chat messages (see :meth:`encode`); or a batch: a list of such prompts
+                (of any lengths) or a LongTensor ``[B, T]`` (every row a whole prompt: no padding), decoded
+                together (:func:`selfspec.decode.batch.speculative_generate_batch`).
             max_new_tokens: cap on new tokens (never exceeded).
             min_new_tokens: EOS suppressed until this many tokens exist.
             do_sample, temperature, top_k, top_p, min_p, repetition_penalty: as in ``transformers``
@@ -108,19 +115,28 @@ class SpeculativeModel:
             streamer: a ``transformers`` streamer (``TextStreamer``, ``TextIteratorStreamer``, any
                 ``BaseStreamer``), fed like ``generate`` feeds it (prompt, then each step's accepted tokens,
                 never a token later withdrawn, then ``end()``); or a callable given each step's new token ids.
-                See also :meth:`stream`.
+                See also :meth:`stream`. One prompt only.
+            batch_tree: for a batch, ``"auto"`` sizes every row's tree to the number of rows still decoding
+                from this machine's measured costs, and turns speculation off where it does not pay
+                (:meth:`batch_tree_rule`; a model loaded with ``tune="off"`` measures nothing and drafts as
+                ``"fixed"``); ``"fixed"`` drafts the drafter's own tree at every batch size.
 
         Returns:
             :class:`~selfspec.decode.generate.GenerationOutput` (``tokens``, ``text``, ``stats`` with
-            ``steps``, ``mean_accepted_tokens`` (tau), ``tokens_per_s``, ``finish_reason``).
+            ``steps``, ``mean_accepted_tokens`` (tau), ``tokens_per_s``, ``finish_reason``); for a batch, a
+            list of them in the prompts' order.
 
         Raises:
             ValueError: invalid sampling values (temperature <= 0, top_p outside (0, 1], top_k < 0, min_p
-                outside [0, 1], ...), a batch of prompts (batch > 1 is not supported yet), an empty prompt, a
-                prompt that leaves no room in the target's context, ``max_new_tokens < 1``; nothing has run.
+                outside [0, 1], ...), an empty prompt, a prompt that leaves no room in the target's context,
+                ``max_new_tokens < 1``, a streamer with a batch, an unknown ``batch_tree``; nothing has run.
             selfspec.decode.generate.NonFiniteLogitsError: NaN or inf in the target's logits (names the step).
         """
-        _refuse_batch(prompt)
+        batch = _as_batch(prompt)
+        if batch is not None and streamer is not None:
+            raise ValueError("a streamer follows one prompt: stream each prompt of the batch with its own call")
+        if batch_tree not in ("auto", "fixed"):
+            raise ValueError(f"batch_tree must be 'auto' or 'fixed', got {batch_tree!r}")
         sampling = SamplingConfig(
             do_sample=do_sample,
             temperature=temperature,
@@ -131,6 +147,22 @@ class SpeculativeModel:
         )
         if generator is None and seed is not None:
             generator = torch.Generator(device=next(self.target.parameters()).device).manual_seed(seed)
+        if batch is not None:
+            return speculative_generate_batch(
+                self.verifier,
+                self.drafter,
+                [self.encode(p) for p in batch],
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=min_new_tokens,
+                sampling=sampling,
+                eos_token_id=self.default_eos() if eos_token_id is None else eos_token_id,
+                stop_strings=stop_strings,
+                tokenizer=self.tokenizer,
+                logits_processor=logits_processor,
+                generator=generator,
+                acceptance=acceptance,
+                tree_rule=self.batch_tree_rule() if batch_tree == "auto" and self.tune == "auto" else None,
+            )
         return speculative_generate(
             self.verifier,
             self.drafter,
@@ -146,6 +178,22 @@ class SpeculativeModel:
             acceptance=acceptance,
             streamer=streamer,
         )
+
+    def batch_tree_rule(self) -> BatchTreeRule:
+        """The rule that sizes each row's tree by batch size (:class:`~selfspec.decode.batch_rule.BatchTreeRule`),
+        from this target's verification cost by batch size here (measured once, about 30 s, then cached).
+        An EAGLE head with an acceptance profile gets the EAGLE-2 budget per batch size; any other drafter a
+        depth cap from the acceptance measured during the call. Built on first use; a new one per call
+        of the online kind (it learns within a call)."""
+        cost = get_batch_cost_profile(self.target)
+        drafter = self.drafter
+        profile = getattr(drafter, "acceptance_profile", None)
+        if isinstance(drafter, EagleDrafter) and profile is not None:
+            if getattr(self, "_eagle_batch_rule", None) is None:
+                draft = get_draft_cost(drafter, self.target, range(1, profile.depth_max + 1))
+                self._eagle_batch_rule = BatchTreeRule(cost, profile, draft)
+            return self._eagle_batch_rule
+        return BatchTreeRule(cost, max_depth=_drafter_depth(drafter))
 
     def stream(self, prompt: Any, *, skip_special_tokens: bool = True, **kwargs: Any) -> Iterator[str]:
         """``for text in model.stream(prompt, max_new_tokens=...)``: the output's text, piece by piece as tokens
@@ -173,21 +221,34 @@ class SpeculativeModel:
         )
 
 
-def _refuse_batch(prompt: Any) -> None:
-    """Refuse several prompts at once (a ``[B, T]`` tensor with B > 1, or a list of prompts): never flattened."""
+def _as_batch(prompt: Any) -> list | None:
+    """The prompts of a batch (a ``[B, T]`` tensor with B > 1 or a list of prompts: never flattened), or None
+    for one prompt (ids ``[T]`` / ``[1, T]`` / a list of ids, a string, chat messages)."""
     if isinstance(prompt, torch.Tensor):
-        batched = prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1)
-    elif isinstance(prompt, (list, tuple)) and prompt:
+        if prompt.dim() > 2:
+            raise ValueError(f"input ids of shape {tuple(prompt.shape)}: pass [T], [1, T], [B, T] or a list of prompts")
+        return list(prompt) if prompt.dim() == 2 and prompt.shape[0] != 1 else None
+    if isinstance(prompt, (list, tuple)) and prompt:
         first = prompt[0]  # a token id may be a 0-d tensor; a list, string or 1-d tensor is a prompt
-        batched = isinstance(first, (list, tuple, str)) or (isinstance(first, torch.Tensor) and first.dim() > 0)
-    else:
-        batched = False
-    if batched:
-        shape = tuple(prompt.shape) if isinstance(prompt, torch.Tensor) else f"a list of {len(prompt)} prompts"
-        raise ValueError(
-            f"got {shape}: batch > 1 is not supported yet; pass one prompt (ids [T] or [1, T], a string or chat "
-            "messages) and call generate once per prompt"
-        )
+        if isinstance(first, (list, tuple, str)) or (isinstance(first, torch.Tensor) and first.dim() > 0):
+            return list(prompt)
+    return None
+
+
+def _refuse_batch(prompt: Any) -> None:
+    """Refuse several prompts where one is needed (streaming)."""
+    if _as_batch(prompt) is not None:
+        raise ValueError("stream() follows one prompt: call it once per prompt, or generate(list of prompts)")
+
+
+def _drafter_depth(drafter: Any) -> int | None:
+    """The deepest tree a drafter drafts (None: unknown)."""
+    for name in ("depth", "num_tokens"):
+        value = getattr(drafter, name, None)
+        if isinstance(value, int):
+            return value
+    tree = getattr(drafter, "tree", None)
+    return getattr(tree, "max_depth", None)
 
 
 def make_verifier(target: PreTrainedModel, drafter, tune: str = "auto") -> Verifier:
@@ -277,11 +338,12 @@ def make_drafter(
             shared_vocab_size=draft_shared_vocab,
         )
     from selfspec.heads import load_heads  # the head package imports the training-side configs
+    from selfspec.heads.hub import resolve_head_dir
 
     head_dir = None
     if isinstance(heads, (str, Path)):
-        head_dir = Path(heads)
-        heads = load_heads(heads, target=target)
+        head_dir = resolve_head_dir(heads)  # a Hub repo id is fetched into the Hub cache first
+        heads = load_heads(head_dir, target=target)
     dtype = next(target.parameters()).dtype
     heads = heads.to(device=next(target.parameters()).device, dtype=dtype).eval()
     if getattr(heads.config, "head_type", "") == "medusa":
@@ -367,6 +429,7 @@ def _eagle_drafter(
         return drafter
     drafter = EagleDrafter(head, target, budget.depth, budget.top_k, budget.total_tokens)
     drafter.budget_source, drafter.budget = "auto", budget
+    drafter.acceptance_profile = profile  # the batch rule sizes trees by batch size from it
     logger.info(
         "EAGLE tree budget sized to this machine: depth %d, total_tokens %d, top_k %d (expected tau %.2f, "
         "%.1f ms a step, %.2fx plain decoding)",
@@ -395,7 +458,8 @@ def load(
 
     Args:
         target: a target name (see :func:`selfspec.target.resolve_target`) or a loaded model.
-        heads: a head directory or module; or pass ``draft_model=`` / ``prompt_lookup=True``.
+        heads: a head directory, a Hub repo id of heads pushed with ``push_to_hub`` / ``selfspec push``
+            (``$HF_TOKEN`` for a private one), or a head module; or pass ``draft_model=`` / ``prompt_lookup=True``.
         dtype: target dtype when loading by name.
         device: target device when loading by name.
         tokenizer: needed for text prompts when ``target`` is a module.
@@ -430,7 +494,9 @@ def load(
         target, tokenizer = load_target(target, dtype=dtype, device=device)
     check_target(target)  # refuses a target whose decoding would not be exactly its own
     drafter = make_drafter(target, heads, tune=tune, **drafter_options)
-    return SpeculativeModel(target, tokenizer, drafter, make_verifier(target, drafter, tune))
+    model = SpeculativeModel(target, tokenizer, drafter, make_verifier(target, drafter, tune))
+    model.tune = tune
+    return model
 
 
 from_pretrained = load

@@ -6,7 +6,7 @@
    unless both use one tokenizer and only the embeddings are padded: ``draft_shared_vocab`` maps ids exactly.
 3. A draft model with absolute positions and a shorter context than the target's (GPT-2, small
    ``n_positions``) drafts only inside its context; output stays exact.
-4. A ``[2, T]`` prompt is refused (batch > 1 is not supported yet), never flattened.
+4. A ``[2, T]`` prompt is decoded as a batch of two rows (a ``[B, T, ...]`` one is refused), never flattened.
 """
 
 from __future__ import annotations
@@ -197,15 +197,17 @@ def test_draft_model_drafts_no_more_than_the_tokens_still_allowed(tiny_target):
     assert seen and max(seen) <= 2  # after the first token 2 may come: root + at most 1 draft
 
 
-@pytest.mark.parametrize("prompt", [torch.arange(3, 13).reshape(2, 5), torch.arange(3, 15).reshape(2, 2, 3)])
-def test_batch_shaped_prompt_is_refused_not_flattened(tiny_target, prompt):
+def test_batch_shaped_prompt_is_decoded_as_a_batch_never_flattened(tiny_target):
     model = selfspec.load(tiny_target, prompt_lookup=True, tune="off")
-    with pytest.raises(ValueError, match="batch > 1 is not supported yet"):
-        model.generate(prompt, max_new_tokens=3)
-    with pytest.raises(ValueError, match="batch > 1 is not supported yet"):
+    prompt = torch.arange(3, 13).reshape(2, 5)
+    rows = model.generate(prompt, max_new_tokens=3)
+    assert [r.tokens for r in rows] == [model.generate(p, max_new_tokens=3).tokens for p in prompt]
+    lists = model.generate([[3, 4, 5], [6, 7, 8, 9]], max_new_tokens=3)
+    assert [r.tokens for r in lists] == [model.generate(p, max_new_tokens=3).tokens for p in ([3, 4, 5], [6, 7, 8, 9])]
+    with pytest.raises(ValueError, match=r"input ids of shape \(2, 2, 3\)"):
+        model.generate(torch.arange(3, 15).reshape(2, 2, 3), max_new_tokens=3)
+    with pytest.raises(ValueError, match="speculative_generate decodes one prompt"):
         speculative_generate(tiny_target, PromptLookupDrafter(), prompt, max_new_tokens=3)
-    with pytest.raises(ValueError, match="batch > 1 is not supported yet"):
-        model.generate([[3, 4, 5], [6, 7, 8]], max_new_tokens=3)
     # one row as [1, T] is a single prompt
     assert (
         model.generate(prompt.reshape(-1)[None, :5], max_new_tokens=3).tokens

@@ -38,7 +38,9 @@ def model(tiny_target):
         (PROMPT, dict(do_sample=True, top_k=-1), r"top_k must be an int >= 0, got -1"),
         (PROMPT, dict(do_sample=True, min_p=-0.1), r"min_p must be in \[0, 1\], got -0.1"),
         (PROMPT, dict(do_sample=True, min_p=1.5), r"min_p must be in \[0, 1\], got 1.5"),
-        (torch.tensor([PROMPT, PROMPT]), {}, r"got \(2, 6\): batch > 1 is not supported yet"),
+        (torch.tensor([[PROMPT, PROMPT]]), {}, r"input ids of shape \(1, 2, 6\): pass \[T\], \[1, T\], \[B, T\]"),
+        ([PROMPT, PROMPT], dict(streamer=lambda ids: None), "a streamer follows one prompt"),
+        ([PROMPT, PROMPT], dict(batch_tree="big"), "batch_tree must be 'auto' or 'fixed'"),
         (PROMPT, dict(streamer=42), "streamer must be a transformers BaseStreamer"),
     ],
 )
