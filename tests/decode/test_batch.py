@@ -1,0 +1,314 @@
+"""Batched decoding: ragged prompts decode together, each row exactly as it decodes alone.
+
+Greedy fp32: every row of a ragged batch equals its own batch-1 output, on every tiny family (sliding
+windows, mixed layers, soft caps), for prompt lookup, Medusa, a draft model, EAGLE and EAGLE-3 heads and
+oracle trees whose accepted paths leave holes in the cache. Sampling: each row keeps the target's
+distribution (seeded chi-square), and the batched forward gives every row the logits its own forward gives.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import selfspec
+from selfspec.decode import batch as batch_mod
+from selfspec.decode.batch import speculative_generate_batch
+from selfspec.decode.batch_cache import SlotTable
+from selfspec.decode.batch_rule import (
+    BatchCostProfile,
+    BatchTreeRule,
+    TreeCap,
+    get_batch_cost_profile,
+    measure_batch_cost_profile,
+)
+from selfspec.decode.calibration import AcceptanceProfile
+from selfspec.decode.drafters import DraftModelDrafter, MedusaDrafter, PromptLookupDrafter
+from selfspec.decode.eagle import EagleDrafter
+from selfspec.decode.generate import speculative_generate
+from selfspec.decode.sampling import SamplingConfig
+from selfspec.decode.tree import static_tree
+from selfspec.decode.verifier import Verifier
+from selfspec.heads.eagle import EagleConfig, EagleHead
+from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head
+from tests.archs import ARCHS, tiny_target
+from tests.decode.test_architectures import TargetTopKDrafter, processed_probs
+from tests.decode.test_generate import OracleDrafter, random_heads
+from tests.stats import chi2_critical
+
+V = 96
+LENGTHS = (5, 13, 9, 20, 3)  # ragged: shorter and longer than the sliding window (tests.archs.WINDOW = 8)
+NEW_TOKENS = 20
+
+
+@functools.cache
+def target(arch: str):
+    return tiny_target(arch)
+
+
+def prompt(length: int, seed: int) -> torch.Tensor:
+    """Token ids that repeat themselves (so prompt lookup finds matches)."""
+    half = torch.randint(3, V, ((length + 1) // 2,), generator=torch.Generator().manual_seed(seed))
+    return torch.cat([half, half])[:length]
+
+
+PROMPTS = [prompt(n, s) for s, n in enumerate(LENGTHS)]
+
+
+def eagle(t):
+    torch.manual_seed(1)
+    head = EagleHead(EagleConfig(hidden_size=t.config.hidden_size, vocab_size=V), t.config, target=t).eval()
+    return EagleDrafter(head, t, depth=4, top_k=3, total_tokens=8)
+
+
+def eagle3(t):
+    torch.manual_seed(2)
+    cfg = Eagle3Config(
+        hidden_size=t.config.hidden_size, vocab_size=V, draft_vocab_size=V, num_target_layers=3, target_layers=(0, 1, 2)
+    )
+    head = Eagle3Head(cfg, t.config, target=t, init_layer=-1, init_lm_head=True).eval()
+    return EagleDrafter(head, t, depth=3, top_k=2, total_tokens=6)
+
+
+DRAFTERS = {
+    "prompt_lookup": lambda t, arch: PromptLookupDrafter(num_tokens=5),
+    "medusa": lambda t, arch: MedusaDrafter(random_heads(t), static_tree([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])),
+    "draft_model": lambda t, arch: DraftModelDrafter(tiny_target(arch, seed=3), num_tokens=3),
+    "eagle": lambda t, arch: eagle(t),
+    "eagle3": lambda t, arch: eagle3(t),
+}
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_row_equals_its_batch1_output(arch, drafter):
+    t = target(arch)
+    alone = [speculative_generate(t, DRAFTERS[drafter](t, arch), p, max_new_tokens=NEW_TOKENS).tokens for p in PROMPTS]
+    rows = speculative_generate_batch(t, DRAFTERS[drafter](t, arch), PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert [r.tokens for r in rows] == alone
+    assert all(r.stats.steps >= 1 and len(r.tokens) == NEW_TOKENS for r in rows)
+
+
+def oracles(t, prompts, seed: int = 0):
+    refs = [speculative_generate(t, PromptLookupDrafter(), p, max_new_tokens=NEW_TOKENS).tokens for p in prompts]
+    return refs, lambda: [
+        OracleDrafter(p.numel(), r, seed=seed + i, nodes=12) for i, (p, r) in enumerate(zip(prompts, refs, strict=True))
+    ]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_oracle_trees_leave_holes_and_rows_stay_exact(arch, monkeypatch):
+    """Long accepted paths through non-first branches, a different length per row each step: the cache
+    gets empty slots and rows move entries; packing the cache after every step changes nothing."""
+    t = target(arch)
+    refs, make = oracles(t, PROMPTS)
+    rows = speculative_generate_batch(t, make(), PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert [r.tokens for r in rows] == refs
+    assert max(r.stats.mean_accepted_tokens for r in rows) > 2.0  # long, uneven paths were accepted
+    monkeypatch.setattr(batch_mod, "PACK_EMPTY_SLOTS", 1)
+    assert [r.tokens for r in speculative_generate_batch(t, make(), PROMPTS, max_new_tokens=NEW_TOKENS)] == refs
+
+
+def test_rows_finish_independently_and_come_back_in_order():
+    t = target("llama")
+    alone = [speculative_generate(t, PromptLookupDrafter(), p, max_new_tokens=NEW_TOKENS).tokens for p in PROMPTS]
+    eos = alone[1][2]  # row 1 stops at its third token; other rows stop wherever they produce it
+    rows = speculative_generate_batch(t, PromptLookupDrafter(), PROMPTS, max_new_tokens=NEW_TOKENS, eos_token_id=eos)
+    for r, a in zip(rows, alone, strict=True):
+        want = a[: a.index(eos) + 1] if eos in a else a
+        assert r.tokens == want
+        assert r.stats.finish_reason == ("stop" if eos in a else "length")
+    assert len(rows[1].tokens) == 3
+
+
+def test_forward_block_gives_each_row_its_own_logits():
+    """A batch of rows with holes in their caches and different trees: each row's tree logits equal a
+    batch-1 verification of that tree over that row's tokens alone (fp32, atol 1e-5)."""
+    t = target("gemma3")  # sliding and global layers, soft-capped logits
+    v = Verifier(t)
+    g = torch.Generator().manual_seed(0)
+    lengths = [11, 4, 7]
+    rows = [torch.randint(3, V, (n,), generator=g) for n in lengths]
+    cache, table = v.new_cache(), SlotTable(3)
+    chains = [torch.arange(-1, n - 1) for n in lengths]
+    pos = torch.stack([torch.cat([torch.arange(n), torch.full((11 - n,), n)]) for n in lengths])
+    tokens = torch.stack([torch.cat([r, torch.zeros(11 - r.numel(), dtype=torch.long)]) for r in rows])
+    v.forward_block(tokens, pos, table.positions, chains, cache)
+    # keep a ragged subset of each prompt as if drafts were rejected: holes at different slots per row
+    kept = [torch.arange(11), torch.arange(4), torch.arange(7)]
+    table.keep(cache, kept, pos)
+    trees = [torch.tensor([-1, 0, 0, 1]), torch.tensor([-1]), torch.tensor([-1, 0, 1, 2, 0])]
+    toks = [torch.randint(3, V, (p.numel(),), generator=g) for p in trees]
+    q = max(p.numel() for p in trees)
+    depth = [torch.tensor([0, 1, 1, 2]), torch.tensor([0]), torch.tensor([0, 1, 2, 3, 1])]
+    bpos = torch.stack(
+        [torch.cat([d + n, torch.full((q - d.numel(),), n)]) for d, n in zip(depth, lengths, strict=True)]
+    )
+    btok = torch.stack([torch.cat([x, torch.zeros(q - x.numel(), dtype=torch.long)]) for x in toks])
+    h = v.forward_block(btok, bpos, table.positions, trees, cache)
+    for b in range(3):
+        alone = v.new_cache()
+        v.prefill(rows[b], alone)
+        ref = v.lm_logits(v.forward_tree(toks[b], trees[b], alone, lengths[b]))
+        got = v.lm_logits(h[b, : trees[b].numel()])
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_slot_table_moves_keeps_and_packs_entries():
+    """keep() moves accepted entries into place, select_rows() drops rows, pack() squeezes out empty slots;
+    the keys that remain are exactly the accepted ones, by position."""
+    from transformers.cache_utils import DynamicLayer
+
+    cache = type("C", (), {})()
+    layer = DynamicLayer()
+    keys = torch.arange(2 * 5, dtype=torch.float).reshape(2, 1, 5, 1)  # 2 rows, 5 slots (a block of 5)
+    layer.lazy_initialization(keys, keys)
+    layer.keys, layer.values = keys.clone(), keys.clone()
+    cache.layers = [layer]
+    table = SlotTable(2)
+    table.keep(cache, [torch.tensor([0, 2, 4]), torch.tensor([0])], torch.tensor([[0, 1, 1, 2, 2], [0, 1, 1, 1, 1]]))
+    assert table.positions.tolist() == [[0, 1, 2], [0, -1, -1]]
+    assert layer.keys[0, 0, :, 0].tolist() == [0.0, 2.0, 4.0]
+    assert layer.keys[1, 0, 0, 0].item() == 5.0
+    assert table.empty_slots == 0 and table.lengths.tolist() == [3, 1]
+    table.select_rows(cache, [1])
+    assert table.positions.tolist() == [[0]] and layer.keys[:, 0, :, 0].tolist() == [[5.0]]
+
+
+def fake_cost(per_token_ms: float, fixed_ms: float) -> BatchCostProfile:
+    """Verify cost = fixed + per_token * B * N: weight reading (fixed) vs real work (per token)."""
+    bs, ns = (1, 2, 4, 8, 16), (1, 2, 4, 8, 16, 32)
+    ms = tuple(tuple(fixed_ms + per_token_ms * b * n for n in ns) for b in bs)
+    key = {"target_fingerprint": "x", "device": "cpu", "dtype": "float32", "threads": 2, "torch": "2"}
+    return BatchCostProfile(key, 128, bs, ns, ms)
+
+
+def flat_acceptance(depth_max: int = 4, n_max: int = 12) -> AcceptanceProfile:
+    """tau grows with depth: each level is accepted with probability 0.6."""
+    tau = tuple(
+        tuple(1 + sum(0.6**k for k in range(1, min(d, n) + 1)) for n in range(1, n_max + 1))
+        for d in range(1, depth_max + 1)
+    )
+    zeros = tuple(tuple(0 for _ in range(n_max)) for _ in range(depth_max))
+    return AcceptanceProfile(top_k=4, tau=tau, inexact_steps=zeros, steps=100, prompts=4, max_new_tokens=64)
+
+
+def test_rule_shrinks_the_tree_and_turns_speculation_off_as_the_batch_grows():
+    """Fixed 20 ms (weights) + 0.5 ms per token: at batch 1 a tree is nearly free, at batch 16 every
+    node costs real work. The EAGLE rule keeps a tree at batch 1, a smaller one at 4, none at 16."""
+    rule = BatchTreeRule(fake_cost(0.5, 20.0), flat_acceptance(), {d: 1.0 * d for d in range(1, 5)})
+    one, four, sixteen = rule(1), rule(4), rule(16)
+    assert one.depth >= 2 and one.expected_speedup > 1.3
+    assert (four.total_tokens or 0) < one.total_tokens
+    assert sixteen.depth == 0  # plain decoding
+    table = rule.table((1, 4, 16))
+    assert [row["depth"] for row in table] == [one.depth, four.depth, 0]
+
+
+def test_online_rule_learns_acceptance_and_turns_off_when_drafts_fail():
+    rule = BatchTreeRule(fake_cost(0.5, 20.0), max_depth=5)
+    assert rule(4) == TreeCap(depth=5)  # nothing measured: the drafter's own tree
+    chain = torch.arange(6)  # a chain of 5 drafts
+    for _ in range(20):
+        rule.observe(chain, accepted_depth=5, draft_s=0.0001)
+    assert rule(1).depth == 5 and rule(1).expected_speedup > 3
+    bad = BatchTreeRule(fake_cost(0.5, 20.0), max_depth=5)
+    for _ in range(20):
+        bad.observe(chain, accepted_depth=0, draft_s=0.0001)
+    assert bad(1).depth == 0 and bad(16).depth == 0
+
+
+@pytest.mark.parametrize("caps", [{1: 0, 2: 3, 3: 0, 4: 2, 5: 1}, {n: 0 for n in range(1, 6)}])
+def test_rows_stay_exact_when_the_rule_turns_drafting_off_and_on(caps):
+    """Steps without drafting leave an EAGLE row's pairs pending (fed at its next draft): exact either way."""
+    t = target("qwen2")
+    alone = [speculative_generate(t, eagle(t), p, max_new_tokens=NEW_TOKENS).tokens for p in PROMPTS]
+
+    class Rule:
+        def __call__(self, batch):
+            return TreeCap(depth=caps[batch], total_tokens=6)
+
+        def observe(self, *args):
+            pass
+
+    rows = speculative_generate_batch(t, eagle(t), PROMPTS, max_new_tokens=NEW_TOKENS, tree_rule=Rule())
+    assert [r.tokens for r in rows] == alone
+
+
+def test_batch_cost_profile_is_measured_cached_and_refused_when_corrupt(tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    t = target("llama")
+    p = measure_batch_cost_profile(t, batch_sizes=(1, 4), node_counts=(1, 4), context_length=16, repeats=1)
+    assert p.batch_sizes == (1, 4) and len(p.verify_ms) == 2 and all(len(r) == 2 for r in p.verify_ms)
+    assert BatchCostProfile.from_dict(p.to_dict()) == p
+    with pytest.raises(ValueError, match="not a batch cost profile"):
+        BatchCostProfile.from_dict({"format": "x"})
+    with pytest.raises(ValueError, match="one finite positive ms"):
+        BatchCostProfile(p.key, 16, (1, 4), (1, 4), ((1.0, float("nan")), (1.0, 2.0)))
+    assert 0 < p.step_ms(2, 2) and p.per_row_profile(4).verify_ms[0] == pytest.approx(p.verify_ms[1][0] / 4)
+    monkeypatch.setattr("selfspec.decode.batch_rule.measure_batch_cost_profile", lambda target: p)
+    first = get_batch_cost_profile(t)
+    path = next(tmp_path.rglob("batch-verify-*.json"))
+    path.write_text("{broken")
+    assert get_batch_cost_profile(t) == first  # unreadable cache: measured again (the stub), rewritten
+    assert BatchCostProfile.from_dict(__import__("json").loads(path.read_text())) == p
+
+
+def test_public_generate_takes_a_list_of_prompts_and_a_batch_tensor():
+    t = target("llama")
+    model = selfspec.load(t, prompt_lookup=True, tune="off")
+    rows = model.generate([p.tolist() for p in PROMPTS[:3]], max_new_tokens=8)
+    assert [r.tokens for r in rows] == [model.generate(p, max_new_tokens=8).tokens for p in PROMPTS[:3]]
+    with pytest.raises(ValueError, match="a streamer follows one prompt"):
+        model.generate([PROMPTS[0], PROMPTS[1]], streamer=lambda ids: None)
+
+
+# ------------------------------------------------------------------ sampling
+N_SAMPLES = 300
+SAMPLING = SamplingConfig(do_sample=True, temperature=0.7, top_k=6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_sampling_keeps_each_rows_distribution(arch):
+    """Seeded Pearson chi-square of each row's first two sampled tokens against the target's exact
+    distribution for that row's prompt (temperature 0.7, top-k 6): two rows of different lengths (12 and 5
+    tokens, one past the window) decoded together N = 300 times, pairs with expected count >= 5 (the rest
+    pooled), alpha = 0.001 per row. Three tokens are asked for, so the second can be an accepted draft
+    (with two, nothing is left to draft after the first); drafts are both accepted and rejected."""
+    t = target(arch)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, V, (12,), generator=g), torch.randint(3, V, (5,), generator=g)]
+    expected = []
+    for ids in prompts:
+        p1 = processed_probs(t, ids)
+        exp = {}
+        for x1 in p1.nonzero().flatten().tolist():
+            p2 = processed_probs(t, torch.cat([ids, torch.tensor([x1])]))
+            for x2 in p2.nonzero().flatten().tolist():
+                exp[(x1, x2)] = float(p1[x1] * p2[x2])
+        expected.append(exp)
+    gen = torch.Generator().manual_seed(1234)
+    counts = [{}, {}]
+    accepted = 0
+    for _ in range(N_SAMPLES):
+        rows = speculative_generate_batch(
+            t, TargetTopKDrafter(t), prompts, max_new_tokens=3, sampling=SAMPLING, generator=gen
+        )
+        for b, r in enumerate(rows):
+            key = (r.tokens[0], r.tokens[1])
+            assert key in expected[b]  # never a pair the target cannot produce
+            counts[b][key] = counts[b].get(key, 0) + 1
+            accepted += r.stats.accepted_per_step[0] > 1
+    for b in range(2):
+        exp_b = expected[b]
+        big = [k for k, p in exp_b.items() if p * N_SAMPLES >= 5]
+        obs = [counts[b].get(k, 0) for k in big] + [N_SAMPLES - sum(counts[b].get(k, 0) for k in big)]
+        exp = [exp_b[k] * N_SAMPLES for k in big] + [N_SAMPLES * (1 - sum(exp_b[k] for k in big))]
+        if exp[-1] < 5:
+            obs[-2] += obs.pop()
+            exp[-2] += exp.pop()
+        chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))
+        assert len(obs) >= 3 and chi2 < chi2_critical(len(obs) - 1), (b, chi2, len(obs))
+    assert 0 < accepted < 2 * N_SAMPLES
