@@ -459,3 +459,34 @@ def test_bench_is_exact_on_every_family(arch, tmp_path):
         assert len(reference) == 14
         for name in ("prompt_lookup", "medusa"):
             assert sample["results"][name]["tokens"] == reference, (arch, name)
+
+
+def test_batch_bench_reports_tokens_per_s_by_batch_size_and_the_rule(tmp_path, monkeypatch):
+    """``--batch-size``: every method decodes the same prompts at each batch size; plain is the 1.0x row;
+    the selfspec rows hold the tau of their rows; the rule's choice is listed per batch size."""
+    from selfspec.api import SpeculativeModel, make_drafter, make_verifier
+    from selfspec.bench.batched import run_batch_bench, write_batch_report
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    prompt_file = tmp_path / "questions.jsonl"
+    prompt_file.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    prompts = load_prompts(str(prompt_file))
+    target, tokenizer = tiny_llama(), CharTokenizer()
+    settings = BenchSettings(max_new_tokens=10, warmup=0, eos_token_ids=(), prompts_source=str(prompt_file))
+    lookup = make_drafter(target, prompt_lookup=True)
+    models = {"prompt_lookup": SpeculativeModel(target, tokenizer, lookup, make_verifier(target, lookup))}
+    report = run_batch_bench(target, tokenizer, models, prompts, settings, [1, 2], fixed=["prompt_lookup"])
+    by = {(r["batch"], r["method"]): r for r in report["rows"]}
+    assert set(by) == {(b, m) for b in (1, 2) for m in ("plain", "prompt_lookup", "prompt_lookup_fixed")}
+    for b in (1, 2):
+        n = (len(prompts) // b) * b
+        assert by[b, "plain"]["speedup"] == 1.0 and by[b, "plain"]["mean_tau"] is None
+        for m in ("plain", "prompt_lookup", "prompt_lookup_fixed"):
+            assert by[b, m]["tokens"] == 10 * n  # no EOS: every row runs to max_new_tokens
+        assert by[b, "prompt_lookup"]["mean_tau"] >= 1.0
+    assert [t["batch"] for t in report["rule"]["prompt_lookup"]] == [1, 2]
+    paths = write_batch_report(report, tmp_path / "out")
+    text = paths[1].read_text()
+    assert "| 2 | prompt_lookup_fixed |" in text and json.loads(paths[0].read_text()) == report
+    with pytest.raises(ValueError, match="cannot fill a batch of 64"):
+        run_batch_bench(target, tokenizer, models, prompts, settings, [64])

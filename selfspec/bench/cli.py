@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 
-from selfspec.bench.methods import BUILTIN_METHODS, DEFAULT_METHODS, BenchSettings, build_methods
+from selfspec.api import SpeculativeModel, make_drafter, make_verifier
+from selfspec.bench.batched import run_batch_bench, write_batch_report
+from selfspec.bench.methods import BUILTIN_METHODS, DEFAULT_METHODS, BenchSettings, build_methods, eagle_kwargs
 from selfspec.bench.outputs import summary_text, write_report
 from selfspec.bench.run import run_bench
 from selfspec.prompts import SHAREGPT_HELDOUT, load_prompts
@@ -107,6 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=2048, help="skip longer prompt turns")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="prompts run untimed by every method first")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="B",
+        help="measure total tokens/s of batched decoding at these batch sizes instead (e.g. 1 4 16): plain "
+        "generate vs each head and prompt_lookup with the batch tree rule, heads also with their fixed tree; "
+        "writes batch_report.json/.md",
+    )
     p.add_argument("--out", default="runs/bench", help="directory for report.json, report.md and PNG plots")
     return p
 
@@ -139,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.prompts, args.num_prompts, args.max_turns, args.per_category, head_dirs=list(heads.values())
     )
     target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
+    if args.batch_size:
+        return _batch_main(parser, args, heads, methods, prompts, settings, target, tokenizer)
     draft = load_target(args.draft_model, dtype=args.dtype, device=args.device)[0] if args.draft_model else None
     try:
         eagle_options = {"depth": args.eagle_depth, "top_k": args.eagle_top_k, "total_tokens": args.eagle_total_tokens}
@@ -159,6 +173,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = write_report(report, args.out)
     print(summary_text(report))
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def _batch_main(parser, args, heads, methods, prompts, settings, target, tokenizer) -> int:
+    """``--batch-size``: the batched bench (:func:`selfspec.bench.batched.run_batch_bench`)."""
+    eagle_options = {"depth": args.eagle_depth, "top_k": args.eagle_top_k, "total_tokens": args.eagle_total_tokens}
+    try:
+        drafters = {
+            name: make_drafter(target, heads=head, tree_nodes=args.tree_nodes, **eagle_kwargs(head, eagle_options))
+            for name, head in heads.items()
+        }
+        if "prompt_lookup" in methods:
+            drafters["prompt_lookup"] = make_drafter(target, prompt_lookup=True)
+        verifier = make_verifier(target, next(iter(drafters.values())))
+        models = {name: SpeculativeModel(target, tokenizer, d, verifier) for name, d in drafters.items()}
+        report = run_batch_bench(target, tokenizer, models, prompts, settings, args.batch_size, fixed=list(heads))
+    except ValueError as err:
+        parser.error(str(err))
+    paths = write_batch_report(report, args.out)
+    print(paths[1].read_text())
+    print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 
 

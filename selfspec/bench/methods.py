@@ -202,7 +202,7 @@ def tree_budget_record(drafter: Any) -> TreeBudgetRecord | None:
     )
 
 
-def _eagle_kwargs(head: Any, options: Mapping[str, int | str] | None) -> dict[str, int | str]:
+def eagle_kwargs(head: Any, options: Mapping[str, int | str] | None) -> dict[str, int | str]:
     """EAGLE drafter options, only for heads whose type is EAGLE."""
     if not options:
         return {}
@@ -260,7 +260,7 @@ def build_methods(
             raise ValueError(f"head method name {name!r} is taken; pass it as NAME=DIR with another name")
     lookup = make_drafter(target, prompt_lookup=True)
     head_drafters = {
-        name: make_drafter(target, heads=head, tree_nodes=tree_nodes, **_eagle_kwargs(head, eagle_options))
+        name: make_drafter(target, heads=head, tree_nodes=tree_nodes, **eagle_kwargs(head, eagle_options))
         for name, head in (heads or {}).items()
     }
     # One verifier for every selfspec method: the kernels are measured and packed once per target, and every
