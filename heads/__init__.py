@@ -1,7 +1,8 @@
 """Draft heads (nn.Modules only): Medusa-1, EAGLE-1/2, EAGLE-3.
 
 ``load_heads(directory)`` reads ``config.json`` and dispatches on its ``head_type``; every family reads and
-writes its directory through :mod:`selfspec.heads.io`.
+writes its directory through :mod:`selfspec.heads.io`, and takes a Hub repo id for the directory and pushes
+to the Hub through :mod:`selfspec.heads.hub`.
 """
 
 from __future__ import annotations
@@ -12,29 +13,37 @@ from typing import TYPE_CHECKING
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.eagle3 import Eagle3Head
 from selfspec.heads.fingerprint import target_fingerprint
+from selfspec.heads.hub import HEAD_TYPES, resolve_head_dir
 from selfspec.heads.io import CONFIG_NAME, HeadFormatError, read_config
 from selfspec.heads.medusa import MedusaHeads
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["Eagle3Head", "EagleHead", "HeadFormatError", "MedusaHeads", "load_heads"]
-
-HEAD_TYPES = ("medusa", "eagle", "eagle3")
+__all__ = ["HEAD_TYPES", "Eagle3Head", "EagleHead", "HeadFormatError", "MedusaHeads", "load_heads"]
 
 
-def load_heads(directory: str | Path, target: PreTrainedModel | None = None) -> MedusaHeads | EagleHead | Eagle3Head:
+def load_heads(
+    directory: str | Path,
+    target: PreTrainedModel | None = None,
+    *,
+    revision: str | None = None,
+    token: str | bool | None = None,
+) -> MedusaHeads | EagleHead | Eagle3Head:
     """Load a head directory written by ``save_pretrained`` (strict: nothing is half-loaded).
 
     Args:
-        directory: folder with ``config.json`` and ``model.safetensors``.
+        directory: folder with ``config.json`` and ``model.safetensors``, or a Hub repo id of heads pushed
+            with ``push_to_hub`` (downloaded by :func:`selfspec.heads.hub.resolve_head_dir`).
         target: the frozen target; when given, its fingerprint must match and its lm_head / embeddings
             are attached.
+        revision, token: Hub revision and token, for a Hub repo id.
 
     Raises:
-        HeadFormatError: unknown ``head_type``, missing or corrupt files, mismatched tensors, other target.
+        HeadFormatError: unknown ``head_type``, missing or corrupt files, mismatched tensors, other target;
+            a Hub id that does not exist, cannot be reached, or holds no selfspec heads.
     """
-    d = Path(directory)
+    d = resolve_head_dir(directory, revision=revision, token=token)
     head_type = read_config(d).get("head_type")
     fingerprint = target_fingerprint(target) if target is not None else None
     if head_type == "medusa":

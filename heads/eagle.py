@@ -50,6 +50,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from selfspec.decode.cpu_linear import project
 from selfspec.heads.config import config_from_dict
+from selfspec.heads.hub import HubMixin, resolve_head_dir
 from selfspec.heads.io import (
     CONFIG_NAME,
     DRAFT_VOCAB_NAME,
@@ -186,7 +187,7 @@ def decoder_layer_class(arch_config: PretrainedConfig, target: PreTrainedModel |
     return layers[0].__class__
 
 
-class EagleHead(nn.Module):
+class EagleHead(nn.Module, HubMixin):
     """EAGLE-1 feature head: ``fc`` + one decoder layer of the target's kind (see the module docstring).
 
     Parameters: ``fc.weight`` ``[D, 2D]`` (+ ``fc.bias`` ``[D]``) and ``layers.0.*``.
@@ -355,21 +356,29 @@ class EagleHead(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, directory: str | Path, target: PreTrainedModel | None = None, target_fingerprint: str | None = None
+        cls,
+        directory: str | Path,
+        target: PreTrainedModel | None = None,
+        target_fingerprint: str | None = None,
+        *,
+        revision: str | None = None,
+        token: str | bool | None = None,
     ) -> EagleHead:
         """Load a head saved by :meth:`save_pretrained`, refusing anything that does not match exactly.
 
         Args:
-            directory: the head directory.
+            directory: the head directory, or a Hub repo id (:func:`selfspec.heads.hub.resolve_head_dir`).
             target: the frozen target, attached after loading (its decoder layer class is used).
             target_fingerprint: if given, must equal the fingerprint stored with the head.
+            revision, token: Hub revision and token, for a Hub repo id.
 
         Raises:
             HeadFormatError: missing/corrupt files, unknown ``selfspec`` keys, an architecture that is not
                 one layer, missing or unexpected tensors, wrong shapes or dtypes of ``draft_ids``, or a head
-                trained on another target. Nothing is half-loaded.
+                trained on another target; a Hub id that does not exist or holds no selfspec heads. Nothing
+                is half-loaded.
         """
-        d = Path(directory)
+        d = resolve_head_dir(directory, revision=revision, token=token)
         raw = read_config(d)
         if raw.pop("head_type", None) != "eagle":
             raise HeadFormatError(f"{d / CONFIG_NAME} is not an EAGLE head (head_type must be 'eagle')")

@@ -52,6 +52,7 @@ from selfspec.heads.eagle import (
     rotary_layer_type,
     softcap,
 )
+from selfspec.heads.hub import HubMixin, resolve_head_dir
 from selfspec.heads.io import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -204,7 +205,7 @@ def _widen_qkv(attn: nn.Module, in_features: int) -> list[str]:
     return names
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(nn.Module, HubMixin):
     """EAGLE-3 head: ``fc`` over three target layers + one decoder layer of the target's class + final norm +
     lm_head over a reduced draft vocabulary (see the module docstring for the computation and tensor names).
 
@@ -395,16 +396,26 @@ class Eagle3Head(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, directory: str | Path, target: PreTrainedModel | None = None, target_fingerprint: str | None = None
+        cls,
+        directory: str | Path,
+        target: PreTrainedModel | None = None,
+        target_fingerprint: str | None = None,
+        *,
+        revision: str | None = None,
+        token: str | bool | None = None,
     ) -> Eagle3Head:
         """Load a head saved by :meth:`save_pretrained`, refusing anything that does not match exactly.
+
+        ``directory`` is a head directory or a Hub repo id (:func:`selfspec.heads.hub.resolve_head_dir`, with
+        ``revision`` and ``token``).
 
         Raises:
             HeadFormatError: missing/corrupt files, unknown ``selfspec`` keys, config fields that disagree with
                 it, an architecture that is not one layer, missing / unexpected / wrong-shape tensors, invalid
-                ``d2t`` / ``t2d`` maps, or a head trained on another target. Nothing is half-loaded.
+                ``d2t`` / ``t2d`` maps, or a head trained on another target; a Hub id that does not exist or
+                holds no selfspec heads. Nothing is half-loaded.
         """
-        d = Path(directory)
+        d = resolve_head_dir(directory, revision=revision, token=token)
         raw = read_config(d)
         if raw.pop("head_type", None) != "eagle3":
             raise HeadFormatError(f"{d / CONFIG_NAME} is not an EAGLE-3 head (head_type must be 'eagle3')")

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from selfspec.heads.config import config_from_dict
+from selfspec.heads.hub import HubMixin, resolve_head_dir
 from selfspec.heads.io import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -108,7 +109,7 @@ class _Blocks(nn.Module):
         return x
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(nn.Module, HubMixin):
     """K Medusa heads. See the module docstring for the algorithm.
 
     Buffers:
@@ -201,21 +202,29 @@ class MedusaHeads(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, directory: str | Path, target_lm_head: torch.Tensor | None = None, target_fingerprint: str | None = None
+        cls,
+        directory: str | Path,
+        target_lm_head: torch.Tensor | None = None,
+        target_fingerprint: str | None = None,
+        *,
+        revision: str | None = None,
+        token: str | bool | None = None,
     ) -> MedusaHeads:
         """Load heads saved by :meth:`save_pretrained`, refusing anything that does not match exactly.
 
         Args:
-            directory: the head directory.
+            directory: the head directory, or a Hub repo id (:func:`selfspec.heads.hub.resolve_head_dir`).
             target_lm_head: ``[V, D]`` target lm_head, attached after loading.
             target_fingerprint: if given, must equal the fingerprint stored with the heads.
+            revision, token: Hub revision and token, for a Hub repo id.
 
         Raises:
             HeadFormatError: missing/corrupt files, unknown config keys, missing or unexpected tensors,
                 wrong shapes, invalid ``draft_ids``, or heads trained on another target. Nothing is
-                half-loaded: the module is only returned when every tensor matched.
+                half-loaded: the module is only returned when every tensor matched. A Hub id that does not
+                exist or holds no selfspec heads (see :func:`~selfspec.heads.hub.resolve_head_dir`).
         """
-        d = Path(directory)
+        d = resolve_head_dir(directory, revision=revision, token=token)
         raw = read_config(d)
         raw.pop("model_type", None)
         raw.pop("num_hidden_layers", None)

@@ -1,4 +1,4 @@
-"""The ``selfspec`` command: ``train``, ``bench``, ``tune-tree``, ``quickstart``."""
+"""The ``selfspec`` command: ``train``, ``bench``, ``tune-tree``, ``quickstart``, ``push``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "speedup and tau against plain transformers generate, in one run",
         "tune-tree": "size an EAGLE head's tree budget to this machine (writes <heads>/acceptance_profile.json)",
         "quickstart": "the embedded default: SmolLM2 target, ShareGPT data, train heads, then bench",
+        "push": "push heads with their model card to the Hugging Face Hub (--dry-run: show, upload nothing)",
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         parser = argparse.ArgumentParser(prog="selfspec", description="self-speculative decoding")
@@ -36,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         from selfspec.tune import main as tune_main
 
         return tune_main(rest)
+    if command == "push":
+        from selfspec.hub import main as push_main
+
+        return push_main(rest)
     from selfspec.quickstart import main as quickstart_main
 
     return quickstart_main(rest)

@@ -1,0 +1,255 @@
+"""The model card (``README.md``) that goes with heads pushed to the Hub.
+
+Made with ``huggingface_hub``'s :class:`~huggingface_hub.ModelCard` / :class:`~huggingface_hub.ModelCardData`
+(the Hub's model-card metadata: https://huggingface.co/docs/hub/model-cards). The metadata block holds
+``base_model`` (the target, a Hub id), ``library_name: selfspec`` and the tags ``speculative-decoding`` and
+the head family (``medusa``, ``eagle``, ``eagle3``). The text says what the heads are and how to serve them:
+in selfspec straight from the repo, and in vLLM, SGLang and llama.cpp after ``selfspec export`` to the
+engine's own layout (``--format speculators`` for vLLM's EAGLE / EAGLE-3 ``vllm serve DIR``, ``--format
+sglang`` for SGLang's ``LlamaForCausalLMEagle`` / ``LlamaForCausalLMEagle3`` and vLLM's ``MedusaModel``,
+``--format gguf`` for llama.cpp's ``--spec-type draft-eagle3``); families an engine cannot run are said to be
+so. With a bench report (:class:`BenchFigures`) it adds the measured tau and speedup, the command and the
+hardware they were measured with.
+
+Pure text: nothing here reads files or reaches the network.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from huggingface_hub import ModelCard, ModelCardData
+
+__all__ = ["FAMILIES", "BenchFigures", "Family", "head_card"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """How a head family is named and cited on a card."""
+
+    tag: str
+    title: str
+    paper: str
+
+
+FAMILIES = {
+    "medusa": Family("medusa", "Medusa-1", "Cai et al. 2024, Medusa, https://arxiv.org/abs/2401.10774"),
+    "eagle": Family(
+        "eagle",
+        "EAGLE-1 (decoded with the EAGLE-2 dynamic tree)",
+        "Li et al. 2024, EAGLE https://arxiv.org/abs/2401.15077 and EAGLE-2 https://arxiv.org/abs/2406.16858",
+    ),
+    "eagle3": Family("eagle3", "EAGLE-3", "Li et al. 2025, EAGLE-3, https://arxiv.org/abs/2503.01840"),
+}
+
+
+@dataclass(frozen=True)
+class BenchFigures:
+    """What one ``selfspec bench`` report measured for these heads (read by :func:`selfspec.hub.bench_figures`).
+
+    Attributes:
+        method: the heads' method name in the report.
+        tau: mean accepted tokens per target forward, pooled over every step (None: not recorded).
+        speedup: median over prompt turns of the per-turn speedup against ``reference`` (a ratio).
+        tokens_per_s: median tokens per second of the heads; reference_tokens_per_s: of the reference.
+        reference: what the speedup is against (the reference method's description).
+        num_samples: prompt turns measured; prompts: where they came from.
+        decoding: e.g. ``"greedy, 128 new tokens, float32 on cpu, 2 threads"``.
+        mismatches: greedy runs: prompt turns whose output differed from the reference (None: sampling).
+        command: the command that made the report.
+        command_recorded: False when ``command`` was rebuilt from the report's settings (the report does not
+            store the prompt-selection flags, so the card says so).
+        hardware: the machine (CPU count, accelerator, platform, torch version).
+    """
+
+    method: str
+    tau: float | None
+    speedup: float | None
+    tokens_per_s: float | None
+    reference_tokens_per_s: float | None
+    reference: str
+    num_samples: int
+    prompts: str
+    decoding: str
+    mismatches: int | None
+    command: str
+    command_recorded: bool
+    hardware: str
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _describe(head_type: str, config: Mapping[str, Any]) -> str:
+    ours = config.get("selfspec", config)  # EAGLE configs nest selfspec's fields under "selfspec"
+    vocab = ours.get("vocab_size")
+    draft = ours.get("draft_vocab_size") or vocab
+    if head_type == "medusa":
+        lm = "an own lm_head each" if ours.get("own_lm_head", True) else "the target's lm_head, shared"
+        return (
+            f"{ours.get('num_heads')} Medusa heads of {ours.get('num_layers')} residual block(s) each, with {lm}, "
+            f"over a draft vocabulary of {draft} of the target's {vocab} tokens; head k predicts token t+2+k."
+        )
+    if head_type == "eagle":
+        return (
+            "One decoder layer of the target's kind over `fc(concat(embed(x), feature))`, predicting the next "
+            f"feature; the target's own lm_head scores it, over {draft} of the target's {vocab} tokens."
+        )
+    layers = ", ".join(str(i) for i in ours.get("target_layers") or [])
+    return (
+        f"One decoder layer over the fused hidden states of target layers ({layers}), with its own lm_head over "
+        f"a draft vocabulary of {draft} of the target's {vocab} tokens (`d2t` / `t2d` maps included)."
+    )
+
+
+def _engines(head_type: str, repo_id: str, base_model: str, num_heads: int) -> str:
+    """The vLLM, SGLang and llama.cpp sections: export first, then the engine's own command."""
+    name = repo_id.split("/")[-1]
+    if head_type == "medusa":
+        return f"""### vLLM
+
+Export to vLLM's `MedusaModel` layout, then pass it as the speculative model:
+
+```bash
+selfspec export {repo_id} --format sglang --out {name}-medusa
+vllm serve {base_model} \\
+    --speculative-config '{{"method": "medusa", "model": "{name}-medusa", "num_speculative_tokens": {num_heads}}}'
+```
+
+### SGLang
+
+SGLang has no Medusa drafter: serve these heads with vLLM or selfspec.
+
+### llama.cpp
+
+llama.cpp has no Medusa drafter (`--spec-type` offers `draft-eagle3`, n-gram and other drafters): train an
+EAGLE-3 head with selfspec for llama.cpp.
+"""
+    algorithm = "EAGLE3" if head_type == "eagle3" else "EAGLE"
+    llamacpp = (
+        f"""### llama.cpp
+
+Export to GGUF (selfspec runs llama.cpp's own `convert_hf_to_gguf.py ... --target-model-dir TARGET`), then
+give the draft to the target's GGUF:
+
+```bash
+selfspec export {repo_id} --format gguf --out {name}-gguf
+llama-server -m TARGET.gguf -md {name}-gguf/<the .gguf file it wrote> --spec-type draft-eagle3
+```
+"""
+        if head_type == "eagle3"
+        else """### llama.cpp
+
+llama.cpp runs EAGLE-3 drafts only (`--spec-type draft-eagle3`), not EAGLE-1: train an EAGLE-3 head with
+selfspec for llama.cpp.
+"""
+    )
+    return f"""### vLLM
+
+Export to the `speculators` format, which vLLM serves directly (the target is named in its config):
+
+```bash
+selfspec export {repo_id} --format speculators --out {name}-speculators
+vllm serve {name}-speculators
+```
+
+### SGLang
+
+Export to SGLang's `LlamaForCausalLM{"Eagle3" if head_type == "eagle3" else "Eagle"}` layout, then:
+
+```bash
+selfspec export {repo_id} --format sglang --out {name}-sglang
+python -m sglang.launch_server --model-path {base_model} --speculative-algorithm {algorithm} \\
+    --speculative-draft-model-path {name}-sglang --speculative-num-steps 5 --speculative-eagle-topk 8 \\
+    --speculative-num-draft-tokens 32
+```
+
+{llamacpp}"""
+
+
+def _bench(bench: BenchFigures) -> str:
+    how = "" if bench.command_recorded else " (rebuilt from the report's settings, which omit how prompts were chosen)"
+    mismatch = "" if bench.mismatches is None else f"; outputs differing from the reference: {bench.mismatches}"
+    header = ["method", "tau (accepted tokens per target forward)", "speedup (median per prompt)", "tokens/s"]
+    header += ["reference tokens/s", "prompt turns"]
+    row = [bench.method, _fmt(bench.tau, ".2f"), _fmt(bench.speedup, ".2f") + "x", _fmt(bench.tokens_per_s, ".1f")]
+    row += [_fmt(bench.reference_tokens_per_s, ".1f"), str(bench.num_samples)]
+    table = "\n".join("| " + " | ".join(cells) + " |" for cells in (header, ["---"] * len(header), row))
+    return f"""## Measured
+
+{table}
+
+Against {bench.reference}, in the same process, methods interleaved per prompt ({bench.decoding}{mismatch}).
+Prompts: {bench.prompts}.
+
+Hardware: {bench.hardware}.
+
+Command{how}:
+
+```bash
+{bench.command}
+```
+"""
+
+
+def head_card(
+    config: Mapping[str, Any], *, repo_id: str, base_model: str, bench: BenchFigures | None = None
+) -> ModelCard:
+    """The model card of a head directory.
+
+    Args:
+        config: the head's ``config.json`` (as ``save_pretrained`` wrote it; ``head_type`` names the family).
+        repo_id: the Hub repo the heads go to (used in the load commands).
+        base_model: the target's Hub id (``base_model`` in the metadata).
+        bench: measured figures to report (see :class:`BenchFigures`), or None.
+
+    Returns:
+        A :class:`~huggingface_hub.ModelCard`; ``str(card)`` is the ``README.md`` text and ``card.data``
+        its metadata.
+
+    Raises:
+        ValueError: ``config`` names no known head family.
+    """
+    head_type = config.get("head_type")
+    if head_type not in FAMILIES:
+        raise ValueError(f"head_type {head_type!r} is not one of {sorted(FAMILIES)}")
+    family = FAMILIES[head_type]
+    ours = config.get("selfspec", config)
+    trained_on = ours.get("target") or base_model
+    fingerprint = ours.get("target_fingerprint") or "none recorded"
+    data = ModelCardData(base_model=base_model, library_name="selfspec", tags=["speculative-decoding", family.tag])
+    # The name the heads were trained with (an alias or a Hub id) loads the very weights they were trained on;
+    # a local path means nothing to a reader of the card: the base model then.
+    load_target = trained_on if re.fullmatch(r"[\w.-]+(/[\w.-]+)?", trained_on) else base_model
+    body = f"""
+# {family.title} draft heads for {base_model}
+
+Draft heads for speculative decoding of [{base_model}](https://huggingface.co/{base_model}), trained with
+[selfspec](https://pypi.org/project/selfspec/) on the frozen target's own hidden states. The target verifies
+every drafted token: greedy output is the target's own, token for token, and sampling keeps its distribution.
+
+- Family: {family.title} ({family.paper}).
+- {_describe(head_type, config)}
+- Trained on the target `{trained_on}` (target fingerprint `{fingerprint}`). selfspec checks the fingerprint
+  when it loads the heads and refuses other target weights (another checkpoint or quantisation of the model).
+
+## Use
+
+### selfspec
+
+```python
+import selfspec
+
+model = selfspec.load("{load_target}", "{repo_id}")
+out = model.generate([{{"role": "user", "content": "Hi!"}}], max_new_tokens=128)
+print(out.text, out.stats.mean_accepted_tokens, out.stats.tokens_per_s)
+```
+
+{_engines(head_type, repo_id, base_model, int(ours.get("num_heads") or 0))}"""
+    if bench is not None:
+        body += "\n" + _bench(bench)
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
