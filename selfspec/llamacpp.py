@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import importlib.util
+import logging
 import os
 import platform
 import re
@@ -32,7 +33,11 @@ SDIST_VERSION = "0.3.36"
 TOOLS = ("llama-speculative-simple", "llama-completion")
 """CMake targets built: speculative decoding with a draft (EAGLE-3, n-gram) and plain completion."""
 
+SENTENCEPIECE = "sentencepiece>=0.2,<0.3"
+"""The converter's one import beyond torch, numpy and its own gguf-py (``requirements-convert_legacy_llama.txt``)."""
+
 _STAMP = "selfspec-build.json"
+logger = logging.getLogger(__name__)
 # What the converter needs at run time: the script, its per-architecture modules and the gguf package.
 _CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion", "gguf-py", "LICENSE")
 
@@ -67,8 +72,11 @@ class LlamaCpp:
         """Run the converter: ``python convert_hf_to_gguf.py HF_DIR --outfile OUTFILE EXTRA...``.
 
         Raises:
-            RuntimeError: the converter failed; the message holds the end of its output.
+            RuntimeError: ``sentencepiece`` (which the converter imports for every Llama vocabulary) is not
+                installed, or the converter failed; the message holds the end of its output.
         """
+        if importlib.util.find_spec("sentencepiece") is None:
+            raise RuntimeError(f"llama.cpp's converter imports sentencepiece: run `pip install '{SENTENCEPIECE}'`")
         cmd = [sys.executable, str(self.converter), str(hf_dir), "--outfile", str(outfile), *extra]
         # The converter needs the gguf-py beside it (the PyPI gguf may predate the eagle3 architecture); it
         # puts it on sys.path itself unless NO_LOCAL_GGUF is set, so that variable is removed, never set.
@@ -176,6 +184,7 @@ def ensure_llamacpp(*, jobs: int = 2, log: Path | None = None) -> LlamaCpp:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (final / _STAMP).is_file():  # another process built it while this one waited
             return LlamaCpp(final)
+        logger.info("building llama.cpp from %s==%s into %s (once; log: %s)", SDIST, SDIST_VERSION, final, log)
         with tempfile.TemporaryDirectory(prefix=final.name + ".tmp", dir=final.parent) as tmp:
             _build_into(Path(tmp), jobs=jobs, log=log)
             if final.exists():  # an unfinished entry (no stamp) from an older layout
@@ -378,4 +387,6 @@ def build_info(found: LlamaCpp) -> dict:
 
 
 if __name__ == "__main__":  # python -m selfspec.llamacpp: build (or find) and print the directory
+    if find_llamacpp() is None:
+        print(f"building llama.cpp ({SDIST}=={SDIST_VERSION}) into {build_dir()}, log: {build_dir()}.log", flush=True)
     print(ensure_llamacpp().root)
