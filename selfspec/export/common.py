@@ -23,6 +23,7 @@ __all__ = [
     "family_name",
     "llama_config_dict",
     "rename_exact",
+    "target_embedding",
     "require_llama",
     "write_export",
 ]
@@ -103,6 +104,18 @@ def llama_config_dict(head: EagleHead | Eagle3Head) -> dict[str, Any]:
     if rope.get("rope_type", "default") != "default" and not cfg.get("rope_scaling"):
         cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     return cfg
+
+
+def target_embedding(head: EagleHead | Eagle3Head) -> torch.Tensor:
+    """The attached target's token embedding ``[V, D]`` (detached).
+
+    Raises:
+        ExportError: no target is attached (load the head with ``load_heads(DIR, target)``).
+    """
+    attached = getattr(head, "_target", None)  # set by attach_target; the heads keep it unregistered
+    if attached is None:
+        raise ExportError("this export writes the target's embedding: load the head with load_heads(DIR, target)")
+    return attached[0].weight.detach()
 
 
 def rename_exact(state: Mapping[str, torch.Tensor], names: Mapping[str, str], fmt: str) -> dict[str, torch.Tensor]:
