@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from huggingface_hub import constants, snapshot_download
 from huggingface_hub.errors import (
@@ -83,8 +83,8 @@ def _download(repo_id: str, revision: str | None, token: str | bool | None, patt
                 "download it once, or pass a local head directory"
             ) from err
         raise HeadFormatError(
-            f"{where} could not be reached and is not in the local Hub cache ({err}); check the network or "
-            "HF_ENDPOINT, or pass a local head directory"
+            f"{where} could not be reached and is not in the local Hub cache ({' '.join(str(err).split())}); "
+            "check the network or HF_ENDPOINT, or pass a local head directory"
         ) from err
     except (EntryNotFoundError, HfHubHTTPError, OSError, ValueError) as err:
         raise HeadFormatError(f"cannot download {where}: {err}") from err
@@ -147,7 +147,11 @@ class HubMixin:
         private: bool | None = None,
         token: str | bool | None = None,
         commit_message: str | None = None,
-        **options: Any,
+        base_model: str | None = None,
+        bench_report: str | os.PathLike | None = None,
+        bench_method: str | None = None,
+        bench_command: str | None = None,
+        dry_run: bool = False,
     ) -> HubPush:
         """Upload the head to the Hub repo ``repo_id`` (created if missing): the files of
         ``save_pretrained`` and a ``README.md`` model card (:func:`selfspec.card.head_card`).
@@ -157,8 +161,12 @@ class HubMixin:
             private: create the repo private (an existing repo keeps its visibility).
             token: Hub token with write access (default: ``$HF_TOKEN`` or the saved login).
             commit_message: the commit's message (default: names the family and target).
-            options: ``base_model``, ``bench_report``, ``bench_method``, ``bench_command``, ``dry_run``
-                (see :func:`selfspec.hub.push_heads`).
+            base_model: the target's Hub id for the card (default: the target the head was trained on, when
+                that is a Hub id or a known alias).
+            bench_report: a ``selfspec bench`` ``report.json`` whose tau and speedup go on the card;
+                bench_method: the head's method in it (default: its only selfspec method); bench_command:
+                the command that made it (the report does not store it).
+            dry_run: build the files and the card, upload nothing.
 
         Returns:
             :class:`selfspec.hub.HubPush`: what was (or, with ``dry_run=True``, would be) uploaded.
@@ -170,4 +178,15 @@ class HubMixin:
         # selfspec.heads itself: imported here, at call time, so heads/ imports nothing above it.
         from selfspec.hub import push_heads
 
-        return push_heads(self, repo_id, private=private, token=token, commit_message=commit_message, **options)
+        return push_heads(
+            self,
+            repo_id,
+            private=private,
+            token=token,
+            commit_message=commit_message,
+            base_model=base_model,
+            bench_report=bench_report,
+            bench_method=bench_method,
+            bench_command=bench_command,
+            dry_run=dry_run,
+        )

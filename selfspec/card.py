@@ -229,7 +229,7 @@ def head_card(
 # {family.title} draft heads for {base_model}
 
 Draft heads for speculative decoding of [{base_model}](https://huggingface.co/{base_model}), trained with
-[selfspec](https://pypi.org/project/selfspec/) on the frozen target's own hidden states. The target verifies
+selfspec on the frozen target's own hidden states. The target verifies
 every drafted token: greedy output is the target's own, token for token, and sampling keeps its distribution.
 
 - Family: {family.title} ({family.paper}).

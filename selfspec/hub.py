@@ -18,6 +18,7 @@ deleted in the same commit, so the repo always holds one whole head. Downloading
 from __future__ import annotations
 
 import argparse
+import importlib
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -48,6 +49,18 @@ _FIX_AUTH = "pass a token with write access (token=..., --token, $HF_TOKEN) or r
 
 class HubError(ValueError):
     """Raised when heads cannot be pushed; the message names the fix."""
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """What a refused or broken connection raises: OSError, and the transport errors of the HTTP client the
+    installed ``huggingface_hub`` uses (``httpx2`` / ``httpx`` in 1.x and later, ``requests`` before)."""
+    errors: list[type[BaseException]] = [OSError]
+    for module, name in (("httpx2", "TransportError"), ("httpx", "TransportError"), ("requests", "RequestException")):
+        try:
+            errors.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(errors)
 
 
 @dataclass(frozen=True)
@@ -261,7 +274,7 @@ def push_heads(
             if status == 409:
                 raise HubError(f"{repo_id!r} exists and cannot take this commit ({err}); pick another name") from err
             raise HubError(f"pushing to {repo_id!r} failed: {err}") from err
-        except OSError as err:  # a connection refused or reset, a DNS failure
+        except _transport_errors() as err:  # a connection refused or reset, a DNS failure
             raise HubError(f"pushing to {repo_id!r} failed: {err}; check the network or HF_ENDPOINT") from err
         return HubPush(repo_id, files, stale, card, private, message, str(info.commit_url))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -225,6 +226,19 @@ def test_a_cached_repo_loads_under_hf_hub_offline(target, hub, monkeypatch):
 
 
 # -------------------------------------------------------------------------------------- refusals
+def test_an_unreachable_hub_is_refused_with_the_fix(target, monkeypatch, tmp_path):
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    with pytest.raises(HeadFormatError, match="could not be reached.*check the network or HF_ENDPOINT"):
+        load_heads("alice/e3")
+    with pytest.raises(HubError, match="pushing to 'alice/e3' failed.*check the network or HF_ENDPOINT"):
+        make_head("eagle3", target).push_to_hub("alice/e3", token="hf_test")
+
+
 def test_a_hub_id_that_does_not_exist_is_refused(hub):
     with pytest.raises(HeadFormatError, match="'alice/nope' does not exist, or is private.*check the id"):
         load_heads("alice/nope")
