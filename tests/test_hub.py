@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -305,3 +306,41 @@ def test_push_refuses_bad_input(target, hub, tmp_path):
         push_heads(broken, "alice/broken", token="hf_test")
     assert "alice/broken" not in hub.repos and "alice/m" not in hub.repos
     assert cli_main(["push", str(broken), "alice/broken", "--dry-run"]) == 2
+
+
+@pytest.mark.slow
+def test_smollm2_heads_through_the_hub_decode_exactly(smollm2, hub):
+    """The real target: an EAGLE-3 head (started from the target's last layer and lm_head) pushed, loaded back
+    with the very call its card prints, decodes exactly the target's greedy output."""
+    model, tok = smollm2
+    cfg = Eagle3Config(
+        hidden_size=model.config.hidden_size,
+        vocab_size=model.config.vocab_size,
+        draft_vocab_size=2048,
+        num_target_layers=model.config.num_hidden_layers,
+        target="smollm2-135m-instruct",
+        target_fingerprint=target_fingerprint(model),
+    )
+    torch.manual_seed(0)
+    head = Eagle3Head(cfg, model.config, draft_ids=torch.arange(2048), target=model, init_layer=-1, init_lm_head=True)
+    push = head.push_to_hub("alice/smollm2-eagle3", token="hf_test")
+    assert push.files["model.safetensors"] > 10e6 and push.card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    call = re.search(r'selfspec\.load\("([^"]+)", "([^"]+)"\)', push.card.text).groups()
+    assert call == ("smollm2-135m-instruct", "alice/smollm2-eagle3")
+    spec = selfspec.load(model, call[1], tokenizer=tok, tune="off")
+    assert torch.equal(draft_logits_of(spec.drafter.head), draft_logits_of(head))
+    ids = spec.encode([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}])
+    ref = model.generate(
+        ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=24, do_sample=False, top_k=None
+    )[0, ids.numel() :]
+    out = spec.generate(ids, max_new_tokens=24)
+    assert out.tokens == ref.tolist() and "Paris" in out.text
+
+
+def draft_logits_of(head: Eagle3Head) -> torch.Tensor:
+    """An EAGLE-3 head's draft logits on fixed inputs of its own width."""
+    g = torch.Generator().manual_seed(1)
+    D = head.config.hidden_size
+    ids = torch.randint(0, head.config.vocab_size, (1, 5), generator=g)
+    with torch.no_grad():
+        return head.draft_logits(head(torch.randn(1, 5, 3 * D, generator=g), ids, torch.arange(5)[None]))
