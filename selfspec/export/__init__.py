@@ -1,8 +1,7 @@
 """Heads that leave selfspec: export to the formats serving engines load, and import from them.
 
 Formats: ``speculators`` (vLLM serves it directly; :mod:`selfspec.export.speculators`), ``sglang`` (SGLang /
-SpecForge EAGLE layouts; :mod:`selfspec.export.sglang`), ``vllm-medusa`` (vLLM's ``MedusaModel``;
-:mod:`selfspec.export.medusa_vllm`). Import: :mod:`selfspec.export.importer`. Command line:
+SpecForge EAGLE layouts; :mod:`selfspec.export.sglang`). Import: :mod:`selfspec.export.importer`. Command line:
 ``selfspec export`` / ``selfspec import`` (:mod:`selfspec.export.cli`).
 """
 

@@ -24,7 +24,7 @@ The contract, read from the engines' code:
   embeddings are the target's. The layer's output ``hidden + residual`` goes to the target's lm_head, as in
   :class:`selfspec.heads.eagle.EagleHead`.
 
-Medusa heads have no SGLang layout: :func:`selfspec.export.medusa_vllm.export_medusa_vllm` writes vLLM's.
+Medusa heads have no SGLang layout (vLLM's ``MedusaModel`` layout is not exported yet).
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def export_sglang(head: Head, out_dir: str | Path, *, target_name_or_path: str) 
         ``out_dir`` as a Path.
 
     Raises:
-        ExportError: a Medusa head (the format has no Medusa layout: use ``vllm-medusa``), a head whose decoder
+        ExportError: a Medusa head (the format has no Medusa layout), a head whose decoder
             layer is not Llama's, a tensor the layout does not name, an EAGLE-1 head with a reduced draft
             vocabulary or without ``fc.bias``, or target layers SGLang cannot name. Nothing is written then.
     """
@@ -186,7 +186,6 @@ def export_sglang(head: Head, out_dir: str | Path, *, target_name_or_path: str) 
         cfg, tensors = _eagle(head, target_name_or_path)
     else:
         raise ExportError(
-            f"the sglang format holds EAGLE-1 and EAGLE-3 heads, not {family}; "
-            "export Medusa heads with --format vllm-medusa (vLLM's MedusaModel layout)"
+            f"the sglang format holds EAGLE-1 and EAGLE-3 heads, not {family}; Medusa heads have no SGLang layout"
         )
     return write_export(out_dir, cfg, tensors)

@@ -88,7 +88,7 @@ def export_speculators(
     """
     family = family_name(head)
     if not isinstance(head, Eagle3Head):
-        fix = "--format sglang (LlamaForCausalLMEagle)" if family == "eagle" else "--format vllm-medusa"
+        fix = "--format sglang (LlamaForCausalLMEagle)" if family == "eagle" else "selfspec's own format"
         raise ExportError(
             f"the speculators format ({SPECULATORS_VERSION}) holds EAGLE-3 heads, not {family}; export with {fix}"
         )

@@ -1,0 +1,202 @@
+"""Import EAGLE heads trained elsewhere (the speculators and SGLang / SpecForge layouts) into selfspec heads, strictly.
+
+The layouts are those :mod:`selfspec.export.speculators` and :mod:`selfspec.export.sglang` write (their docstrings
+cite the engine files). Reading refuses, with one :class:`~selfspec.heads.io.HeadFormatError` that names the fix and
+before anything is written: an unknown format or architecture, a truncated or corrupt safetensors file, missing /
+unexpected / wrong-shape tensors (all listed), config flags the head cannot compute (EAGLE-3.1 norms,
+``norm_before_residual``), an embedding that is not the target's, a head for another target (sizes, layer count, or
+the recorded fingerprint). ``d2t`` is applied once: the draft ids are ``arange(S) + d2t``, and ``t2d`` must mark
+exactly those ids. Every tensor of the file is consumed: loaded into the head, or (``embed_tokens.weight``)
+checked equal to the target's embedding, which selfspec heads use.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import AutoConfig
+
+from selfspec.export.common import Head
+from selfspec.export.sglang import EAGLE3_ARCHITECTURE, EAGLE_ARCHITECTURE, eagle3_names, eagle_names
+from selfspec.heads.eagle import EagleConfig, EagleHead
+from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head, check_vocab_maps, default_target_layers
+from selfspec.heads.fingerprint import target_fingerprint
+from selfspec.heads.io import CONFIG_NAME, WEIGHTS_NAME, HeadFormatError, check_state, read_config, read_safetensors
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = ["IMPORT_FORMATS", "import_heads", "read_foreign_head"]
+
+IMPORT_FORMATS = ("speculators", "sglang")
+
+
+def _arch(raw: dict[str, Any], where: str) -> Any:
+    cfg = dict(raw)
+    model_type = cfg.pop("model_type", None)
+    for key in ("architectures", "draft_vocab_size", "eagle_config", "target_model", "torch_dtype", "dtype"):
+        cfg.pop(key, None)
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("selfspec_")}
+    if model_type != "llama":
+        raise HeadFormatError(f"{where}: the draft layer is {model_type!r}; these layouts hold Llama layers")
+    try:
+        return AutoConfig.for_model(model_type, **cfg)
+    except (ValueError, KeyError, TypeError) as err:
+        raise HeadFormatError(f"{where}: not a transformers Llama config ({err})") from err
+
+
+def _check_target(arch: Any, target: PreTrainedModel, fingerprint: str, where: str) -> None:
+    cfg = target.config
+    if (arch.hidden_size, arch.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
+        raise HeadFormatError(
+            f"{where}: the head has hidden {arch.hidden_size} / vocab {arch.vocab_size}, the target "
+            f"{cfg.hidden_size} / {cfg.vocab_size}: it belongs to another target; pass the target it was trained on"
+        )
+    if cfg.model_type != "llama":
+        raise HeadFormatError(f"{where}: the target is a {cfg.model_type!r} model; these layouts hold Llama heads")
+    if fingerprint and fingerprint != target_fingerprint(target):
+        raise HeadFormatError(
+            f"{where}: the head records target fingerprint {fingerprint}, the target given has "
+            f"{target_fingerprint(target)}: pass the target it was trained on"
+        )
+
+
+def _renamed(state: dict[str, torch.Tensor], names: dict[str, str], where: str) -> dict[str, torch.Tensor]:
+    inverse = {v: k for k, v in names.items()}
+    unknown = sorted(set(state) - set(inverse))
+    if unknown:
+        raise HeadFormatError(
+            f"{where}: unexpected tensors {unknown} (not in the layout); pass the directory the trainer exported for "
+            "serving, or the right --format"
+        )
+    return {inverse[k]: v for k, v in state.items()}
+
+
+def _embed_consumed(state: dict[str, torch.Tensor], target: PreTrainedModel, where: str) -> None:
+    emb = state.pop("embed_tokens.weight", None)
+    if emb is None:
+        return
+    own = target.get_input_embeddings().weight.detach()
+    if emb.shape != own.shape or not torch.equal(emb.to(own.dtype), own):
+        raise HeadFormatError(
+            f"{where}: embed_tokens.weight is not the target's embedding (selfspec heads use the target's); "
+            "pass the target the head was trained on"
+        )
+
+
+def _eagle3(d: Path, raw: dict[str, Any], fmt: str, target: PreTrainedModel) -> Eagle3Head:
+    where = str(d / CONFIG_NAME)
+    if fmt == "speculators":
+        if raw.get("speculators_model_type") != "eagle3":
+            raise HeadFormatError(
+                f"{where}: speculators_model_type must be 'eagle3', got {raw.get('speculators_model_type')!r}"
+            )
+        flags = [k for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output") if raw.get(k)]
+        if flags or raw.get("target_hidden_size") not in (None, raw["transformer_layer_config"].get("hidden_size")):
+            raise HeadFormatError(
+                f"{where}: {flags or ['target_hidden_size']} set; selfspec's EAGLE-3 head computes none"
+            )
+        layer_raw, prefix = raw["transformer_layer_config"], "layers.0."
+        layers = raw.get("eagle_aux_hidden_state_layer_ids")
+    else:
+        layer_raw, prefix = raw, "midlayer."
+        aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        layers = raw.get("selfspec_target_layers") or ([i + 1 for i in aux] if aux else None)  # SGLang: layer outputs
+    arch = _arch(layer_raw, where)
+    _check_target(arch, target, raw.get("selfspec_target_fingerprint", ""), where)
+    S = int(raw.get("draft_vocab_size") or arch.vocab_size)
+    state = read_safetensors(d / WEIGHTS_NAME)
+    _embed_consumed(state, target, str(d / WEIGHTS_NAME))
+    state = _renamed(state, eagle3_names(prefix), str(d / WEIGHTS_NAME))
+    if S == arch.vocab_size and "d2t" not in state and "t2d" not in state:
+        state["d2t"], state["t2d"] = torch.zeros(S, dtype=torch.long), torch.ones(S, dtype=torch.bool)
+    if "d2t" in state and "t2d" in state:
+        check_vocab_maps(state["d2t"], state["t2d"], S, arch.vocab_size, str(d / WEIGHTS_NAME))
+    L = target.config.num_hidden_layers
+    try:
+        config = Eagle3Config(
+            hidden_size=arch.hidden_size,
+            vocab_size=arch.vocab_size,
+            draft_vocab_size=S,
+            num_target_layers=L,
+            target_layers=tuple(layers) if layers else default_target_layers(L),
+            target=str(
+                raw.get("target_model")
+                or (raw.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
+                or ""
+            ),
+            target_fingerprint=target_fingerprint(target),
+        )
+    except ValueError as err:
+        raise HeadFormatError(f"{where}: {err}") from err
+    draft_ids = torch.arange(S) + state["d2t"] if "d2t" in state else None  # d2t applied here, once
+    head = Eagle3Head(config, arch, draft_ids=draft_ids)
+    check_state(d / WEIGHTS_NAME, state, head.state_dict())
+    head.load_state_dict(state, strict=True)
+    head.attach_target(target)
+    return head
+
+
+def _eagle(d: Path, raw: dict[str, Any], target: PreTrainedModel) -> EagleHead:
+    where = str(d / CONFIG_NAME)
+    arch = _arch(raw, where)
+    _check_target(arch, target, raw.get("selfspec_target_fingerprint", ""), where)
+    state = _renamed(read_safetensors(d / WEIGHTS_NAME), eagle_names("layers.0."), str(d / WEIGHTS_NAME))
+    config = EagleConfig(
+        hidden_size=arch.hidden_size,
+        vocab_size=arch.vocab_size,
+        fc_bias="fc.bias" in state,
+        target=str(raw.get("target_model") or ""),
+        target_fingerprint=target_fingerprint(target),
+    )
+    head = EagleHead(config, arch)
+    check_state(d / WEIGHTS_NAME, state, head.state_dict())
+    head.load_state_dict(state, strict=True)
+    head.attach_target(target)
+    return head
+
+
+def read_foreign_head(src: str | Path, fmt: str, target: PreTrainedModel) -> Head:
+    """Read a head directory of another trainer into a selfspec head attached to ``target`` (fp32 as stored).
+
+    Args:
+        src: the directory (``config.json`` + ``model.safetensors``).
+        fmt: ``"speculators"`` (EAGLE-3) or ``"sglang"`` (``LlamaForCausalLMEagle3`` or ``LlamaForCausalLMEagle``).
+        target: the frozen target the head drafts for; sizes, layers and any recorded fingerprint are checked.
+
+    Raises:
+        HeadFormatError: see the module docstring; nothing is returned half-loaded.
+    """
+    if fmt not in IMPORT_FORMATS:
+        raise HeadFormatError(f"unknown import format {fmt!r}; choose one of {list(IMPORT_FORMATS)}")
+    d = Path(src)
+    raw = read_config(d)
+    if fmt == "speculators":
+        if "speculators_model_type" not in raw or not isinstance(raw.get("transformer_layer_config"), dict):
+            raise HeadFormatError(
+                f"{d / CONFIG_NAME} is not a speculators config (no speculators_model_type / "
+                "transformer_layer_config); try --format sglang"
+            )
+        return _eagle3(d, raw, fmt, target)
+    arch = list(raw.get("architectures") or [])
+    if arch == [EAGLE3_ARCHITECTURE]:
+        return _eagle3(d, raw, fmt, target)
+    if arch == [EAGLE_ARCHITECTURE]:
+        return _eagle(d, raw, target)
+    raise HeadFormatError(
+        f"{d / CONFIG_NAME} has architectures {arch}; the sglang format reads {[EAGLE3_ARCHITECTURE]} or "
+        f"{[EAGLE_ARCHITECTURE]} (a speculators directory: --format speculators)"
+    )
+
+
+def import_heads(src: str | Path, fmt: str, out_dir: str | Path, target: PreTrainedModel) -> Path:
+    """:func:`read_foreign_head`, then ``save_pretrained(out_dir)`` (atomic): a selfspec head directory that
+    ``selfspec.load`` decodes, benches and exports. Returns ``out_dir``.
+
+    Raises:
+        HeadFormatError: see :func:`read_foreign_head`; ``out_dir`` is not touched then.
+    """
+    head = read_foreign_head(src, fmt, target)
+    return head.save_pretrained(out_dir)

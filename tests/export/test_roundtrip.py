@@ -1,0 +1,130 @@
+"""selfspec -> format -> selfspec gives the same draft logits, for every family each format holds, and the layouts
+match the contracts read from the engines' code (no engine runs here):
+
+* SGLang EAGLE-3: sglang ``python/sglang/srt/models/llama_eagle3.py`` (``LlamaForCausalLMEagle3``: ``fc``,
+  ``midlayer.*``, ``norm``, ``lm_head [draft_vocab_size, D]``, ``d2t`` -> ``hot_token_id``, ``t2d``; lm_head =
+  embed_tokens when ``tie_word_embeddings``) and SpecForge ``configs/llama3-8B-eagle3.json`` / ``to_sglang.py``.
+* SGLang EAGLE-1: sglang ``python/sglang/srt/models/llama_eagle.py`` (``fc`` with bias, ``layers.0.*`` without
+  ``input_layernorm``).
+* speculators: ``speculators/models/eagle3/core.py`` + ``model_definitions.py`` (0.9.0), vLLM
+  ``vllm/transformers_utils/configs/speculators/base.py`` (``validate_speculators_config``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from selfspec.export import ExportError
+from selfspec.export.cli import export_heads
+from selfspec.export.importer import read_foreign_head
+from selfspec.heads import HeadFormatError
+from tests.archs import tiny_target
+from tests.export.conftest import draft_logits, make_eagle, make_eagle3
+
+D, V, S, F, KV = 32, 96, 40, 64, 16  # hidden, vocab, draft vocab, intermediate, kv heads * head_dim
+LAYER = {
+    "self_attn.q_proj.weight": (D, 2 * D),
+    "self_attn.k_proj.weight": (KV, 2 * D),
+    "self_attn.v_proj.weight": (KV, 2 * D),
+    "self_attn.o_proj.weight": (D, D),
+    "post_attention_layernorm.weight": (D,),
+    "mlp.gate_proj.weight": (F, D),
+    "mlp.up_proj.weight": (F, D),
+    "mlp.down_proj.weight": (D, F),
+    "input_layernorm.weight": (D,),
+    "hidden_norm.weight": (D,),
+}
+
+
+def eagle3_contract(prefix: str) -> dict[str, tuple[int, ...]]:
+    c = {f"{prefix}{k}": v for k, v in LAYER.items()}
+    c.update({"fc.weight": (D, 3 * D), "norm.weight": (D,), "lm_head.weight": (S, D), "d2t": (S,), "t2d": (V,)})
+    return c
+
+
+def shapes(d) -> dict[str, tuple[int, ...]]:
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def test_sglang_eagle3_layout_and_roundtrip(target, tmp_path):
+    head = make_eagle3(target)
+    out = export_heads(head, "sglang", tmp_path / "sg", target_name_or_path="tiny")
+    assert shapes(out) == eagle3_contract("midlayer.")  # no embed_tokens: SGLang uses the target's
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
+    assert (cfg["num_hidden_layers"], cfg["draft_vocab_size"], cfg["vocab_size"]) == (1, S, V)
+    assert cfg["tie_word_embeddings"] is False and cfg["rope_theta"] == 10000.0
+    assert "eagle_config" not in cfg  # layers (0, 1, 2) of a 3-layer target are SGLang's default {2, 1, 0}
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("d2t") + torch.arange(S), head.draft_ids)  # SGLang's hot_token_id
+    back = read_foreign_head(out, "sglang", target)
+    assert torch.equal(back.draft_ids, head.draft_ids)
+    diff = (draft_logits(back, 3 * D) - draft_logits(head, 3 * D)).abs().max().item()
+    assert diff == 0.0
+
+
+def test_sglang_eagle1_layout_and_roundtrip(target, tmp_path):
+    head = make_eagle(target)
+    out = export_heads(head, "sglang", tmp_path / "sg1", target_name_or_path="tiny")
+    qkv = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"}
+    want = {f"layers.0.{k}": (v[0], D) if k in qkv else v for k, v in LAYER.items()}
+    del want["layers.0.input_layernorm.weight"], want["layers.0.hidden_norm.weight"]
+    want.update({"fc.weight": (D, 2 * D), "fc.bias": (D,)})
+    assert shapes(out) == want
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]
+    back = read_foreign_head(out, "sglang", target)
+    assert (draft_logits(back, D) - draft_logits(head, D)).abs().max().item() == 0.0
+
+
+def test_speculators_layout_and_roundtrip(target, tmp_path):
+    head = make_eagle3(target)
+    out = export_heads(head, "speculators", tmp_path / "sp", target_name_or_path="tiny-dir")
+    assert shapes(out) == {**eagle3_contract("layers.0."), "embed_tokens.weight": (V, D)}
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3DraftModel"]
+    sc = cfg["speculators_config"]
+    assert sc["algorithm"] == "eagle3" and sc["proposal_methods"][0]["speculative_tokens"] == 3
+    assert sc["verifier"]["name_or_path"] == "tiny-dir"
+    assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert cfg["transformer_layer_config"]["vocab_size"] == V and cfg["draft_vocab_size"] == S
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2] and cfg["norm_before_residual"] is False
+    back = read_foreign_head(out, "speculators", target)
+    assert (draft_logits(back, 3 * D) - draft_logits(head, 3 * D)).abs().max().item() == 0.0
+
+
+def test_full_vocabulary_eagle3_roundtrip(target, tmp_path):
+    head = make_eagle3(target, draft=V)
+    out = export_heads(head, "speculators", tmp_path / "sp", target_name_or_path="t")
+    assert "d2t" not in shapes(out)  # speculators registers None buffers for a full vocabulary
+    back = read_foreign_head(out, "speculators", target)
+    assert (draft_logits(back, 3 * D) - draft_logits(head, 3 * D)).abs().max().item() == 0.0
+
+
+def test_bad_input(target, tmp_path):
+    head = make_eagle3(target)
+    with pytest.raises(HeadFormatError, match="unknown export format 'onnx'"):
+        export_heads(head, "onnx", tmp_path / "x", target_name_or_path="t")
+    with pytest.raises(ExportError, match="holds EAGLE-3 heads, not eagle"):
+        export_heads(make_eagle(target), "speculators", tmp_path / "x", target_name_or_path="t")
+    qwen = tiny_target("qwen3")
+    from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head
+
+    q = Eagle3Head(Eagle3Config(32, 96, 40, 3), qwen.config, target=qwen)
+    with pytest.raises(ExportError, match="Llama decoder layer.*model_type 'qwen3'"):
+        export_heads(q, "sglang", tmp_path / "x", target_name_or_path="t")
+    assert not (tmp_path / "x").exists()
+    out = export_heads(head, "sglang", tmp_path / "sg", target_name_or_path="t")
+    other = tiny_target("llama", seed=7)
+    with pytest.raises(HeadFormatError, match="fingerprint"):
+        read_foreign_head(out, "sglang", other)
+    with pytest.raises(HeadFormatError, match="unknown import format"):
+        read_foreign_head(out, "gguf", target)
+    data = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(data[: len(data) - 100])
+    with pytest.raises(HeadFormatError, match="truncated or corrupt"):
+        read_foreign_head(out, "sglang", target)
