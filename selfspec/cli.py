@@ -13,6 +13,8 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "speedup and tau against plain transformers generate, in one run",
         "tune-tree": "size an EAGLE head's tree budget to this machine (writes <heads>/acceptance_profile.json)",
         "quickstart": "the embedded default: SmolLM2 target, ShareGPT data, train heads, then bench",
+        "export": "write heads in a serving engine's format (speculators for vLLM, sglang)",
+        "import": "read heads of the speculators or SGLang layouts into a selfspec head directory",
         "push": "push heads with their model card to the Hugging Face Hub (--dry-run: show, upload nothing)",
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
@@ -41,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         from selfspec.hub import main as push_main
 
         return push_main(rest)
+    if command in ("export", "import"):
+        from selfspec.export.cli import export_main, import_main
+
+        return export_main(rest) if command == "export" else import_main(rest)
     from selfspec.quickstart import main as quickstart_main
 
     return quickstart_main(rest)
