@@ -106,8 +106,10 @@ def _describe(head_type: str, config: Mapping[str, Any]) -> str:
     )
 
 
-def _engines(head_type: str, repo_id: str, base_model: str, num_heads: int) -> str:
-    """The vLLM, SGLang and llama.cpp sections: export first, then the engine's own command."""
+def _engines(head_type: str, repo_id: str, base_model: str, target: str, num_heads: int, reduced: bool) -> str:
+    """The vLLM, SGLang and llama.cpp sections: export first (``selfspec export`` loads the heads onto
+    ``target``, their own target), then the engine's own command. ``reduced``: the head drafts over a reduced
+    vocabulary, which SGLang's EAGLE-1 (``LlamaForCausalLMEagle``, the target's full lm_head) cannot hold."""
     name = repo_id.split("/")[-1]
     if head_type == "medusa":
         return f"""### vLLM
@@ -115,7 +117,7 @@ def _engines(head_type: str, repo_id: str, base_model: str, num_heads: int) -> s
 Export to vLLM's `MedusaModel` layout, then pass it as the speculative model:
 
 ```bash
-selfspec export {repo_id} --format sglang --out {name}-medusa
+selfspec export {repo_id} --format sglang --target {target} --out {name}-medusa
 vllm serve {base_model} \\
     --speculative-config '{{"method": "medusa", "model": "{name}-medusa", "num_speculative_tokens": {num_heads}}}'
 ```
@@ -137,7 +139,7 @@ Export to GGUF (selfspec runs llama.cpp's own `convert_hf_to_gguf.py ... --targe
 give the draft to the target's GGUF:
 
 ```bash
-selfspec export {repo_id} --format gguf --out {name}-gguf
+selfspec export {repo_id} --format gguf --target {target} --out {name}-gguf
 llama-server -m TARGET.gguf -md {name}-gguf/<the .gguf file it wrote> --spec-type draft-eagle3
 ```
 """
@@ -148,26 +150,34 @@ llama.cpp runs EAGLE-3 drafts only (`--spec-type draft-eagle3`), not EAGLE-1: tr
 selfspec for llama.cpp.
 """
     )
+    sglang = f"""### SGLang
+
+Export to SGLang's `LlamaForCausalLM{"Eagle3" if head_type == "eagle3" else "Eagle"}` layout, then:
+
+```bash
+selfspec export {repo_id} --format sglang --target {target} --out {name}-sglang
+python -m sglang.launch_server --model-path {base_model} --speculative-algorithm {algorithm} \\
+    --speculative-draft-model-path {name}-sglang --speculative-num-steps 5 --speculative-eagle-topk 8 \\
+    --speculative-num-draft-tokens 32
+```
+"""
+    if head_type == "eagle" and reduced:
+        sglang = """### SGLang
+
+SGLang's EAGLE-1 (`LlamaForCausalLMEagle`) drafts over the target's full lm_head, and this head drafts over a
+reduced vocabulary: serve it with vLLM or selfspec, or train an EAGLE-1 head with `draft_vocab_size: null`
+(or an EAGLE-3 head) for SGLang.
+"""
     return f"""### vLLM
 
 Export to the `speculators` format, which vLLM serves directly (the target is named in its config):
 
 ```bash
-selfspec export {repo_id} --format speculators --out {name}-speculators
+selfspec export {repo_id} --format speculators --target {target} --out {name}-speculators
 vllm serve {name}-speculators
 ```
 
-### SGLang
-
-Export to SGLang's `LlamaForCausalLM{"Eagle3" if head_type == "eagle3" else "Eagle"}` layout, then:
-
-```bash
-selfspec export {repo_id} --format sglang --out {name}-sglang
-python -m sglang.launch_server --model-path {base_model} --speculative-algorithm {algorithm} \\
-    --speculative-draft-model-path {name}-sglang --speculative-num-steps 5 --speculative-eagle-topk 8 \\
-    --speculative-num-draft-tokens 32
-```
-
+{sglang}
 {llamacpp}"""
 
 
@@ -233,6 +243,7 @@ def head_card(
     # a local path means nothing to a reader of the card: the base model then.
     load_target = trained_on if re.fullmatch(r"[\w.-]+(/[\w.-]+)?", trained_on) else base_model
     note = f"\n  {target_note}" if target_note else ""
+    reduced = (ours.get("draft_vocab_size") or ours.get("vocab_size")) != ours.get("vocab_size")
     body = f"""
 # {family.title} draft heads for {base_model}
 
@@ -257,7 +268,7 @@ out = model.generate([{{"role": "user", "content": "Hi!"}}], max_new_tokens=128)
 print(out.text, out.stats.mean_accepted_tokens, out.stats.tokens_per_s)
 ```
 
-{_engines(head_type, repo_id, base_model, int(ours.get("num_heads") or 0))}"""
+{_engines(head_type, repo_id, base_model, load_target, int(ours.get("num_heads") or 0), reduced)}"""
     if bench is not None:
         body += "\n" + _bench(bench)
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")

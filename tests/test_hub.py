@@ -127,8 +127,10 @@ def test_push_records_the_head_files_and_a_card(family, target, hub, tmp_path):
     assert f'selfspec.load("{TARGET}", "alice/tiny-heads")' in card.text
     assert target_fingerprint(target) in card.text
     export = {"medusa": "--format sglang", "eagle": "--format speculators", "eagle3": "--format gguf"}[family]
-    assert f"selfspec export alice/tiny-heads {export}" in card.text
+    assert f"selfspec export alice/tiny-heads {export} --target {TARGET} --out " in card.text
     assert ("llama-server -m TARGET.gguf -md" in card.text) == (family == "eagle3")
+    # SGLang: EAGLE-3 and full-vocabulary EAGLE-1 heads; this reduced-vocabulary EAGLE-1 head and Medusa are not
+    assert ("--speculative-draft-model-path tiny-heads-sglang" in card.text) == (family == "eagle3")
 
 
 def test_push_with_a_bench_report_puts_its_figures_on_the_card(target, hub):
@@ -189,6 +191,7 @@ def test_a_second_push_removes_head_files_the_new_head_lacks(target, hub):
     new = make_head("eagle", target, seed=3, draft=False)
     push = new.push_to_hub("alice/e", token="hf_test")
     assert push.deleted == ["draft_vocab.safetensors"]
+    assert "--speculative-algorithm EAGLE " in str(push.card)  # a full-vocabulary EAGLE-1 head goes to SGLang
     assert set(hub.repos["alice/e"].files) == FILES["eagle"] - {"draft_vocab.safetensors"}
     assert torch.equal(draft_logits(load_heads("alice/e", target=target)), draft_logits(new))
 
