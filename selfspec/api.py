@@ -18,6 +18,7 @@ from selfspec.decode.draft_costs import get_draft_cost
 from selfspec.decode.drafters import DraftModelDrafter, MedusaDrafter, PromptLookupDrafter
 from selfspec.decode.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, EagleDrafter
 from selfspec.decode.generate import GenerationOutput, speculative_generate
+from selfspec.decode.hybrid import HybridDrafter, head_of
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.streaming import iterate_text
 from selfspec.decode.target_check import check_target
@@ -265,7 +266,7 @@ def make_verifier(target: PreTrainedModel, drafter, tune: str = "auto") -> Verif
     if tune not in TUNE_MODES:
         raise ValueError(f"tune must be one of {TUNE_MODES}, got {tune!r}")
     on_cpu = next(target.parameters()).device.type == "cpu"
-    if tune == "off" or not on_cpu or not isinstance(drafter, (MedusaDrafter, EagleDrafter)):
+    if tune == "off" or not on_cpu or not isinstance(head_of(drafter), (MedusaDrafter, EagleDrafter)):
         return Verifier(target)
     verifier = costs.tuned_verifier(target, costs.get_cost_profile(target))
     if verifier.packed_bytes:
@@ -286,10 +287,16 @@ def make_drafter(
     draft_tokens: int = 4,
     draft_shared_vocab: int | None = None,
     prompt_lookup: bool = False,
+    hybrid: bool = False,
     tune: str = "auto",
     **eagle_options: Any,
 ):
     """Build the drafter for a target from exactly one of ``heads``, ``draft_model`` or ``prompt_lookup``.
+
+    ``hybrid=True`` (with ``heads``) merges the head's tree with prompt-lookup continuations into one tree,
+    each step's split sized from the target's verification cost profile here and each source's measured
+    acceptance (:class:`~selfspec.decode.hybrid.HybridDrafter`); with ``tune="off"`` nothing is measured
+    and the split uses a nominal cost (:data:`NOMINAL_NODE_COST`).
 
     Medusa heads use ``tree`` (index paths) if given, else Medusa's greedy tree from their held-out
     accuracies, of ``tree_nodes`` nodes or, when None and ``tune="auto"``, of the size that maximises
@@ -323,6 +330,8 @@ def make_drafter(
     chosen = [heads is not None, draft_model is not None, bool(prompt_lookup)]
     if sum(chosen) != 1:
         raise ValueError("pass exactly one of heads=..., draft_model=..., prompt_lookup=True")
+    if hybrid and heads is None:
+        raise ValueError("hybrid=True merges a head's tree with prompt lookup: pass heads=... too")
     if prompt_lookup:
         return PromptLookupDrafter(num_tokens=draft_tokens * 2)
     if draft_model is not None:
@@ -348,8 +357,29 @@ def make_drafter(
     heads = heads.to(device=next(target.parameters()).device, dtype=dtype).eval()
     if getattr(heads.config, "head_type", "") == "medusa":
         heads.attach_target(target.get_output_embeddings().weight)
-        return _medusa_drafter(target, heads, tree, tree_nodes, tune)
-    return _eagle_drafter(target, heads, head_dir, tune, **eagle_options)
+        drafter = _medusa_drafter(target, heads, tree, tree_nodes, tune)
+    else:
+        drafter = _eagle_drafter(target, heads, head_dir, tune, **eagle_options)
+    if not hybrid:
+        return drafter
+    cost = costs.get_cost_profile(target) if tune == "auto" else _nominal_cost(target)
+    return HybridDrafter(drafter, cost, PromptLookupDrafter(num_tokens=draft_tokens * 2))
+
+
+# With tune="off" a hybrid drafter sizes its split from this nominal cost: one extra tree node costs 4% of a
+# plain step (about what 16 nodes cost on the 2-core development CPU, DESIGN.md section 6).
+NOMINAL_NODE_COST = 0.04
+
+
+def _nominal_cost(target: PreTrainedModel) -> costs.CostProfile:
+    """A cost profile for when nothing may be measured: 1 + NOMINAL_NODE_COST * (N - 1) plain steps."""
+    sizes = (1, 2, 4, 8, 16, 32, 64)
+    return costs.CostProfile(
+        **costs.cost_key(target),
+        context_length=costs.DEFAULT_CONTEXT_LENGTH,
+        node_counts=sizes,
+        verify_ms=tuple(1.0 + NOMINAL_NODE_COST * (n - 1) for n in sizes),
+    )
 
 
 def _medusa_drafter(

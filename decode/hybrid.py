@@ -1,0 +1,315 @@
+"""One draft tree from two sources: a trained head's tree and n-gram continuations of the context.
+
+The verifier does not care where a candidate came from, and the two sources win on different text: a
+head (EAGLE-2 dynamic tree or Medusa tree) on text it has learnt to predict, prompt lookup (Saxena 2023)
+where the answer copies the prompt or itself (extraction, retrieval-augmented QA, translation, code
+that repeats identifiers). :class:`HybridDrafter` drafts with both and merges them into one tree
+(:func:`merge_chain`: the n-gram chain is walked down from the root along nodes the head already has;
+the rest becomes new nodes, so no two siblings hold the same token), in the spirit of SuffixDecoding
+(Oliaro et al. 2024, arXiv:2411.04975).
+
+Every candidate of both sources is deterministic (top-k of the head, the continuation of the latest
+match), so the merged tree has ``q = None`` and the lossless tree verifier treats each node as a one-hot
+proposal (:func:`~selfspec.decode.verify.verify_tree_sampling`): sampling stays exact.
+
+How many nodes each source gets is decided every step from the machine's verification cost profile and
+the acceptance each source has shown so far in this decode (:class:`SourceAcceptance`): for each choice
+of (head tree on/off or smaller, n-gram length L) the expected tokens
+
+    1 + sum_d [h_d + c_d - h_d * c_d]
+
+(h_d: how often the head's path reached depth d; c_d: how often an n-gram chain of the current match
+length reached depth d; the two treated as independent) over the cost ``draft_ms + verify_ms(nodes)``
+(:meth:`~selfspec.decode.costs.CostProfile.verify_cost_ms`), and the best ratio is drafted. Nodes both
+sources propose are counted once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from selfspec.decode.drafters import DraftTree, PromptLookupDrafter
+from selfspec.decode.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from selfspec.decode.costs import CostProfile
+
+
+def merge_chain(tree: DraftTree, chain: list[int]) -> tuple[DraftTree, list[int]]:
+    """Add a chain of tokens under the root of a deterministic tree, sharing the nodes it already has.
+
+    From the root, each chain token follows the child holding it when there is one, else becomes a new
+    node (appended, so parents still precede children and the first nodes are the tree's own).
+
+    Args:
+        tree: a deterministic draft (``q is None``), ``N`` nodes.
+        chain: draft token ids continuing the root, in order.
+
+    Returns:
+        ``(merged tree with N + new nodes, the chain's node indices [len(chain)])``.
+
+    Raises:
+        ValueError: a tree with sampled children (``q`` given): merging would change the distributions
+            its children were drawn from, and sampling would no longer be exact.
+    """
+    if tree.q is not None:
+        raise ValueError("only deterministic trees (q=None) can be merged; sampled draft trees cannot")
+    tokens = tree.tokens.tolist()
+    parents = tree.parents.tolist()
+    children: dict[tuple[int, int], int] = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens, strict=True))}
+    node, path = 0, []
+    for tok in chain:
+        child = children.get((node, tok))
+        if child is None:
+            child = len(tokens)
+            tokens.append(tok)
+            parents.append(node)
+            children[(node, tok)] = child
+        path.append(child)
+        node = child
+    device = tree.tokens.device
+    merged = DraftTree(
+        tokens=torch.tensor(tokens, dtype=tree.tokens.dtype, device=device),
+        parents=torch.tensor(parents, dtype=tree.parents.dtype, device=tree.parents.device),
+    )
+    return merged, path
+
+
+def new_nodes(tree: DraftTree, chain: list[int]) -> list[int]:
+    """How many nodes :func:`merge_chain` adds for each prefix of ``chain``: ``[len(chain) + 1]``, entry L
+    for the first L tokens (entry 0 is 0)."""
+    children = {(p, t) for p, t in zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True)}
+    index = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True))}
+    counts, node, added, fresh = [0], 0, 0, False
+    for tok in chain:
+        if not fresh and (node, tok) in children:
+            node = index[(node, tok)]
+        else:
+            fresh = True
+            added += 1
+        counts.append(added)
+    return counts
+
+
+@dataclass
+class SourceAcceptance:
+    """How deep each source's path was accepted, by depth, in one decode (counts, with a weak prior).
+
+    Attributes:
+        head_drafted: steps drafted with the head at full size.
+        head_reached: ``head_reached[d - 1]``: of those, steps whose accepted path held a head node at depth d.
+        chain_drafted: ``{match n-gram size: [steps whose chain had a node at depth d]}``.
+        chain_reached: ``{match n-gram size: [steps whose accepted path followed the chain to depth d]}``.
+    """
+
+    head_drafted: int = 0
+    head_reached: list[int] = field(default_factory=list)
+    chain_drafted: dict[int, list[int]] = field(default_factory=dict)
+    chain_reached: dict[int, list[int]] = field(default_factory=dict)
+
+    def head_rate(self, depth: int) -> float:
+        """P(the head's path reaches ``depth``), prior 0.5 (one pseudo-step each way)."""
+        got = self.head_reached[depth - 1] if depth <= len(self.head_reached) else 0
+        return (got + 0.5) / (self.head_drafted + 1.0)
+
+    def chain_rate(self, ngram: int, depth: int) -> float:
+        """P(a chain from a match of ``ngram`` tokens is accepted to ``depth``), prior 0.5."""
+        drafted = self.chain_drafted.get(ngram, [])
+        reached = self.chain_reached.get(ngram, [])
+        n = drafted[depth - 1] if depth <= len(drafted) else 0
+        r = reached[depth - 1] if depth <= len(reached) else 0
+        return (r + 0.5) / (n + 1.0)
+
+    def record_head(self, reached: int) -> None:
+        self.head_drafted += 1
+        while len(self.head_reached) < reached:
+            self.head_reached.append(0)
+        for d in range(reached):
+            self.head_reached[d] += 1
+
+    def record_chain(self, ngram: int, length: int, reached: int) -> None:
+        drafted = self.chain_drafted.setdefault(ngram, [])
+        got = self.chain_reached.setdefault(ngram, [])
+        while len(drafted) < length:
+            drafted.append(0)
+            got.append(0)
+        for d in range(length):
+            drafted[d] += 1
+            got[d] += int(d < reached)
+
+
+def lookup_chain(context: list[int], lookup: PromptLookupDrafter, max_tokens: int) -> tuple[list[int], int]:
+    """The continuation of an earlier match of the context's last n-gram, longest n first (as
+    :class:`~selfspec.decode.drafters.PromptLookupDrafter`): of the matches of that n, the latest one
+    followed by ``max_tokens`` tokens, else the one followed by the most (a match that overlaps the end of
+    a repetition is followed by only a token or two). Returns ``(tokens, n)``, ``([], 0)`` without a match."""
+    for n in range(min(lookup.max_ngram, len(context) - 1), lookup.min_ngram - 1, -1):
+        tail = context[-n:]
+        best: list[int] = []
+        for start in range(len(context) - n - 1, -1, -1):  # latest match first
+            if context[start : start + n] == tail:
+                chain = context[start + n : start + n + max_tokens]
+                if len(chain) > len(best):
+                    best = chain
+                if len(best) == max_tokens:
+                    break
+        if best:
+            return best, n
+    return [], 0
+
+
+class HybridDrafter:
+    """A head's draft tree merged with prompt-lookup continuations, sized every step (see module docstring).
+
+    Args:
+        head: the head's drafter (:class:`~selfspec.decode.eagle.EagleDrafter` or
+            :class:`~selfspec.decode.drafters.MedusaDrafter`; any deterministic drafter).
+        cost: the target's verification cost profile here (ms by tree size).
+        lookup: the n-gram source (its ``max_ngram`` / ``min_ngram``; ``num_tokens`` is the longest chain).
+
+    Attributes:
+        acceptance: the :class:`SourceAcceptance` of the current decode (reset by :meth:`begin`).
+        split: per step, ``(head nodes, chain nodes added)`` as drafted (for reports).
+
+    Raises:
+        ValueError: a head drafter that is itself a hybrid.
+    """
+
+    name = "hybrid"
+
+    def __init__(self, head: Any, cost: CostProfile, lookup: PromptLookupDrafter | None = None) -> None:
+        if isinstance(head, HybridDrafter):
+            raise ValueError("the head of a hybrid drafter cannot be a hybrid drafter")
+        self.head = head
+        self.cost = cost
+        self.lookup = lookup or PromptLookupDrafter(num_tokens=8)
+        self.acceptance = SourceAcceptance()
+        self.split: list[tuple[int, int]] = []
+        self._head_ms = 0.0
+        self._head_calls = 0
+        self._last: tuple[DraftTree, int, list[int], int] | None = None  # tree, head nodes, chain path, n-gram
+        self._full_total = getattr(head, "total_tokens", None)
+
+    @property
+    def target_layers(self) -> tuple[int, ...] | None:
+        return getattr(self.head, "target_layers", None)
+
+    def fork(self) -> HybridDrafter:
+        """A hybrid for another sequence (a batch row): its own head fork and statistics."""
+        from selfspec.decode.batch import fork_drafter  # batch imports the decode loop, which imports drafters
+
+        return HybridDrafter(fork_drafter(self.head), self.cost, self.lookup)
+
+    def check_vocab(self, target_vocab_size: int) -> None:
+        check = getattr(self.head, "check_vocab", None)
+        if check is not None:
+            check(target_vocab_size)
+
+    def begin(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.head.begin(prompt_ids, hidden)
+        self.acceptance = SourceAcceptance()
+        self.split = []
+        self._last = None
+
+    def _expected(self, head_on: bool, chain_len: int, ngram: int, depth: int) -> float:
+        tokens = 1.0
+        for d in range(1, depth + 1):
+            h = self.acceptance.head_rate(d) if head_on else 0.0
+            c = self.acceptance.chain_rate(ngram, d) if d <= chain_len else 0.0
+            tokens += h + c - h * c
+        return tokens
+
+    def _choose(self, head_nodes: int, head_depth: int, chain: list[int], ngram: int, added: list[int]):
+        """The (head on?, chain length) with the most expected tokens per ms."""
+        head_ms = self._head_ms if self._head_calls else 0.0
+        best = (True, 0)
+        best_rate = -1.0
+        for head_on in (True, False):
+            for length in range(len(chain) + 1):
+                if not head_on and length == 0:
+                    continue
+                nodes = (head_nodes if head_on else 1) + (added[length] if head_on else length)
+                depth = max(head_depth if head_on else 0, length)
+                ms = (head_ms if head_on else 0.0) + self.cost.verify_cost_ms(nodes)
+                rate = self._expected(head_on, length, ngram, depth) / ms
+                if rate > best_rate:
+                    best, best_rate = (head_on, length), rate
+        return best
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        context: torch.Tensor,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+        max_depth: int | None = None,
+    ) -> DraftTree:
+        """The merged tree for this step (root ``context[-1]``); ``max_depth`` caps the n-gram chain."""
+        limit = self.lookup.num_tokens if max_depth is None else max(0, min(self.lookup.num_tokens, max_depth))
+        chain, ngram = lookup_chain(context.tolist(), self.lookup, limit) if limit else ([], 0)
+        t0 = time.perf_counter()
+        tree = self.head.propose(context, sampling, generator)
+        self._head_calls += 1
+        self._head_ms += ((time.perf_counter() - t0) * 1e3 - self._head_ms) / self._head_calls
+        if tree.q is not None:
+            raise ValueError(f"the {self.head.name} drafter sampled its tree (q given); a hybrid needs top-k drafts")
+        n_head = tree.tokens.numel()
+        path: list[int] = []
+        if chain:
+            head_depth = _depth_of(tree)
+            head_on, length = self._choose(n_head, head_depth, chain, ngram, new_nodes(tree, chain))
+            if not head_on:
+                tree = DraftTree(tokens=context[-1:], parents=torch.tensor([-1], device=tree.parents.device))
+                n_head = 1
+            if length:
+                tree, path = merge_chain(tree, chain[:length])
+        self.split.append((n_head, tree.tokens.numel() - n_head))
+        self._last = (tree, n_head, path, ngram)
+        return tree
+
+    def accept(self, accepted_tokens: torch.Tensor, accepted_hidden: torch.Tensor) -> None:
+        """Pass the accepted path on to the head and record how far each source's nodes were accepted."""
+        self.head.accept(accepted_tokens, accepted_hidden)
+        if self._last is None:
+            return
+        tree, n_head, path, ngram = self._last
+        self._last = None
+        nodes = _walk(tree, accepted_tokens.tolist())
+        if n_head > 1:
+            self.acceptance.record_head(sum(1 for i in nodes[1:] if i < n_head))
+        if path:
+            reached = 0
+            for a, b in zip(nodes[1:], path, strict=False):
+                if a != b:
+                    break
+                reached += 1
+            self.acceptance.record_chain(ngram, len(path), reached)
+
+
+def _depth_of(tree: DraftTree) -> int:
+    parents = tree.parents.tolist()
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return max(depth)
+
+
+def _walk(tree: DraftTree, tokens: list[int]) -> list[int]:
+    """Node indices of the accepted path (root first) from its tokens."""
+    index = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True))}
+    nodes, node = [0], 0
+    for tok in tokens[1:]:
+        node = index.get((node, tok), -1)
+        if node < 0:
+            break
+        nodes.append(node)
+    return nodes
+
+
+def head_of(drafter: Any) -> Any:
+    """The head drafter inside a hybrid (the drafter itself otherwise)."""
+    return drafter.head if isinstance(drafter, HybridDrafter) else drafter
