@@ -287,6 +287,11 @@ def push_heads(
             if status == 409:
                 raise HubError(f"{repo_id!r} exists and cannot take this commit ({err}); pick another name") from err
             raise HubError(f"pushing to {repo_id!r} failed: {err}") from err
+        except ValueError as err:  # huggingface_hub: the Hub's validate-yaml refused the card's metadata
+            raise HubError(
+                f"the Hub refused the model card of {repo_id!r} ({' '.join(str(err).split())}); pass the target's "
+                "existing Hub id as base_model= (--base-model)"
+            ) from err
         except _transport_errors() as err:  # a connection refused or reset, a DNS failure
             raise HubError(f"pushing to {repo_id!r} failed: {err}; check the network or HF_ENDPOINT") from err
         return HubPush(repo_id, files, stale, card, private, message, str(info.commit_url))

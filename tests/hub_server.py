@@ -16,9 +16,10 @@ Endpoints (as ``huggingface_hub`` 1.x / 2.x sends them; see ``hf_api.py`` ``crea
 Errors carry the ``X-Error-Code`` header the client maps to its exceptions (``RepoNotFound``,
 ``RevisionNotFound``, ``EntryNotFound``). Every request is recorded (method, path, Authorization header),
 every commit too. With ``token`` set, a write (any POST) without ``Authorization: Bearer <token>`` gets
-401, as the Hub answers a missing or read-only token. Bounded: loopback only, request bodies over
-``max_body`` bytes are refused, and the server shuts itself down after ``lifetime_s`` seconds even if a
-test never stops it.
+401, as the Hub answers a missing or read-only token. With ``models`` set, a card whose ``base_model`` is not
+one of them fails validation (400), as the Hub refuses a base model it does not have. Bounded: loopback
+only, request bodies over ``max_body`` bytes are refused, and the server shuts itself down after
+``lifetime_s`` seconds even if a test never stops it.
 """
 
 from __future__ import annotations
@@ -56,8 +57,15 @@ def _sha(data: bytes) -> str:
 class FakeHub:
     """The server; a context manager. ``url`` is its endpoint (``HF_ENDPOINT``)."""
 
-    def __init__(self, lifetime_s: float = 120.0, max_body: int = 64 << 20, token: str | None = None) -> None:
+    def __init__(
+        self,
+        lifetime_s: float = 120.0,
+        max_body: int = 64 << 20,
+        token: str | None = None,
+        models: set[str] | None = None,
+    ) -> None:
         self.token = token
+        self.models = models
         self.repos: dict[str, FakeRepo] = {}
         self.requests: list[tuple[str, str, str | None]] = []
         self.max_body = max_body
@@ -173,9 +181,13 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 if path == "/api/validate-yaml":
                     text = json.loads(body)["content"]
                     try:
-                        yaml.safe_load(text.split("---")[1])
+                        meta = yaml.safe_load(text.split("---")[1]) or {}
                     except (yaml.YAMLError, IndexError) as err:
                         self._send(400, {"errors": [{"message": str(err)}]})
+                        return
+                    if hub.models is not None and meta.get("base_model") not in hub.models:
+                        message = f'"base_model" with value "{meta.get("base_model")}" is not a valid model id'
+                        self._send(400, {"errors": [{"message": message}]})
                         return
                     self._send(200, {"errors": [], "warnings": []})
                     return

@@ -299,6 +299,9 @@ def test_push_refuses_bad_input(target, hub, tmp_path):
     local.config = dataclasses.replace(local.config, target=str(tmp_path / "my-target"))
     with pytest.raises(HubError, match="not a Hub id: pass base_model='namespace/name' \\(--base-model\\)"):
         local.push_to_hub("alice/e", token="hf_test")
+    hub.models = {"acme/my-target"}
+    with pytest.raises(HubError, match="refused the model card.*acme/typo.*is not a valid model id.*--base-model"):
+        local.push_to_hub("alice/e", token="hf_test", base_model="acme/typo")
     push = local.push_to_hub("alice/e", token="hf_test", base_model="acme/my-target")
     assert ModelCard(str(push.card)).data.base_model == "acme/my-target"
     # heads that would not load are never published
