@@ -5,8 +5,9 @@
    regenerates the answers (self-distillation), its features are computed once, the head is trained, and
    the acceptance of every tree budget is measured on held-out prompts (calibration), so the tree is
    sized to this machine),
-3. bench it against plain ``transformers`` ``generate`` on the prompts that training held out and print
-   tau and the speedup.
+3. bench it against plain ``transformers`` ``generate`` on the prompts that training held out, beside
+   prompt lookup and the hybrid of the two (the head's tree merged with n-gram continuations,
+   :mod:`selfspec.decode.hybrid`), and print tau and the speedup of each.
 
 ``--head medusa`` runs the same with Medusa heads (``configs/medusa-smollm2.yaml``). ``--target``,
 ``--data`` and ``--output-dir`` point the same run at another target, another dataset and another
@@ -102,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{cfg.head}={heads_dir}",
             "--methods",
             "baseline",
+            "prompt_lookup",
+            "hybrid",
             "--num-prompts",
             str(args.bench_prompts),
             "--max-new-tokens",

@@ -162,7 +162,7 @@ def test_quickstart_command_runs_end_to_end_on_a_tiny_target(tiny_target_dir, tm
 
     # The bench ran on prompts training held out, and greedy outputs equal plain generate's.
     report = json.loads((out / "bench" / "report.json").read_text())
-    assert list(report["methods"]) == ["baseline", head]
+    assert list(report["methods"]) == ["baseline", "prompt_lookup", "hybrid", head]
     assert report["mismatches"] == []
     assert len(report["samples"]) == 3
     _, heldout = split_conversations(load_conversations(str(data), max_conversations=40), eval_fraction=0.25, seed=0)

@@ -15,8 +15,11 @@ import torch
 
 from selfspec.api import SpeculativeModel, make_drafter, make_verifier
 from selfspec.bench.report import TreeBudgetRecord
+from selfspec.decode.costs import get_cost_profile
+from selfspec.decode.drafters import PromptLookupDrafter
 from selfspec.decode.eagle import EagleDrafter
 from selfspec.decode.generate import GenerationStats
+from selfspec.decode.hybrid import HybridDrafter
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.prompts import resolve_eos
 
@@ -24,7 +27,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 REFERENCE = "baseline"
-BUILTIN_METHODS = ("baseline", "hf_prompt_lookup", "prompt_lookup", "draft_model")
+BUILTIN_METHODS = ("baseline", "hf_prompt_lookup", "prompt_lookup", "draft_model", "hybrid")
 DEFAULT_METHODS = ("baseline", "hf_prompt_lookup", "prompt_lookup")
 
 
@@ -251,6 +254,8 @@ def build_methods(
         raise ValueError(f"unknown methods {unknown}; choose among {list(BUILTIN_METHODS)}")
     if "draft_model" in methods and draft_model is None:
         raise ValueError("method 'draft_model' needs a draft model: pass --draft-model NAME")
+    if "hybrid" in methods and not heads:
+        raise ValueError("method 'hybrid' merges a head's tree with prompt lookup: pass --heads DIR too")
     eos = settings.stop_ids(target, tokenizer)
     pad = getattr(target.generation_config, "pad_token_id", None)
     pad = pad if pad is not None else (eos[0] if eos else None)
@@ -285,6 +290,14 @@ def build_methods(
         elif name == "draft_model":
             drafter = make_drafter(target, draft_model=draft_model)
             out[name] = selfspec_method(SpeculativeModel(target, tokenizer, drafter, verifier), settings, eos)
+    if "hybrid" in methods:
+        # the first head's drafter (its own fork: the hybrid keeps the head method's drafter untouched)
+        first = next(iter(head_drafters.values()))
+        hybrid = HybridDrafter(copy.copy(first), get_cost_profile(target), PromptLookupDrafter(lookup.num_tokens))
+        out["hybrid"] = dataclasses.replace(
+            selfspec_method(SpeculativeModel(target, tokenizer, hybrid, verifier), settings, eos),
+            description=f"hybrid: the {next(iter(head_drafters))} head's tree + prompt lookup, split by cost",
+        )
     for name, drafter in head_drafters.items():
         head = heads[name]
         method = selfspec_method(SpeculativeModel(target, tokenizer, drafter, verifier), settings, eos)
