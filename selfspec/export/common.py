@@ -1,11 +1,16 @@
-"""Pieces every export format shares: the error, the Llama check, the one-layer config dict, the atomic write.
+"""Pieces every export format shares: the error, the trainer-prefix and Llama checks, the one-layer config dict, the
+whole-directory write.
 
-An export directory is written through :func:`selfspec.heads.io.write_head_dir` (a temporary sibling, fsynced,
-renamed into place): a failed export leaves no directory, or the old one untouched.
+An export directory is written by :func:`write_export`: staged in a sibling directory (through
+:func:`selfspec.heads.io.write_head_dir`, fsynced), then renamed into place. A failed export leaves no directory, or
+the previous export untouched; a directory holding other files is refused, never replaced.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -14,12 +19,16 @@ import torch
 
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.eagle3 import Eagle3Head
-from selfspec.heads.io import HeadFormatError, write_head_dir
+from selfspec.heads.io import CONFIG_NAME, WEIGHTS_NAME, HeadFormatError, write_head_dir
 from selfspec.heads.medusa import MedusaHeads
 
 __all__ = [
+    "EXPORT_FILES",
+    "TOKEN_MAP_NAME",
+    "TRAINER_PREFIXES",
     "ExportError",
     "Head",
+    "check_trainer_prefix",
     "family_name",
     "llama_config_dict",
     "rename_exact",
@@ -29,6 +38,16 @@ __all__ = [
 ]
 
 Head = MedusaHeads | EagleHead | Eagle3Head
+
+TOKEN_MAP_NAME = "speculative_token_map.pt"
+"""SGLang's ``--speculative-token-map`` file, written beside an EAGLE-1 export with a reduced draft vocabulary."""
+
+EXPORT_FILES = frozenset({CONFIG_NAME, WEIGHTS_NAME, TOKEN_MAP_NAME})
+"""Every file an export directory can hold; a directory holding anything else is not replaced."""
+
+TRAINER_PREFIXES = ("module.", "_orig_mod.", "medusa_heads.", "medusa_head.", "model.", "draft_model.", "base_model.")
+"""Name prefixes that training wrappers put on tensors (DDP / DeepSpeed ``module.``, ``torch.compile``'s
+``_orig_mod.``, Medusa and EAGLE trainers' wrappers). Engines strip some of them and skip others silently."""
 
 # transformers' bookkeeping fields of PretrainedConfig.to_dict() that no engine reads.
 _NOISE = (
@@ -60,6 +79,13 @@ def family_name(head: Head) -> str:
     for cls, name in ((MedusaHeads, "medusa"), (EagleHead, "eagle"), (Eagle3Head, "eagle3")):
         if isinstance(head, cls):
             return name
+    for attr in ("_orig_mod", "module"):  # torch.compile's OptimizedModule; DDP / DeepSpeed wrappers
+        inner = getattr(head, attr, None)
+        if isinstance(inner, MedusaHeads | EagleHead | Eagle3Head):
+            raise ExportError(
+                f"this is a {type(head).__name__} wrapping a selfspec head (its tensors carry the trainer prefix "
+                f"'{attr}.'); export the head itself: head.{attr}"
+            )
     raise ExportError(f"not a selfspec head: {type(head).__name__}; load one with selfspec.heads.load_heads(DIR)")
 
 
@@ -122,8 +148,10 @@ def rename_exact(state: Mapping[str, torch.Tensor], names: Mapping[str, str], fm
     """Rename every tensor of ``state`` through ``names``; a tensor the layout does not name is an error.
 
     Raises:
-        ExportError: listing the tensors the format has no name for (never silently dropped).
+        ExportError: tensors with a trainer prefix (:func:`check_trainer_prefix`), or listing the tensors the format
+            has no name for (never silently dropped).
     """
+    check_trainer_prefix(state, names, fmt)
     unknown = sorted(set(state) - set(names))
     if unknown:
         raise ExportError(
@@ -133,7 +161,75 @@ def rename_exact(state: Mapping[str, torch.Tensor], names: Mapping[str, str], fm
     return {names[k]: v.detach() for k, v in state.items()}
 
 
-def write_export(out_dir: str | Path, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` atomically (tensors contiguous, on the CPU; the safetensors
-    metadata carries ``format: pt`` and a checksum). Returns the directory."""
-    return write_head_dir(out_dir, config, {"model.safetensors": dict(tensors)})
+def check_trainer_prefix(state: Mapping[str, torch.Tensor], names: Mapping[str, str], fmt: str) -> None:
+    """Refuse tensor names that are a layout name under a trainer prefix (:data:`TRAINER_PREFIXES`), such as
+    ``module.fc.weight``: an engine that strips or skips the prefix would load nothing of them, silently.
+
+    Args:
+        state: the tensors to write or read, by name.
+        names: the layout's names (the keys are checked).
+        fmt: the format, named in the message.
+
+    Raises:
+        ExportError: naming the prefix and the fix (export or save the unwrapped head).
+    """
+    for prefix in TRAINER_PREFIXES:
+        hits = sorted(k for k in state if k.startswith(prefix) and k[len(prefix) :] in names and k not in names)
+        if hits:
+            raise ExportError(
+                f"tensors {hits[:3]} carry the trainer prefix {prefix!r}, which the {fmt} layout does not have: "
+                f"strip it (save the unwrapped head, e.g. model.{prefix.rstrip('.')} of a wrapper) and export again"
+            )
+
+
+def write_export(
+    out_dir: str | Path,
+    config: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    extra_files: Mapping[str, bytes] | None = None,
+) -> Path:
+    """Write an export directory as a whole: ``config.json`` + ``model.safetensors`` (tensors contiguous, on the
+    CPU; the metadata carries ``format: pt`` and a checksum) and ``extra_files`` (name -> bytes, e.g.
+    :data:`TOKEN_MAP_NAME`), staged in a sibling directory and renamed into place. A previous export at
+    ``out_dir`` is replaced whole (no stale token map survives); a failure leaves it as it was.
+
+    Returns:
+        ``out_dir`` (resolved).
+
+    Raises:
+        ExportError: ``out_dir`` is a file, or a directory holding files no export writes (it is never replaced
+            then: pass a new or empty directory); an extra file name outside :data:`EXPORT_FILES`.
+        OSError: the disk refused a write.
+    """
+    out = Path(out_dir).resolve()
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} exists and is not a directory; pass a new directory for the export")
+    if out.is_dir():
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES)
+        if foreign:
+            raise ExportError(
+                f"{out} holds files an export does not write ({foreign[:5]}); an export replaces its directory as "
+                "a whole: pass a new or empty directory"
+            )
+    bad = sorted(set(extra_files or {}) - EXPORT_FILES)
+    if bad:
+        raise ExportError(f"export files must be among {sorted(EXPORT_FILES)}, got {bad}")
+    stage = out.with_name(f".{out.name}.export-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        write_head_dir(stage, config, {WEIGHTS_NAME: dict(tensors)})
+        for name, data in (extra_files or {}).items():
+            with open(stage / name, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        if out.is_dir():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            os.replace(out, old)  # a crash before the next rename leaves the complete old export at .<name>.old-*
+            os.replace(stage, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return out

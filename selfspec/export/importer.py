@@ -1,12 +1,16 @@
-"""Import EAGLE heads trained elsewhere (the speculators and SGLang / SpecForge layouts) into selfspec heads, strictly.
+"""Import heads trained elsewhere (the speculators and SGLang / SpecForge EAGLE layouts, vLLM's ``MedusaModel``) into
+selfspec heads, strictly.
 
-The layouts are those :mod:`selfspec.export.speculators` and :mod:`selfspec.export.sglang` write (their docstrings
-cite the engine files). Reading refuses, with one :class:`~selfspec.heads.io.HeadFormatError` that names the fix and
-before anything is written: an unknown format or architecture, a truncated or corrupt safetensors file, missing /
-unexpected / wrong-shape tensors (all listed), config flags the head cannot compute (EAGLE-3.1 norms,
-``norm_before_residual``), an embedding that is not the target's, a head for another target (sizes, layer count, or
-the recorded fingerprint). ``d2t`` is applied once: the draft ids are ``arange(S) + d2t``, and ``t2d`` must mark
-exactly those ids. Every tensor of the file is consumed: loaded into the head, or (``embed_tokens.weight``)
+The layouts are those :mod:`selfspec.export.speculators`, :mod:`selfspec.export.sglang` and
+:mod:`selfspec.export.medusa_vllm` write (their docstrings cite the engine files); ``--format sglang`` reads the
+three ``architectures`` SGLang's exports carry (``LlamaForCausalLMEagle3``, ``LlamaForCausalLMEagle`` with its
+optional ``--speculative-token-map`` file, ``MedusaModel``). Reading refuses, with one
+:class:`~selfspec.heads.io.HeadFormatError` that names the fix and before anything is written: an unknown format or
+architecture, a truncated or corrupt safetensors file, missing / unexpected / wrong-shape tensors (all listed), tensor
+names under a trainer prefix (``module.``, ``_orig_mod.``, ...), config flags the head cannot compute (EAGLE-3.1
+norms, ``norm_before_residual``), an embedding that is not the target's, a head for another target (sizes, layer
+count, or the recorded fingerprint). ``d2t`` is applied once: the draft ids are ``arange(S) + d2t``, and ``t2d`` must
+mark exactly those ids. Every tensor of the file is consumed: loaded into the head, or (``embed_tokens.weight``)
 checked equal to the target's embedding, which selfspec heads use.
 """
 
@@ -18,12 +22,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoConfig
 
-from selfspec.export.common import Head
+from selfspec.export.common import TOKEN_MAP_NAME, Head, check_trainer_prefix
+from selfspec.export.medusa_vllm import MEDUSA_ARCHITECTURE, read_vllm_medusa
 from selfspec.export.sglang import EAGLE3_ARCHITECTURE, EAGLE_ARCHITECTURE, eagle3_names, eagle_names
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head, check_vocab_maps, default_target_layers
 from selfspec.heads.fingerprint import target_fingerprint
-from selfspec.heads.io import CONFIG_NAME, WEIGHTS_NAME, HeadFormatError, check_state, read_config, read_safetensors
+from selfspec.heads.io import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    HeadFormatError,
+    check_draft_ids,
+    check_state,
+    read_config,
+    read_safetensors,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -65,6 +78,7 @@ def _check_target(arch: Any, target: PreTrainedModel, fingerprint: str, where: s
 
 def _renamed(state: dict[str, torch.Tensor], names: dict[str, str], where: str) -> dict[str, torch.Tensor]:
     inverse = {v: k for k, v in names.items()}
+    check_trainer_prefix(state, inverse, where)
     unknown = sorted(set(state) - set(inverse))
     if unknown:
         raise HeadFormatError(
@@ -139,19 +153,38 @@ def _eagle3(d: Path, raw: dict[str, Any], fmt: str, target: PreTrainedModel) -> 
     return head
 
 
+def _token_map(d: Path, raw: dict[str, Any], vocab_size: int) -> torch.Tensor | None:
+    """The draft ids of SGLang's ``--speculative-token-map`` file beside an EAGLE-1 export, or None (full
+    vocabulary). A config that names the file and a missing file are both errors."""
+    named = raw.get("selfspec_speculative_token_map")
+    path = d / (named or TOKEN_MAP_NAME)
+    if not path.is_file():
+        if named:
+            raise HeadFormatError(f"{d / CONFIG_NAME} names the token map {named}, which is missing: copy it beside it")
+        return None
+    try:
+        ids = torch.as_tensor(torch.load(path, weights_only=True), dtype=torch.long).reshape(-1)
+    except (OSError, RuntimeError, EOFError, TypeError, ValueError) as err:  # torch.load's errors for a bad file
+        raise HeadFormatError(f"cannot read {path}: {err} (truncated or corrupt); export the heads again") from err
+    check_draft_ids(ids, ids.numel(), vocab_size, str(path))
+    return ids
+
+
 def _eagle(d: Path, raw: dict[str, Any], target: PreTrainedModel) -> EagleHead:
     where = str(d / CONFIG_NAME)
     arch = _arch(raw, where)
     _check_target(arch, target, raw.get("selfspec_target_fingerprint", ""), where)
+    draft_ids = _token_map(d, raw, arch.vocab_size)
     state = _renamed(read_safetensors(d / WEIGHTS_NAME), eagle_names("layers.0."), str(d / WEIGHTS_NAME))
     config = EagleConfig(
         hidden_size=arch.hidden_size,
         vocab_size=arch.vocab_size,
         fc_bias="fc.bias" in state,
+        draft_vocab_size=None if draft_ids is None else draft_ids.numel(),
         target=str(raw.get("target_model") or ""),
         target_fingerprint=target_fingerprint(target),
     )
-    head = EagleHead(config, arch)
+    head = EagleHead(config, arch, draft_ids=draft_ids)
     check_state(d / WEIGHTS_NAME, state, head.state_dict())
     head.load_state_dict(state, strict=True)
     head.attach_target(target)
@@ -163,7 +196,8 @@ def read_foreign_head(src: str | Path, fmt: str, target: PreTrainedModel) -> Hea
 
     Args:
         src: the directory (``config.json`` + ``model.safetensors``).
-        fmt: ``"speculators"`` (EAGLE-3) or ``"sglang"`` (``LlamaForCausalLMEagle3`` or ``LlamaForCausalLMEagle``).
+        fmt: ``"speculators"`` (EAGLE-3) or ``"sglang"`` (``LlamaForCausalLMEagle3``, ``LlamaForCausalLMEagle`` or
+            vLLM's ``MedusaModel``).
         target: the frozen target the head drafts for; sizes, layers and any recorded fingerprint are checked.
 
     Raises:
@@ -185,9 +219,11 @@ def read_foreign_head(src: str | Path, fmt: str, target: PreTrainedModel) -> Hea
         return _eagle3(d, raw, fmt, target)
     if arch == [EAGLE_ARCHITECTURE]:
         return _eagle(d, raw, target)
+    if arch == [MEDUSA_ARCHITECTURE] or (not arch and raw.get("model_type") == "medusa"):
+        return read_vllm_medusa(d, raw, target)
     raise HeadFormatError(
-        f"{d / CONFIG_NAME} has architectures {arch}; the sglang format reads {[EAGLE3_ARCHITECTURE]} or "
-        f"{[EAGLE_ARCHITECTURE]} (a speculators directory: --format speculators)"
+        f"{d / CONFIG_NAME} has architectures {arch}; the sglang format reads {[EAGLE3_ARCHITECTURE]}, "
+        f"{[EAGLE_ARCHITECTURE]} or {[MEDUSA_ARCHITECTURE]} (a speculators directory: --format speculators)"
     )
 
 
@@ -196,7 +232,10 @@ def import_heads(src: str | Path, fmt: str, out_dir: str | Path, target: PreTrai
     ``selfspec.load`` decodes, benches and exports. Returns ``out_dir``.
 
     Raises:
-        HeadFormatError: see :func:`read_foreign_head`; ``out_dir`` is not touched then.
+        HeadFormatError: see :func:`read_foreign_head`; ``out_dir`` is not touched then. ``out_dir`` the source
+            itself (the head would replace the files it came from).
     """
+    if Path(out_dir).resolve() == Path(src).resolve():
+        raise HeadFormatError(f"--out {out_dir} is the source directory; pass a new directory for the selfspec heads")
     head = read_foreign_head(src, fmt, target)
     return head.save_pretrained(out_dir)

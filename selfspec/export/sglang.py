@@ -19,22 +19,32 @@ The contract, read from the engines' code:
   inputs of layers ``[2, L // 2, L - 3]``. selfspec's ``target_layers`` are layer inputs (``hidden_states[i]``), so
   the ids written are ``i - 1``; ``eagle_config`` is left out when the layers are SGLang's default.
 * EAGLE-1 (sglang ``python/sglang/srt/models/llama_eagle.py``): a one-layer ``LlamaConfig`` with ``architectures:
-  ["LlamaForCausalLMEagle"]``; tensors ``fc.weight [D, 2D]``, ``fc.bias [D]`` (SGLang's ``fc`` always has a bias)
-  and ``layers.0.*`` without ``input_layernorm`` (the first layer's norm is the identity); the lm_head and
-  embeddings are the target's. The layer's output ``hidden + residual`` goes to the target's lm_head, as in
-  :class:`selfspec.heads.eagle.EagleHead`.
-
-Medusa heads have no SGLang layout (vLLM's ``MedusaModel`` layout is not exported yet).
+  ["LlamaForCausalLMEagle"]`` and ``tie_word_embeddings: false`` (with ``true`` its lm_head is its embedding module,
+  and ``set_embed_and_head`` of ``python/sglang/srt/models/llama.py`` deletes that module's weight twice); tensors
+  ``fc.weight [D, 2D]``, ``fc.bias [D]`` (SGLang's ``fc`` always has a bias) and ``layers.0.*`` without
+  ``input_layernorm`` (the first layer's norm is the identity); the lm_head and embeddings are the target's. The
+  layer's output ``hidden + residual`` goes to the target's lm_head, as in :class:`selfspec.heads.eagle.EagleHead`.
+* EAGLE-1 with a reduced draft vocabulary (FR-Spec): SGLang takes the draft ids from the file given to
+  ``--speculative-token-map`` (``load_token_map`` in ``python/sglang/srt/speculative/spec_utils.py``:
+  ``torch.load(path, weights_only=True)``, then ``torch.tensor(..., dtype=int64)``; a path that is not a local file
+  is read as ``REPO_ID/FILE`` on the Hub) and drafts with the target's lm_head rows ``head[hot_token_id]``
+  (``EAGLEWorker.__init__`` in ``eagle_worker.py``), exactly selfspec's ``lm_head[draft_ids]``. The export writes
+  that file, a list of S target ids, as :data:`~selfspec.export.common.TOKEN_MAP_NAME` beside ``config.json``
+  (``selfspec_speculative_token_map`` in the config names it); SGLang needs the flag to use it.
+* Medusa heads (SGLang has no Medusa drafter) are written in vLLM's ``MedusaModel`` layout
+  (:mod:`selfspec.export.medusa_vllm`).
 """
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from selfspec.export.common import (
+    TOKEN_MAP_NAME,
     ExportError,
     Head,
     family_name,
@@ -43,8 +53,10 @@ from selfspec.export.common import (
     require_llama,
     write_export,
 )
+from selfspec.export.medusa_vllm import export_vllm_medusa
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.eagle3 import Eagle3Head
+from selfspec.heads.medusa import MedusaHeads
 
 __all__ = [
     "EAGLE3_ARCHITECTURE",
@@ -53,6 +65,7 @@ __all__ = [
     "eagle_names",
     "export_sglang",
     "sglang_aux_layer_ids",
+    "token_map_bytes",
 ]
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -133,29 +146,42 @@ def _eagle3(head: Eagle3Head, target_name_or_path: str) -> tuple[dict[str, Any],
     return cfg, tensors
 
 
-def _eagle(head: EagleHead, target_name_or_path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def token_map_bytes(draft_ids: torch.Tensor) -> bytes:
+    """SGLang's ``--speculative-token-map`` file for ``draft_ids`` (LongTensor ``[S]``): ``torch.save`` of the list
+    of S target ids, which ``torch.load(..., weights_only=True)`` reads back."""
+    buf = io.BytesIO()
+    torch.save([int(i) for i in draft_ids.tolist()], buf)
+    return buf.getvalue()
+
+
+def _eagle(head: EagleHead, target_name_or_path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict]:
     require_llama(head, FORMAT)
     if not head.config.fc_bias:
         raise ExportError(
             "SGLang's LlamaForCausalLMEagle has fc.bias; this EAGLE-1 head was trained without one. "
             "Train it with fc_bias=True to export to sglang."
         )
-    if head.config.draft_vocab_size is not None and head.config.draft_vocab_size != head.config.vocab_size:
-        raise ExportError(
-            f"this EAGLE-1 head drafts over a reduced vocabulary ({head.config.draft_vocab_size} of "
-            f"{head.config.vocab_size} tokens); LlamaForCausalLMEagle drafts over the target's full lm_head. "
-            "Export it to the speculators format, or train it with draft_vocab_size=None."
-        )
     tensors = rename_exact(head.state_dict(), eagle_names("layers.0."), FORMAT)
     cfg = llama_config_dict(head)
     cfg.update(
         {
             "architectures": [EAGLE_ARCHITECTURE],
+            "tie_word_embeddings": False,
             "target_model": target_name_or_path,
             "selfspec_target_fingerprint": head.config.target_fingerprint,
         }
     )
-    return cfg, tensors
+    extra = {}
+    if head.config.n_draft < head.config.vocab_size:
+        extra[TOKEN_MAP_NAME] = token_map_bytes(head.draft_ids)
+        cfg["selfspec_speculative_token_map"] = TOKEN_MAP_NAME
+    elif not torch.equal(head.draft_ids.cpu(), torch.arange(head.config.vocab_size)):
+        raise ExportError(
+            "this EAGLE-1 head orders a full-size draft vocabulary differently from the target; "
+            "LlamaForCausalLMEagle drafts over the target's lm_head in its own order: "
+            "retrain with draft_vocab_size=None"
+        )
+    return cfg, tensors, extra
 
 
 def export_sglang(head: Head, out_dir: str | Path, *, target_name_or_path: str) -> Path:
@@ -163,11 +189,14 @@ def export_sglang(head: Head, out_dir: str | Path, *, target_name_or_path: str) 
     module docstring for the names and shapes), atomically.
 
     This is also the Hugging Face layout that llama.cpp's ``convert_hf_to_gguf.py`` reads for an EAGLE-3 draft.
+    An EAGLE-1 head with a reduced draft vocabulary also gets :data:`~selfspec.export.common.TOKEN_MAP_NAME`, for
+    ``--speculative-token-map OUT_DIR/speculative_token_map.pt``.
 
     Args:
-        head: an :class:`Eagle3Head` (-> ``LlamaForCausalLMEagle3``) or :class:`EagleHead`
-            (-> ``LlamaForCausalLMEagle``), fp32 or any float dtype (written as it is).
-        out_dir: the directory to write (created, or replaced as a whole).
+        head: an :class:`Eagle3Head` (-> ``LlamaForCausalLMEagle3``), :class:`EagleHead`
+            (-> ``LlamaForCausalLMEagle``) or :class:`MedusaHeads` (-> vLLM's ``MedusaModel``,
+            :func:`selfspec.export.medusa_vllm.export_vllm_medusa`), fp32 or any float dtype (written as it is).
+        out_dir: the directory to write (created, or a previous export replaced as a whole).
         target_name_or_path: the target model the head drafts for (its Hub id or directory), written as
             ``target_model`` in the config for the user and for converters that ask for it.
 
@@ -175,17 +204,18 @@ def export_sglang(head: Head, out_dir: str | Path, *, target_name_or_path: str) 
         ``out_dir`` as a Path.
 
     Raises:
-        ExportError: a Medusa head (the format has no Medusa layout), a head whose decoder
-            layer is not Llama's, a tensor the layout does not name, an EAGLE-1 head with a reduced draft
-            vocabulary or without ``fc.bias``, or target layers SGLang cannot name. Nothing is written then.
+        ExportError: a head whose decoder layer is not Llama's, a tensor the layout does not name or a trainer
+            prefix, an EAGLE-1 head without ``fc.bias``, target layers SGLang cannot name, an ``out_dir`` holding
+            other files; what :func:`~selfspec.export.medusa_vllm.export_vllm_medusa` raises. Nothing is written then.
     """
     family = family_name(head)
+    extra: dict[str, bytes] = {}
+    if isinstance(head, MedusaHeads):
+        return export_vllm_medusa(head, out_dir, target_name_or_path=target_name_or_path)
     if isinstance(head, Eagle3Head):
         cfg, tensors = _eagle3(head, target_name_or_path)
     elif isinstance(head, EagleHead):
-        cfg, tensors = _eagle(head, target_name_or_path)
+        cfg, tensors, extra = _eagle(head, target_name_or_path)
     else:
-        raise ExportError(
-            f"the sglang format holds EAGLE-1 and EAGLE-3 heads, not {family}; Medusa heads have no SGLang layout"
-        )
-    return write_export(out_dir, cfg, tensors)
+        raise ExportError(f"the sglang format holds Medusa, EAGLE-1 and EAGLE-3 heads, not {family}")
+    return write_export(out_dir, cfg, tensors, extra)
