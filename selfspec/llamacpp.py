@@ -240,17 +240,16 @@ def _build_into(tmp: Path, *, jobs: int, log: Path) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
-    """One greedy generation by ``llama-speculative-simple``, as it reports it.
+    """One greedy generation by a llama.cpp tool, as the tool reports it.
 
     Attributes:
-        text: the generated text (the prompt echo removed).
+        text: the generated text (the prompt echo and the tool's closing lines removed).
         prompt_tokens: tokens of the prompt as llama.cpp tokenised it.
-        new_tokens: tokens generated (``n_predict``; llama.cpp may run one past the limit it was given).
-        decode_seconds: wall time of the decoding loop, the prompt's prefill excluded (llama.cpp's own timer).
+        new_tokens: tokens decoded after the prompt: ``n_predict`` of ``llama-speculative-simple`` (it may run
+            one past the limit it was given), the ``eval`` runs of ``llama-completion``.
+        decode_seconds: wall time of decoding, the prompt's prefill excluded (the tool's own timer).
         drafted: draft tokens proposed and verified (``n_drafted``; 0 without speculation).
         accepted: of those, accepted (``n_accept``).
-        drafts: draft proposals made (``#gen drafts`` of the speculative statistics; 0 without speculation).
-        mean_accepted_length: llama.cpp's ``#mean acc len`` (1 + accepted tokens per verification), or None.
     """
 
     text: str
@@ -259,12 +258,10 @@ class Generation:
     decode_seconds: float
     drafted: int
     accepted: int
-    drafts: int
-    mean_accepted_length: float | None
 
     @property
     def tokens_per_second(self) -> float:
-        """``new_tokens / decode_seconds`` (llama.cpp's ``decoded ... speed``)."""
+        """``new_tokens / decode_seconds`` (the tool's ``decoded ... speed`` / ``eval ... tokens per second``)."""
         return self.new_tokens / self.decode_seconds
 
     @property
@@ -272,10 +269,30 @@ class Generation:
         """Accepted share of the drafted tokens (llama.cpp's ``accept``), 0.0 when nothing was drafted."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens per target verification, ``new_tokens / (new_tokens - accepted)``: every step yields its
+        accepted drafts plus one token of the target's own (selfspec's tau)."""
+        return self.new_tokens / max(1, self.new_tokens - self.accepted)
+
 
 _DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 _ENCODED = re.compile(r"encoded\s+(\d+) tokens in")
-_STAT = re.compile(r"#gen drafts =\s*(\d+).*?(?:#mean acc len =\s*([\d.]+))?\s*(?:,|$)", re.M)
+_PROMPT_EVAL = re.compile(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens")
+_EVAL = re.compile(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs")
+
+
+def _run_tool(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        shown = " ".join(a if len(a) < 80 else a[:77] + "..." for a in cmd)
+        raise RuntimeError(f"{shown} failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
+    return done
+
+
+def _common_args(model: Path, prompt: str, n_predict: int, threads: int, ctx_size: int) -> list[str]:
+    args = ["-m", str(model), "-p", prompt, "-n", str(n_predict), "--temp", "0", "--seed", "0"]
+    return args + ["-t", str(threads), "-tb", str(threads), "-c", str(ctx_size)]
 
 
 def speculative_simple(
@@ -283,8 +300,8 @@ def speculative_simple(
     model: Path,
     prompt: str,
     *,
+    spec_type: str,
     draft: Path | None = None,
-    spec_type: str = "none",
     n_predict: int = 128,
     threads: int = 2,
     draft_max: int | None = None,
@@ -292,15 +309,17 @@ def speculative_simple(
     extra: tuple[str, ...] = (),
     timeout: float = 600.0,
 ) -> Generation:
-    """Greedy generation with ``llama-speculative-simple`` (``examples/speculative-simple`` of llama.cpp):
-    ``-m MODEL -p PROMPT -n N --temp 0 -t/-tb THREADS -c CTX --spec-type TYPE [-md DRAFT] [--spec-draft-n-max K]``.
+    """Greedy speculative generation with ``llama-speculative-simple`` (``examples/speculative-simple`` of
+    llama.cpp): ``-m MODEL -p PROMPT -n N --temp 0 -t/-tb THREADS -c CTX --spec-type TYPE [-md DRAFT]
+    [--spec-draft-n-max K]``. The tool needs a speculation type (``none`` fails to initialise); plain decoding
+    is :func:`completion`.
 
     Args:
         build: the llama.cpp build.
         model: the target's GGUF.
         prompt: the prompt text, chat template already applied (special tokens in it are parsed).
-        draft: a draft GGUF (``-md``), for ``spec_type`` ``draft-eagle3`` or ``draft-simple``.
-        spec_type: llama.cpp's ``--spec-type`` (``none``, ``draft-eagle3``, ``ngram-simple``, ``ngram-mod``, ...).
+        spec_type: llama.cpp's ``--spec-type`` (``draft-eagle3``, ``ngram-simple``, ``ngram-mod``, ...).
+        draft: a draft GGUF (``-md``), for ``draft-eagle3`` or ``draft-simple``.
         n_predict: new tokens (``-n``).
         threads: CPU threads for generation and batches.
         draft_max: ``--spec-draft-n-max`` (llama.cpp's default: 3) for draft models.
@@ -311,56 +330,65 @@ def speculative_simple(
     Raises:
         RuntimeError: the tool failed or printed no timing (the message holds the end of its output).
     """
-    cmd = [str(build.tool("llama-speculative-simple")), "-m", str(model), "-p", prompt, "-n", str(n_predict)]
-    cmd += ["--temp", "0", "--seed", "0", "-t", str(threads), "-tb", str(threads), "-c", str(ctx_size)]
-    cmd += ["--spec-type", spec_type, "--no-warmup"]
+    cmd = [str(build.tool("llama-speculative-simple")), *_common_args(model, prompt, n_predict, threads, ctx_size)]
+    cmd += ["--spec-type", spec_type]
     if draft is not None:
         cmd += ["-md", str(draft)]
     if draft_max is not None:
         cmd += ["--spec-draft-n-max", str(draft_max)]
-    cmd += list(extra)
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    done = _run_tool([*cmd, *extra], timeout)
     out, err = done.stdout, done.stderr
     decoded, encoded = _DECODED.search(err), _ENCODED.search(err)
-    if done.returncode != 0 or decoded is None or encoded is None:
-        shown = [a if len(a) < 80 else a[:77] + "..." for a in cmd]
-        raise RuntimeError(f"{' '.join(shown)} failed (exit {done.returncode}):\n{(out + err)[-3000:]}")
+    if decoded is None or encoded is None:
+        raise RuntimeError(f"llama-speculative-simple printed no timing:\n{err[-3000:]}")
     # stdout: "\n\n" + the prompt's pieces + the generated pieces + "\n\n" + "\n\n".
     body = out[2:] if out.startswith("\n\n") else out
     if not body.startswith(prompt):
         raise RuntimeError("llama-speculative-simple did not echo the prompt verbatim; cannot separate its output")
-    text = body[len(prompt) :].removesuffix("\n\n\n\n")
     n_drafted = re.search(r"n_drafted\s*=\s*(\d+)", err)
     n_accept = re.search(r"n_accept\s*=\s*(\d+)", err)
-    stat = _STAT.search(err)
     return Generation(
-        text=text,
+        text=body[len(prompt) :].removesuffix("\n\n\n\n"),
         prompt_tokens=int(encoded.group(1)),
         new_tokens=int(decoded.group(1)),
         decode_seconds=float(decoded.group(2)),
         drafted=int(n_drafted.group(1)) if n_drafted else 0,
         accepted=int(n_accept.group(1)) if n_accept else 0,
-        drafts=int(stat.group(1)) if stat else 0,
-        mean_accepted_length=float(stat.group(2)) if stat and stat.group(2) else None,
     )
 
 
 def completion(
-    build: LlamaCpp, model: Path, prompt: str, *, n_predict: int = 128, threads: int = 2, timeout: float = 600.0
-) -> str:
+    build: LlamaCpp,
+    model: Path,
+    prompt: str,
+    *,
+    n_predict: int = 128,
+    threads: int = 2,
+    ctx_size: int = 2048,
+    timeout: float = 600.0,
+) -> Generation:
     """Plain greedy generation with ``llama-completion`` (``tools/completion``), no speculation:
-    ``-m MODEL -p PROMPT -n N --temp 0 -no-cnv --no-display-prompt``. Returns the generated text.
+    ``-m MODEL -p PROMPT -n N --temp 0 -t/-tb THREADS -c CTX -no-cnv --no-display-prompt``; speed from its
+    ``eval time`` line (the forwards after the prompt).
 
     Raises:
-        RuntimeError: the tool failed (the message holds the end of its output).
+        RuntimeError: the tool failed or printed no timing (the message holds the end of its output).
     """
-    cmd = [str(build.tool("llama-completion")), "-m", str(model), "-p", prompt, "-n", str(n_predict)]
-    cmd += ["--temp", "0", "--seed", "0", "-t", str(threads), "-tb", str(threads), "-c", "2048"]
-    cmd += ["-no-cnv", "--no-display-prompt", "--no-warmup"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    if done.returncode != 0:
-        raise RuntimeError(f"llama-completion failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
-    return done.stdout
+    cmd = [str(build.tool("llama-completion")), *_common_args(model, prompt, n_predict, threads, ctx_size)]
+    done = _run_tool([*cmd, "-no-cnv", "--no-display-prompt"], timeout)
+    evaluated, prompt_eval = _EVAL.search(done.stderr), _PROMPT_EVAL.search(done.stderr)
+    if evaluated is None or prompt_eval is None:
+        raise RuntimeError(f"llama-completion printed no timing:\n{done.stderr[-3000:]}")
+    # stdout: the generated pieces [+ " [end of text]\n" at an end-of-generation token] + "\n\n".
+    text = done.stdout.removesuffix("\n\n").removesuffix(" [end of text]\n")
+    return Generation(
+        text=text,
+        prompt_tokens=int(prompt_eval.group(1)),
+        new_tokens=int(evaluated.group(2)),
+        decode_seconds=float(evaluated.group(1)) / 1000.0,
+        drafted=0,
+        accepted=0,
+    )
 
 
 def alias_gguf(alias: str = SMOLLM2_ALIAS) -> Path:

@@ -128,9 +128,9 @@ def smollm2_gguf():
 @pytest.mark.slow
 def test_llamacpp_runs_our_eagle3_head_exactly(smollm2, smollm2_gguf, llamacpp, tmp_path):
     """Export -> llama.cpp's converter -> ``llama-speculative-simple --spec-type draft-eagle3`` with the target's
-    own Q4_1 GGUF: the greedy text equals ``llama-speculative-simple --spec-type none`` and
-    ``llama-completion`` (no draft), and llama.cpp accepts a large share of the head's drafts. The head is fitted
-    for a few seconds to the target's greedy continuations of the prompts, so acceptance is high by design; a
+    own Q4_1 GGUF: the greedy text equals ``llama-completion``'s (no draft), and llama.cpp accepts most of the
+    head's drafts, several tokens per step (``--spec-draft-n-max 3``). The head is fitted
+    for a few seconds to llama.cpp's greedy continuations of the prompts, so acceptance is high by design; a
     converted head whose tensors, layers or vocabulary map were wrong would get almost none."""
     from selfspec.llamacpp import completion, speculative_simple
     from selfspec.target import resolve_target
@@ -141,23 +141,24 @@ def test_llamacpp_runs_our_eagle3_head_exactly(smollm2, smollm2_gguf, llamacpp, 
         tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
         for p in PROMPTS
     ]
-    seqs = []
-    for text in texts:
-        ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
-        seqs.append(out[0])
+    # The head memorises llama.cpp's own greedy continuations (its Q4_1 arithmetic may part from the fp32
+    # target's after a few dozen tokens), so that high acceptance is expected wherever the export is right.
+    plains = [completion(llamacpp, smollm2_gguf, text, n_predict=NEW_TOKENS, threads=1) for text in texts]
+    seqs = [
+        tok(text + plain.text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+        for text, plain in zip(texts, plains, strict=True)
+    ]
     head = memorising_eagle3_head(model, seqs)
     path = export_gguf(head, tmp_path / "gguf", target_dir=resolve_target("smollm2-135m-instruct"), name="draft")
     assert path == tmp_path / "gguf" / "draft.gguf" and sorted(p.name for p in path.parent.iterdir()) == ["draft.gguf"]
     check_gguf(path, head)
-    for text in texts:
-        plain = speculative_simple(llamacpp, smollm2_gguf, text, n_predict=NEW_TOKENS)
+    for text, plain in zip(texts, plains, strict=True):
         ours = speculative_simple(
-            llamacpp, smollm2_gguf, text, draft=path, spec_type="draft-eagle3", n_predict=NEW_TOKENS
+            llamacpp, smollm2_gguf, text, spec_type="draft-eagle3", draft=path, n_predict=NEW_TOKENS, threads=1
         )
-        reference = completion(llamacpp, smollm2_gguf, text, n_predict=NEW_TOKENS)
-        assert plain.drafted == 0 and plain.new_tokens >= NEW_TOKENS - 1
-        assert ours.text == plain.text, (ours.text, plain.text)
-        assert reference.strip() and ours.text.startswith(reference.removesuffix(" [end of text]\n")), reference
+        assert plain.prompt_tokens == ours.prompt_tokens == len(tok(text, add_special_tokens=False).input_ids)
+        assert plain.new_tokens >= NEW_TOKENS - 1 and plain.text.strip()
+        # llama-speculative-simple may decode one token past -n: the texts agree up to the shorter one.
+        assert ours.text.startswith(plain.text), (ours.text, plain.text)
         assert ours.drafted > 0 and ours.acceptance > 0.5, ours
-        assert ours.mean_accepted_length is not None and ours.mean_accepted_length > 1.5, ours
+        assert ours.tokens_per_step > 2.0, ours
