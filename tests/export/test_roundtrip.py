@@ -20,10 +20,10 @@ from safetensors import safe_open
 
 from selfspec.export import ExportError
 from selfspec.export.cli import export_heads
-from selfspec.export.importer import read_foreign_head
+from selfspec.export.importer import import_heads, read_foreign_head
 from selfspec.heads import HeadFormatError
 from tests.archs import tiny_target
-from tests.export.conftest import draft_logits, make_eagle, make_eagle3
+from tests.export.conftest import draft_logits, inputs, make_eagle, make_eagle3
 
 D, V, S, F, KV = 32, 96, 40, 64, 16  # hidden, vocab, draft vocab, intermediate, kv heads * head_dim
 LAYER = {
@@ -128,3 +128,54 @@ def test_bad_input(target, tmp_path):
     (out / "model.safetensors").write_bytes(data[: len(data) - 100])
     with pytest.raises(HeadFormatError, match="truncated or corrupt"):
         read_foreign_head(out, "sglang", target)
+
+
+def test_sglang_eagle1_reduced_vocabulary_writes_the_token_map(target, tmp_path):
+    """SGLang's FR-Spec path (``load_token_map`` in ``python/sglang/srt/speculative/spec_utils.py``;
+    ``EAGLEWorker.__init__``: ``head.data[hot_token_id]`` of the target's lm_head) on the written files."""
+    head = make_eagle(target, draft=S)
+    out = export_heads(head, "sglang", tmp_path / "sg1", target_name_or_path="tiny")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "speculative_token_map.pt"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["selfspec_speculative_token_map"] == "speculative_token_map.pt"
+    assert cfg["tie_word_embeddings"] is False  # SGLang's set_embed_and_head cannot hold a tied lm_head
+    hot = torch.tensor(torch.load(out / "speculative_token_map.pt", weights_only=True), dtype=torch.int64)
+    assert torch.equal(hot, head.draft_ids)
+    feats, ids, pos = inputs(D)
+    with torch.no_grad():
+        predicted = head(feats, ids, pos)
+        sglang = predicted @ target.get_output_embeddings().weight[hot].T
+        assert torch.equal(sglang, head.draft_logits(predicted))
+    back = read_foreign_head(out, "sglang", target)
+    assert torch.equal(back.draft_ids, head.draft_ids) and back.config.draft_vocab_size == S
+    assert (draft_logits(back, D) - draft_logits(head, D)).abs().max().item() == 0.0
+    # a full-vocabulary head exported over it: the directory is replaced whole, no stale token map is left
+    export_heads(make_eagle(target), "sglang", out, target_name_or_path="tiny")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    # a config naming a token map that is not there
+    export_heads(head, "sglang", out, target_name_or_path="tiny")
+    (out / "speculative_token_map.pt").unlink()
+    with pytest.raises(HeadFormatError, match="names the token map speculative_token_map.pt, which is missing"):
+        read_foreign_head(out, "sglang", target)
+
+
+def test_trainer_prefix_and_foreign_directory_refused_at_export(target, tmp_path):
+    head = make_eagle3(target)
+    state = head.state_dict()
+    head.state_dict = lambda: {f"module.{k}": v for k, v in state.items()}  # as a DDP wrapper names them
+    for fmt in ("sglang", "speculators"):
+        with pytest.raises(ExportError, match="trainer prefix 'module.'.*strip it"):
+            export_heads(head, fmt, tmp_path / "x", target_name_or_path="t")
+    with pytest.raises(ExportError, match="wrapping a selfspec head.*head._orig_mod"):
+        export_heads(torch.compile(make_eagle3(target)), "sglang", tmp_path / "x", target_name_or_path="t")
+    assert not (tmp_path / "x").exists()
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match=r"holds files an export does not write \(\['notes.txt'\]\)"):
+        export_heads(make_eagle3(target), "sglang", home, target_name_or_path="t")
+    assert sorted(p.name for p in home.iterdir()) == ["notes.txt"]
+    # an import's --out must not be the source it reads
+    out = export_heads(make_eagle3(target), "sglang", tmp_path / "sg", target_name_or_path="t")
+    with pytest.raises(HeadFormatError, match="is the source directory"):
+        import_heads(out, "sglang", out, target)
