@@ -1,62 +1,103 @@
 """``selfspec export HEADS --format F --out DIR --target T`` and ``selfspec import SRC --format F --out DIR
 --target T``.
 
-Export formats: ``speculators`` (EAGLE-3, what ``vllm serve`` loads), ``sglang`` (EAGLE-3 / EAGLE-1).
-Import formats: ``speculators``, ``sglang``. The target (a directory, Hub id or the
-``smollm2-135m-instruct`` alias) is loaded to check the heads belong to it; it is written into the export's config.
+Export formats (:data:`EXPORT_FORMATS`): ``speculators`` (EAGLE-3, what ``vllm serve`` loads), ``sglang`` (EAGLE-3 /
+EAGLE-1 for SGLang; Medusa in vLLM's ``MedusaModel`` layout), ``gguf`` (EAGLE-3 for llama.cpp, through its own
+converter; the target must be a local Hugging Face directory or an alias). Import formats: ``speculators``,
+``sglang``. The target (a directory, Hub id or the ``smollm2-135m-instruct`` alias) is loaded, without its
+tokenizer, to check the heads belong to it; it is written into the export's config.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
 
 from selfspec.export.common import Head
+from selfspec.export.gguf import export_gguf
 from selfspec.export.importer import IMPORT_FORMATS, import_heads
 from selfspec.export.sglang import export_sglang
 from selfspec.export.speculators import export_speculators
 from selfspec.heads import HeadFormatError, load_heads
-from selfspec.target import load_target, resolve_target
+from selfspec.target import TargetNotFoundError, resolve_target
 
-__all__ = ["EXPORT_FORMATS", "export_heads", "export_main", "import_main"]
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-EXPORT_FORMATS = ("speculators", "sglang")
+__all__ = ["EXPORT_FORMATS", "export_heads", "export_main", "import_main", "load_frozen_target"]
+
+EXPORT_FORMATS = ("speculators", "sglang", "gguf")
 
 
 def export_heads(head: Head, fmt: str, out_dir: str | Path, *, target_name_or_path: str) -> Path:
-    """Export ``head`` in format ``fmt`` (one of :data:`EXPORT_FORMATS`) to ``out_dir``. Returns ``out_dir``.
+    """Export ``head`` in format ``fmt`` (one of :data:`EXPORT_FORMATS`) to ``out_dir``.
+
+    ``gguf`` runs :func:`selfspec.export.gguf.export_gguf` with ``target_dir=target_name_or_path`` (the target's
+    Hugging Face directory or an alias; llama.cpp's converter reads its tokenizer) and writes one ``.gguf`` file
+    into ``out_dir``.
+
+    Returns:
+        ``out_dir`` (``speculators``, ``sglang``), or the written ``.gguf`` file (``gguf``).
 
     Raises:
-        HeadFormatError: an unknown format (the message lists the formats), or what the format's exporter raises.
+        HeadFormatError: an unknown format (the message lists the formats), or what the format's exporter raises
+            (:class:`~selfspec.export.common.ExportError` for a family the format cannot hold).
+        RuntimeError: ``gguf``: llama.cpp's converter failed or cannot be built.
     """
     if fmt == "speculators":
         return export_speculators(head, out_dir, target_name_or_path=target_name_or_path)
     if fmt == "sglang":
         return export_sglang(head, out_dir, target_name_or_path=target_name_or_path)
+    if fmt == "gguf":
+        return export_gguf(head, out_dir, target_dir=target_name_or_path)
     raise HeadFormatError(f"unknown export format {fmt!r}; choose one of {list(EXPORT_FORMATS)}")
+
+
+def load_frozen_target(name: str) -> tuple[PreTrainedModel, str]:
+    """Load the target's weights only (fp32, eval, no gradients; no tokenizer: exporting and importing heads never
+    tokenizes). Returns ``(model, where)``, ``where`` as :func:`selfspec.target.resolve_target` resolves ``name``.
+
+    Raises:
+        HeadFormatError: the name resolves to nothing loadable (the message says what to pass).
+    """
+    from transformers import AutoModelForCausalLM  # heavy: only when a command runs
+
+    try:
+        where = resolve_target(name)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32)
+    except (TargetNotFoundError, OSError, ValueError) as err:
+        raise HeadFormatError(f"cannot load the target {name!r}: {err}") from err
+    model.eval().requires_grad_(False)
+    return model, where
 
 
 def _parser(prog: str, src: str, formats: tuple[str, ...]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog)
     p.add_argument(src)
     p.add_argument("--format", required=True, help=f"one of {', '.join(formats)}")
-    p.add_argument("--out", required=True, help="directory to write (replaced as a whole)")
+    p.add_argument("--out", required=True, help="directory to write (a previous export is replaced as a whole)")
     p.add_argument("--target", required=True, help="the target model: directory, Hub id or smollm2-135m-instruct")
     return p
 
 
 def export_main(argv: list[str]) -> int:
-    """``selfspec export``: returns 0 on success, 2 on bad input (the reason printed)."""
+    """``selfspec export``: returns 0 on success, 2 on bad input (the reason printed), 1 when llama.cpp failed."""
     args = _parser("selfspec export", "heads", EXPORT_FORMATS).parse_args(argv)
     try:
         if args.format not in EXPORT_FORMATS:
             raise HeadFormatError(f"unknown export format {args.format!r}; choose one of {list(EXPORT_FORMATS)}")
-        target, _ = load_target(args.target)
+        target, where = load_frozen_target(args.target)
         head = load_heads(args.heads, target)
-        out = export_heads(head, args.format, args.out, target_name_or_path=resolve_target(args.target))
+        out = export_heads(head, args.format, args.out, target_name_or_path=where)
     except HeadFormatError as err:
         print(f"selfspec export: {err}")
         return 2
+    except RuntimeError as err:  # gguf: llama.cpp's converter or build
+        print(f"selfspec export: {err}")
+        return 1
     print(f"exported {args.heads} as {args.format} to {out}")
     return 0
 
@@ -67,7 +108,7 @@ def import_main(argv: list[str]) -> int:
     try:
         if args.format not in IMPORT_FORMATS:
             raise HeadFormatError(f"unknown import format {args.format!r}; choose one of {list(IMPORT_FORMATS)}")
-        target, _ = load_target(args.target)
+        target, _ = load_frozen_target(args.target)
         out = import_heads(args.src, args.format, args.out, target)
     except HeadFormatError as err:
         print(f"selfspec import: {err}")
