@@ -5,10 +5,11 @@ Made with ``huggingface_hub``'s :class:`~huggingface_hub.ModelCard` / :class:`~h
 ``base_model`` (the target, a Hub id), ``library_name: selfspec`` and the tags ``speculative-decoding`` and
 the head family (``medusa``, ``eagle``, ``eagle3``). The text says what the heads are and how to serve them:
 in selfspec straight from the repo, and in vLLM, SGLang and llama.cpp after ``selfspec export`` to the
-engine's own layout (``--format speculators`` for vLLM's EAGLE / EAGLE-3 ``vllm serve DIR``, ``--format
-sglang`` for SGLang's ``LlamaForCausalLMEagle`` / ``LlamaForCausalLMEagle3`` and vLLM's ``MedusaModel``,
-``--format gguf`` for llama.cpp's ``--spec-type draft-eagle3``); families an engine cannot run are said to be
-so. With a bench report (:class:`BenchFigures`) it adds the measured tau and speedup, the command and the
+engine's own layout (``--format speculators`` for vLLM's EAGLE-3 ``vllm serve DIR``, ``--format sglang`` for
+SGLang's ``LlamaForCausalLMEagle`` (with ``--speculative-token-map`` for a reduced vocabulary) /
+``LlamaForCausalLMEagle3`` and vLLM's ``MedusaModel``, ``--format gguf`` for llama.cpp's ``--spec-type
+draft-eagle3``); only commands the exporters run for the heads are printed (``tests/export/test_card_commands.py``
+runs them), and families or heads an engine cannot run are said to be so. With a bench report (:class:`BenchFigures`) it adds the measured tau and speedup, the command and the
 hardware they were measured with.
 
 Pure text: nothing here reads files or reaches the network.
@@ -106,10 +107,21 @@ def _describe(head_type: str, config: Mapping[str, Any]) -> str:
     )
 
 
-def _engines(head_type: str, repo_id: str, base_model: str, target: str, num_heads: int, reduced: bool) -> str:
+def _engines(
+    head_type: str,
+    repo_id: str,
+    base_model: str,
+    target: str,
+    num_heads: int,
+    reduced: bool,
+    layer_type: str = "llama",
+    fc_bias: bool = True,
+) -> str:
     """The vLLM, SGLang and llama.cpp sections: export first (``selfspec export`` loads the heads onto
-    ``target``, their own target), then the engine's own command. ``reduced``: the head drafts over a reduced
-    vocabulary, which SGLang's EAGLE-1 (``LlamaForCausalLMEagle``, the target's full lm_head) cannot hold."""
+    ``target``, their own target), then the engine's own command. Only commands the exporters run for these
+    heads are given (:mod:`selfspec.export`): ``reduced``: the head drafts over a reduced vocabulary (an EAGLE-1
+    export then carries SGLang's ``--speculative-token-map`` file); ``layer_type``: the EAGLE layer's model type
+    (the engine layouts hold Llama layers); ``fc_bias``: SGLang's EAGLE-1 ``fc`` has a bias."""
     name = repo_id.split("/")[-1]
     if head_type == "medusa":
         return f"""### vLLM
@@ -131,42 +143,49 @@ SGLang has no Medusa drafter: serve these heads with vLLM or selfspec.
 llama.cpp has no Medusa drafter (`--spec-type` offers `draft-eagle3`, n-gram and other drafters): train an
 EAGLE-3 head with selfspec for llama.cpp.
 """
-    algorithm = "EAGLE3" if head_type == "eagle3" else "EAGLE"
-    llamacpp = (
-        f"""### llama.cpp
+    if layer_type != "llama":
+        return f"""### vLLM, SGLang and llama.cpp
 
-Export to GGUF (selfspec runs llama.cpp's own `convert_hf_to_gguf.py ... --target-model-dir TARGET`), then
-give the draft to the target's GGUF:
-
-```bash
-selfspec export {repo_id} --format gguf --target {target} --out {name}-gguf
-llama-server -m TARGET.gguf -md {name}-gguf/<the .gguf file it wrote> --spec-type draft-eagle3
-```
+The engines' EAGLE layouts hold a Llama decoder layer; this head's layer is `{layer_type}` (its target's kind),
+so `selfspec export` refuses it: serve it with selfspec.
 """
-        if head_type == "eagle3"
-        else """### llama.cpp
+    if head_type == "eagle":
+        token_map = f" \\\n    --speculative-token-map {name}-sglang/speculative_token_map.pt" if reduced else ""
+        vocab = (
+            "\nThe export carries `speculative_token_map.pt`, the head's draft vocabulary (SGLang's FR-Spec token "
+            "map): pass it as shown, or SGLang drafts over the target's full lm_head.\n"
+            if reduced
+            else ""
+        )
+        sglang = (
+            f"""### SGLang
 
-llama.cpp runs EAGLE-3 drafts only (`--spec-type draft-eagle3`), not EAGLE-1: train an EAGLE-3 head with
-selfspec for llama.cpp.
-"""
-    )
-    sglang = f"""### SGLang
-
-Export to SGLang's `LlamaForCausalLM{"Eagle3" if head_type == "eagle3" else "Eagle"}` layout, then:
+Export to SGLang's `LlamaForCausalLMEagle` layout, then:
 
 ```bash
 selfspec export {repo_id} --format sglang --target {target} --out {name}-sglang
-python -m sglang.launch_server --model-path {base_model} --speculative-algorithm {algorithm} \\
+python -m sglang.launch_server --model-path {base_model} --speculative-algorithm EAGLE \\
     --speculative-draft-model-path {name}-sglang --speculative-num-steps 5 --speculative-eagle-topk 8 \\
-    --speculative-num-draft-tokens 32
+    --speculative-num-draft-tokens 32{token_map}
 ```
-"""
-    if head_type == "eagle" and reduced:
-        sglang = """### SGLang
+{vocab}"""
+            if fc_bias
+            else """### SGLang
 
-SGLang's EAGLE-1 (`LlamaForCausalLMEagle`) drafts over the target's full lm_head, and this head drafts over a
-reduced vocabulary: serve it with vLLM or selfspec, or train an EAGLE-1 head with `draft_vocab_size: null`
-(or an EAGLE-3 head) for SGLang.
+SGLang's EAGLE-1 (`LlamaForCausalLMEagle`) has a bias in `fc` and this head was trained without one: train an
+EAGLE-1 head with `fc_bias: true` (or an EAGLE-3 head) for SGLang, or serve this one with selfspec.
+"""
+        )
+        return f"""### vLLM
+
+`selfspec export` writes no vLLM layout for EAGLE-1 heads (`speculators` 0.9.0, the format vLLM serves, has no
+EAGLE-1 class): serve this head with SGLang or selfspec, or train an EAGLE-3 head for vLLM.
+
+{sglang}
+### llama.cpp
+
+llama.cpp runs EAGLE-3 drafts only (`--spec-type draft-eagle3`), not EAGLE-1: train an EAGLE-3 head with
+selfspec for llama.cpp.
 """
     return f"""### vLLM
 
@@ -177,8 +196,27 @@ selfspec export {repo_id} --format speculators --target {target} --out {name}-sp
 vllm serve {name}-speculators
 ```
 
-{sglang}
-{llamacpp}"""
+### SGLang
+
+Export to SGLang's `LlamaForCausalLMEagle3` layout, then:
+
+```bash
+selfspec export {repo_id} --format sglang --target {target} --out {name}-sglang
+python -m sglang.launch_server --model-path {base_model} --speculative-algorithm EAGLE3 \\
+    --speculative-draft-model-path {name}-sglang --speculative-num-steps 5 --speculative-eagle-topk 8 \\
+    --speculative-num-draft-tokens 32
+```
+
+### llama.cpp
+
+Export to GGUF (selfspec runs llama.cpp's own `convert_hf_to_gguf.py ... --target-model-dir TARGET`), then
+give the draft to the target's GGUF:
+
+```bash
+selfspec export {repo_id} --format gguf --target {target} --out {name}-gguf
+llama-server -m TARGET.gguf -md {name}-gguf/<the .gguf file it wrote> --spec-type draft-eagle3
+```
+"""
 
 
 def _bench(bench: BenchFigures) -> str:
@@ -244,6 +282,17 @@ def head_card(
     load_target = trained_on if re.fullmatch(r"[\w.-]+(/[\w.-]+)?", trained_on) else base_model
     note = f"\n  {target_note}" if target_note else ""
     reduced = (ours.get("draft_vocab_size") or ours.get("vocab_size")) != ours.get("vocab_size")
+    layer_type = str(config.get("model_type") or "llama") if head_type != "medusa" else "llama"
+    engines = _engines(
+        head_type,
+        repo_id,
+        base_model,
+        load_target,
+        int(ours.get("num_heads") or 0),
+        reduced,
+        layer_type=layer_type,
+        fc_bias=bool(ours.get("fc_bias", True)),
+    )
     body = f"""
 # {family.title} draft heads for {base_model}
 
@@ -268,7 +317,7 @@ out = model.generate([{{"role": "user", "content": "Hi!"}}], max_new_tokens=128)
 print(out.text, out.stats.mean_accepted_tokens, out.stats.tokens_per_s)
 ```
 
-{_engines(head_type, repo_id, base_model, load_target, int(ours.get("num_heads") or 0), reduced)}"""
+{engines}"""
     if bench is not None:
         body += "\n" + _bench(bench)
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")

@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "speedup and tau against plain transformers generate, in one run",
         "tune-tree": "size an EAGLE head's tree budget to this machine (writes <heads>/acceptance_profile.json)",
         "quickstart": "the embedded default: SmolLM2 target, ShareGPT data, train heads, then bench",
-        "export": "write heads in a serving engine's format (speculators for vLLM, sglang)",
+        "export": "write heads in a serving engine's format (speculators for vLLM, sglang, gguf for llama.cpp)",
         "import": "read heads of the speculators or SGLang layouts into a selfspec head directory",
         "push": "push heads with their model card to the Hugging Face Hub (--dry-run: show, upload nothing)",
     }

@@ -126,11 +126,15 @@ def test_push_records_the_head_files_and_a_card(family, target, hub, tmp_path):
     }
     assert f'selfspec.load("{TARGET}", "alice/tiny-heads")' in card.text
     assert target_fingerprint(target) in card.text
-    export = {"medusa": "--format sglang", "eagle": "--format speculators", "eagle3": "--format gguf"}[family]
+    # only commands the exporters run for the family (EAGLE-1 has no speculators class; tests/export runs them)
+    export = {"medusa": "--format sglang", "eagle": "--format sglang", "eagle3": "--format gguf"}[family]
     assert f"selfspec export alice/tiny-heads {export} --target {TARGET} --out " in card.text
+    assert ("--format speculators" in card.text) == (family == "eagle3")
     assert ("llama-server -m TARGET.gguf -md" in card.text) == (family == "eagle3")
-    # SGLang: EAGLE-3 and full-vocabulary EAGLE-1 heads; this reduced-vocabulary EAGLE-1 head and Medusa are not
-    assert ("--speculative-draft-model-path tiny-heads-sglang" in card.text) == (family == "eagle3")
+    # SGLang: EAGLE-3 and EAGLE-1 heads, this reduced-vocabulary EAGLE-1 head with its token map; Medusa is not
+    assert ("--speculative-draft-model-path tiny-heads-sglang" in card.text) == (family != "medusa")
+    token_map = "--speculative-token-map tiny-heads-sglang/speculative_token_map.pt"
+    assert (token_map in card.text) == (family == "eagle")
 
 
 def test_push_with_a_bench_report_puts_its_figures_on_the_card(target, hub):

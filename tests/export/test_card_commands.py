@@ -1,0 +1,74 @@
+"""Every ``selfspec export`` command a model card prints (``selfspec/card.py``) is one the exporter runs for that head:
+each is run here, with the head's directory for the repo id and the tiny target's directory for the target, and must
+succeed; a ``--speculative-token-map`` path the card names must be a file of that export. ``gguf`` needs the llama.cpp
+build (tests/export/test_gguf.py runs it); here its dispatch is checked up to ``export_gguf``."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import selfspec.export.cli as export_cli
+from selfspec.card import head_card
+from selfspec.cli import main
+from selfspec.heads import Eagle3Head
+from selfspec.heads.eagle import EagleConfig, EagleHead
+from selfspec.heads.eagle3 import Eagle3Config
+from selfspec.heads.fingerprint import target_fingerprint
+from selfspec.heads.io import read_config
+from tests.archs import tiny_target
+from tests.export.conftest import make_eagle, make_eagle3, make_medusa
+
+EXPORT = re.compile(r"selfspec export (\S+) --format (\S+) --target (\S+) --out (\S+)")
+
+
+def _no_bias(target) -> EagleHead:
+    V = target.config.vocab_size
+    return EagleHead(EagleConfig(32, V, fc_bias=False, target_fingerprint=target_fingerprint(target)), target.config)
+
+
+HEADS = {
+    "medusa": lambda t: make_medusa(t),
+    "medusa-shared-reduced": lambda t: make_medusa(t, own_lm_head=False, draft=40),
+    "eagle": lambda t: make_eagle(t),
+    "eagle-reduced": lambda t: make_eagle(t, draft=40),
+    "eagle-no-bias": _no_bias,
+    "eagle3": lambda t: make_eagle3(t),
+}
+
+
+@pytest.fixture(scope="module")
+def target_dir(target, tmp_path_factory):
+    d = tmp_path_factory.mktemp("target") / "tiny-llama"
+    target.save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("case", sorted(HEADS))
+def test_every_export_command_on_the_card_runs(case, target, target_dir, tmp_path, monkeypatch):
+    gguf_calls = []
+    monkeypatch.setattr(export_cli, "export_gguf", lambda head, out, *, target_dir: gguf_calls.append(head) or out)
+    monkeypatch.chdir(tmp_path)
+    head = HEADS[case](target)
+    heads_dir = head.save_pretrained(tmp_path / "heads")
+    text = head_card(read_config(heads_dir), repo_id="alice/tiny-heads", base_model="org/tiny").text
+    commands = EXPORT.findall(text)
+    assert commands or case == "eagle-no-bias", text
+    for repo, fmt, _, out in commands:
+        assert repo == "alice/tiny-heads"
+        argv = [str(heads_dir), "--format", fmt, "--target", str(target_dir), "--out", out]
+        assert main(["export", *argv]) == 0, (fmt, text)
+    assert bool(gguf_calls) == isinstance(head, Eagle3Head)
+    for path in re.findall(r"--speculative-token-map (\S+)", text):
+        assert (tmp_path / path).is_file()
+    assert ("--speculative-token-map" in text) == (case == "eagle-reduced")
+
+
+def test_a_non_llama_eagle_head_gets_no_export_command(tmp_path):
+    qwen = tiny_target("qwen3")
+    head = Eagle3Head(
+        Eagle3Config(32, 96, 40, 3, target_fingerprint=target_fingerprint(qwen)), qwen.config, target=qwen
+    )
+    text = head_card(read_config(head.save_pretrained(tmp_path / "h")), repo_id="a/b", base_model="org/q").text
+    assert not EXPORT.search(text) and "this head's layer is `qwen3`" in text
