@@ -9,8 +9,8 @@ engine's own layout (``--format speculators`` for vLLM's EAGLE-3 ``vllm serve DI
 SGLang's ``LlamaForCausalLMEagle`` (with ``--speculative-token-map`` for a reduced vocabulary) /
 ``LlamaForCausalLMEagle3`` and vLLM's ``MedusaModel``, ``--format gguf`` for llama.cpp's ``--spec-type
 draft-eagle3``); only commands the exporters run for the heads are printed (``tests/export/test_card_commands.py``
-runs them), and families or heads an engine cannot run are said to be so. With a bench report (:class:`BenchFigures`) it adds the measured tau and speedup, the command and the
-hardware they were measured with.
+runs them), and families or heads an engine cannot run are said to be so. With a bench report
+(:class:`BenchFigures`) it adds the measured tau and speedup, the command and the hardware they were measured with.
 
 Pure text: nothing here reads files or reaches the network.
 """
