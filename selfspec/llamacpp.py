@@ -184,6 +184,8 @@ def ensure_llamacpp(*, jobs: int = 2, log: Path | None = None) -> LlamaCpp:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (final / _STAMP).is_file():  # another process built it while this one waited
             return LlamaCpp(final)
+        for stale in final.parent.glob(final.name + ".tmp*"):  # left by a killed build (the lock is held)
+            shutil.rmtree(stale, ignore_errors=True)
         logger.info("building llama.cpp from %s==%s into %s (once; log: %s)", SDIST, SDIST_VERSION, final, log)
         with tempfile.TemporaryDirectory(prefix=final.name + ".tmp", dir=final.parent) as tmp:
             _build_into(Path(tmp), jobs=jobs, log=log)

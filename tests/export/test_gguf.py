@@ -98,6 +98,34 @@ def test_check_gguf_accepts_the_layout_and_names_each_difference(target, tmp_pat
         check_gguf(write_eagle3_gguf(tmp_path / "fc.gguf", head, drop="fc.weight"), head)
 
 
+def test_llamacpp_build_is_found_only_when_finished(tmp_path, monkeypatch):
+    """The cache entry counts once its stamp is written (a killed build never does); $SELFSPEC_LLAMA_CPP names a
+    build of one's own and is refused, naming the layout, when it lacks the tools or the converter."""
+    from selfspec import llamacpp
+
+    monkeypatch.delenv("SELFSPEC_LLAMA_CPP", raising=False)
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    entry = llamacpp.build_dir()
+    assert entry.parent == tmp_path / "cache" / "llama.cpp" and entry.name.startswith(llamacpp.SDIST_VERSION)
+    (entry / "bin").mkdir(parents=True)
+    assert llamacpp.find_llamacpp() is None
+    (entry / "selfspec-build.json").write_text("{}")
+    assert llamacpp.find_llamacpp() == llamacpp.LlamaCpp(entry)
+    own = tmp_path / "own"
+    (own / "bin").mkdir(parents=True)
+    monkeypatch.setenv("SELFSPEC_LLAMA_CPP", str(own))
+    with pytest.raises(FileNotFoundError, match="src/convert_hf_to_gguf.py"):
+        llamacpp.find_llamacpp()
+    (own / "src").mkdir()
+    (own / "src" / "convert_hf_to_gguf.py").write_text("")
+    assert llamacpp.find_llamacpp() == llamacpp.LlamaCpp(own)
+    with pytest.raises(FileNotFoundError, match="CMake target llama-completion"):
+        llamacpp.LlamaCpp(own).tool("llama-completion")
+    flags = llamacpp.cmake_flags("x86-64-v3")
+    assert "-DBUILD_SHARED_LIBS=OFF" in flags and "-DGGML_NATIVE=OFF" in flags and "-DGGML_AVX2=ON" in flags
+    assert not any("AVX" in f for f in llamacpp.cmake_flags("aarch64-generic"))
+
+
 # ---------------------------------------------------------------- llama.cpp itself (slow)
 
 NEW_TOKENS = 64
