@@ -88,7 +88,12 @@ def export_speculators(
     """
     family = family_name(head)
     if not isinstance(head, Eagle3Head):
-        fix = "--format sglang (LlamaForCausalLMEagle)" if family == "eagle" else "selfspec's own format"
+        fix = {
+            "medusa": "--format sglang (vLLM's MedusaModel)",
+            "eagle": "--format sglang (LlamaForCausalLMEagle)",
+        }.get(family, "selfspec's own format")
+        if family == "eagle" and not head.config.fc_bias:  # sglang refuses it too: no engine layout holds it
+            fix = "selfspec's own format (SGLang's LlamaForCausalLMEagle needs fc.bias: retrain with fc_bias=True)"
         raise ExportError(
             f"the speculators format ({SPECULATORS_VERSION}) holds EAGLE-3 heads, not {family}; export with {fix}"
         )

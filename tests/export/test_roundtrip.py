@@ -22,8 +22,9 @@ from selfspec.export import ExportError
 from selfspec.export.cli import export_heads
 from selfspec.export.importer import import_heads, read_foreign_head
 from selfspec.heads import HeadFormatError
+from selfspec.heads.eagle import EagleConfig, EagleHead
 from tests.archs import tiny_target
-from tests.export.conftest import draft_logits, inputs, make_eagle, make_eagle3
+from tests.export.conftest import draft_logits, inputs, make_eagle, make_eagle3, make_medusa
 
 D, V, S, F, KV = 32, 96, 40, 64, 16  # hidden, vocab, draft vocab, intermediate, kv heads * head_dim
 LAYER = {
@@ -179,3 +180,19 @@ def test_trainer_prefix_and_foreign_directory_refused_at_export(target, tmp_path
     out = export_heads(make_eagle3(target), "sglang", tmp_path / "sg", target_name_or_path="t")
     with pytest.raises(HeadFormatError, match="is the source directory"):
         import_heads(out, "sglang", out, target)
+
+
+def test_refusals_name_a_format_that_takes_the_head(target, tmp_path):
+    """A refusal points at a format that exports the head, never at another refusal."""
+    cases = [(make_eagle(target), "--format sglang"), (make_medusa(target), "--format sglang")]
+    no_bias = EagleHead(EagleConfig(32, V, fc_bias=False), target.config, target=target)
+    cases.append((no_bias, "selfspec's own format"))
+    for head, fix in cases:
+        with pytest.raises(ExportError, match=f"export with {fix}") as refused:
+            export_heads(head, "speculators", tmp_path / "x", target_name_or_path="t")
+        if fix.startswith("--format"):
+            export_heads(head, fix.split()[-1], tmp_path / "ok", target_name_or_path="t")  # the named format takes it
+        else:
+            with pytest.raises(ExportError, match="fc.bias"):
+                export_heads(head, "sglang", tmp_path / "x", target_name_or_path="t")
+        assert "fc_bias=True" in str(refused.value) or fix.startswith("--format")
