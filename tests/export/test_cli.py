@@ -12,7 +12,7 @@ import selfspec.export.cli as export_cli
 from selfspec.cli import main
 from selfspec.export.cli import export_heads
 from selfspec.export.importer import import_heads
-from selfspec.heads import EagleHead, HeadFormatError, MedusaHeads, load_heads
+from selfspec.heads import Eagle3Head, EagleHead, HeadFormatError, MedusaHeads, load_heads
 from tests.archs import tiny_target
 from tests.export.conftest import draft_logits, make_eagle, make_eagle3, make_medusa, medusa_logits
 
@@ -123,3 +123,49 @@ def test_import_heads_refuses_a_truncated_file_and_keeps_the_old_output(target, 
         import_heads(src, "sglang", out, target)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the previous import is untouched
     assert (draft_logits(load_heads(out, target), 96) - draft_logits(head, 96)).abs().max().item() == 0.0
+
+
+@pytest.mark.slow
+def test_commands_on_the_smollm2_alias(smollm2, tmp_path):
+    """The real target by its alias (D 576, V 49152): Medusa heads with a reduced vocabulary and an EAGLE-3 head go
+    out through ``selfspec export`` and back through ``selfspec import`` with identical draft logits."""
+    from selfspec.heads.eagle3 import Eagle3Config
+    from selfspec.heads.fingerprint import target_fingerprint
+    from selfspec.heads.medusa import MedusaConfig
+
+    model, _ = smollm2
+    D, V, L = model.config.hidden_size, model.config.vocab_size, model.config.num_hidden_layers
+    fp, ids = target_fingerprint(model), torch.arange(0, V, 7)
+    g = torch.Generator().manual_seed(0)
+    medusa = MedusaHeads(
+        MedusaConfig(
+            D, V, num_heads=2, draft_vocab_size=ids.numel(), target="smollm2-135m-instruct", target_fingerprint=fp
+        ),
+        target_lm_head=model.get_output_embeddings().weight,
+        draft_ids=ids,
+    )
+    eagle3 = Eagle3Head(
+        Eagle3Config(D, V, ids.numel(), L, target_fingerprint=fp), model.config, draft_ids=ids, target=model
+    )
+    feats = torch.randn(1, 5, D, generator=g)
+    for head in (medusa, eagle3):
+        with torch.no_grad():
+            for p in head.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.01)
+        name = type(head).__name__
+        head.save_pretrained(tmp_path / name)
+        argv = ["--format", "sglang", "--target", "smollm2-135m-instruct"]
+        assert main(["export", str(tmp_path / name), *argv, "--out", str(tmp_path / f"{name}-sg")]) == 0
+        assert main(["import", str(tmp_path / f"{name}-sg"), *argv, "--out", str(tmp_path / f"{name}-back")]) == 0
+        back = load_heads(tmp_path / f"{name}-back", model)
+        with torch.no_grad():
+            if isinstance(head, MedusaHeads):
+                ours, theirs = head(feats), back(feats)
+            else:
+                x, tok, pos = (
+                    torch.randn(1, 5, 3 * D, generator=g),
+                    torch.randint(0, V, (1, 5), generator=g),
+                    torch.arange(5)[None],
+                )
+                ours, theirs = head.draft_logits(head(x, tok, pos)), back.draft_logits(back(x, tok, pos))
+        assert (theirs - ours).abs().max().item() == 0.0, name
