@@ -150,3 +150,12 @@ def test_bad_medusa_exports(target, tmp_path):
     with pytest.raises(ExportError, match="wrapping a selfspec head.*head._orig_mod"):
         export_heads(torch.compile(make_medusa(target)), "sglang", tmp_path / "x", target_name_or_path="t")
     assert not (tmp_path / "x").exists()
+
+
+def test_a_tensor_the_layout_does_not_name_is_an_error_at_export(target, tmp_path):
+    for head, fmt in ((make_medusa(target), "MedusaModel layout has no name"), (make_eagle(target), "has no name")):
+        state = head.state_dict()
+        head.state_dict = lambda state=state: {**state, "extra_norm.weight": torch.ones(D)}
+        with pytest.raises(ExportError, match=rf"{fmt} for tensors \['extra_norm.weight'\]"):
+            export_heads(head, "sglang", tmp_path / "x", target_name_or_path="t")
+    assert not (tmp_path / "x").exists()
