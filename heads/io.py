@@ -40,6 +40,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_bytes
 
+from selfspec.heads.fingerprint import mismatch_hint
+
 logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.json"
@@ -196,6 +198,7 @@ def check_fingerprint(directory: str | Path, stored: str, given: str | None, tra
         raise HeadFormatError(
             f"heads in {directory} were trained on target {trained_on!r} (fingerprint {stored}), "
             f"not on the target given (fingerprint {given}); load them with their own target, or retrain."
+            + mismatch_hint(stored, given)
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -482,12 +483,15 @@ def load(
     tokenizer=None,
     threads: int | None = None,
     tune: str = "auto",
+    adapter: str | Path | Any | None = None,
     **drafter_options: Any,
 ) -> SpeculativeModel:
     """Load a target and a drafter.
 
     Args:
-        target: a target name (see :func:`selfspec.target.resolve_target`) or a loaded model.
+        target: a target name (see :func:`selfspec.target.resolve_target`) or a loaded model; a
+            ``peft.PeftModel`` (``AutoPeftModelForCausalLM``) is decoded as its merged copy
+            (:mod:`selfspec.adapter`: why merged), the PeftModel itself left as it is.
         heads: a head directory, a Hub repo id of heads pushed with ``push_to_hub`` / ``selfspec push``
             (``$HF_TOKEN`` for a private one), or a head module; or pass ``draft_model=`` / ``prompt_lookup=True``.
         dtype: target dtype when loading by name.
@@ -500,6 +504,9 @@ def load(
             cores, and a progress bar; then cached), and the packed kernel may hold a second copy of the
             linear weights (logged with its size). ``"off"``: no measurement, no packing, plain kernels,
             default tree sizes.
+        adapter: a PEFT adapter directory (``PeftModel.save_pretrained``) or a ``PeftModel`` wrapping
+            ``target``: the target decoded is the base with the adapter merged in, and heads must have been
+            trained on that adapted target (the fingerprint names base and adapter).
         drafter_options: ``tree``, ``tree_nodes``, ``draft_model``, ``draft_tokens``, ``draft_shared_vocab``,
             ``prompt_lookup``, and EAGLE options (``depth``, ``top_k``, ``total_tokens``; ``"auto"`` = sized
             to this machine when the head has an acceptance profile, see :func:`make_drafter`).
@@ -509,6 +516,7 @@ def load(
 
     Raises:
         ValueError: ``tune`` not ``"auto"`` / ``"off"``, or see :func:`make_drafter`.
+        selfspec.adapter.AdapterError: (a ``ValueError``) a missing adapter, or one for another base model.
         selfspec.decode.target_check.UnsupportedTargetError: (a ``ValueError``) a target that cannot be
             decoded exactly (an unsupported attention-layer type, or a forward that does not apply the tree
             mask); the message names the model class and the reason
@@ -521,12 +529,24 @@ def load(
     if isinstance(target, (str, Path)):
         from selfspec.target import load_target  # selfspec.target imports transformers' Auto classes
 
-        target, tokenizer = load_target(target, dtype=dtype, device=device)
+        target, tokenizer = load_target(target, dtype=dtype, device=device, adapter=adapter)
+    elif adapter is not None or _is_peft_model(target):
+        from selfspec.adapter import load_adapted, merge_adapter  # imports peft
+
+        if adapter is None:
+            target = merge_adapter(target)
+        else:  # an adapter directory is merged into a copy: the caller's model stays the bare base
+            target = load_adapted(target if _is_peft_model(adapter) else copy.deepcopy(target), adapter)
     check_target(target)  # refuses a target whose decoding would not be exactly its own
     drafter = make_drafter(target, heads, tune=tune, **drafter_options)
     model = SpeculativeModel(target, tokenizer, drafter, make_verifier(target, drafter, tune))
     model.tune = tune
     return model
+
+
+def _is_peft_model(model: Any) -> bool:
+    # by class name, so a plain target never imports peft
+    return any(c.__name__ == "PeftModel" for c in type(model).__mro__)
 
 
 from_pretrained = load

@@ -144,8 +144,11 @@ def load_target(
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
+    adapter: str | os.PathLike | None = None,
 ):
-    """Load a frozen target model and its tokenizer.
+    """Load a frozen target model and its tokenizer; with ``adapter``, the base model with that PEFT adapter
+    merged in (:func:`selfspec.adapter.load_adapted`: the base is loaded in float32, merged, then cast to
+    ``dtype``).
 
     Args:
         name: see :func:`resolve_target`.
@@ -153,12 +156,16 @@ def load_target(
         device: where to put the model.
         attn_implementation: ``"sdpa"`` or ``"eager"``; both accept selfspec's 4-D tree masks. A family
             without SDPA attention (Gemma-2) loads with ``"eager"``.
+        adapter: a directory written by ``PeftModel.save_pretrained`` (LoRA and the other merging methods).
 
     Returns:
-        ``(model, tokenizer)``; the model is in eval mode with ``requires_grad`` off on every parameter.
+        ``(model, tokenizer)``; the model is in eval mode with ``requires_grad`` off on every parameter, and
+        its fingerprint names base and adapter when ``adapter`` is given.
 
     Raises:
         TargetNotFoundError: see :func:`resolve_target`.
+        selfspec.adapter.AdapterError: (a ``ValueError``) a missing adapter directory, or an adapter for
+            another base model; raised before the adapter is applied.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -168,7 +175,14 @@ def load_target(
     if attn_implementation == "sdpa" and not _supports_sdpa(where):
         logger.info("%s: its family has no SDPA attention (e.g. Gemma-2's soft-capped attention); using eager", name)
         attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation=attn_implementation)
+    if adapter is not None:
+        from selfspec.adapter import load_adapted, read_adapter_config  # imports peft
+
+        read_adapter_config(adapter)  # a missing adapter stops before the base model is read
+        base = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, attn_implementation=attn_implementation)
+        model = load_adapted(base, adapter, target_name=str(name), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation=attn_implementation)
     model.to(device).eval()
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(where)

@@ -14,6 +14,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 
+from selfspec.adapter import read_adapter_config
 from selfspec.target import load_target
 from selfspec.train.config import TrainConfig, load_config
 from selfspec.train.data import load_conversations, split_conversations
@@ -43,7 +44,9 @@ def run(cfg: TrainConfig) -> Path:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     t0 = time.perf_counter()
-    target, tokenizer = load_target(cfg.target, dtype=getattr(torch, cfg.dtype), device=accelerator.device)
+    target, tokenizer = load_target(
+        cfg.target, dtype=getattr(torch, cfg.dtype), device=accelerator.device, adapter=cfg.target_adapter
+    )
     convs = load_conversations(cfg.data, max_conversations=cfg.max_conversations)
     train_convs, eval_convs = split_conversations(convs, eval_fraction=cfg.eval_fraction, seed=cfg.seed)
     logger.info("%d conversations: %d train, %d held out", len(convs), len(train_convs), len(eval_convs))
@@ -106,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         cfg = load_config(config_path, overrides)
+        if cfg.target_adapter is not None:  # a missing adapter stops before any compute
+            read_adapter_config(cfg.target_adapter)
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     run(cfg)

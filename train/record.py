@@ -4,8 +4,8 @@ prompts) read the run's own split instead of assuming defaults.
 Layout (version 1)::
 
     {"format": "selfspec-training-record", "version": 1, "head": "eagle" | "medusa", "target": str,
-     "target_fingerprint": str, "data": str, "max_conversations": int | null, "eval_fraction": float,
-     "seed": int, "max_length": int, "heldout_ids": [str, ...], "calibration_ids": [str, ...]}
+     "target_adapter": str | null, "target_fingerprint": str, "data": str, "max_conversations": int | null,
+     "eval_fraction": float, "seed": int, "max_length": int, "heldout_ids": [str, ...], "calibration_ids": [str, ...]}
 
 ``heldout_ids`` are the conversation ids (``conv["id"]`` of :func:`selfspec.train.data.load_conversations`)
 of the held-out split in split order (:func:`selfspec.train.data.split_conversations`); ``calibration_ids``
@@ -37,6 +37,7 @@ def training_record(
         "version": RECORD_VERSION,
         "head": head,
         "target": cfg.target,
+        "target_adapter": cfg.target_adapter,
         "target_fingerprint": target_fingerprint(target),
         "data": cfg.data,
         "max_conversations": cfg.max_conversations,
