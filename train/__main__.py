@@ -37,7 +37,11 @@ def run(cfg: TrainConfig) -> Path:
     """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=cfg.mixed_precision,
+        gradient_accumulation_steps=cfg.grad_accum_steps,
+    )
     set_seed(cfg.seed)
     out_dir = Path(cfg.output_dir)
     if accelerator.is_main_process:

@@ -130,6 +130,10 @@ class TrainConfig:
         draft_vocab_size: size S of the reduced draft vocabulary (the most frequent answer tokens); None or
             at least V: the full vocabulary.
         lr, weight_decay, betas, warmup_steps, grad_clip: AdamW + linear warmup + cosine decay.
+        mixed_precision: ``"no"`` (float32) or ``"bf16"``: the head's forward and loss under bf16 autocast
+            (``accelerate``'s ``mixed_precision``; the weights and the optimiser stay float32).
+        grad_accum_steps: recipe batches whose gradients are summed into one optimiser step (the global batch is
+            processes x grad_accum_steps x the recipe's batch); steps, schedule and cadence count optimiser steps.
         epochs: passes over the cached features; ``max_steps`` caps the total if set.
         max_train_minutes: stop the optimisation loop after this wall time (features excluded); the cosine
             decay then follows the clock when it is further along than the step count.
@@ -165,6 +169,8 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int = 30
     grad_clip: float = 1.0
+    mixed_precision: str = "no"
+    grad_accum_steps: int = 1
     epochs: int = 4
     max_steps: int | None = None
     max_train_minutes: float | None = None
@@ -185,6 +191,10 @@ class TrainConfig:
             raise ValueError(f"head must be 'medusa', 'eagle' or 'eagle3', got {self.head!r}")
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError("dtype must be 'bfloat16' or 'float32'")
+        if self.mixed_precision not in ("no", "bf16"):
+            raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {self.mixed_precision!r}")
+        if self.grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError("eval_fraction must be in (0, 1)")
         if isinstance(self.betas, list):

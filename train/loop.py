@@ -8,6 +8,8 @@ supplies the rest, the same for every head family:
 * batches through a ``torch.utils.data.DataLoader`` whose batch sampler (:class:`EpochBatches`) draws
   each epoch's batches from a seed and the epoch number; ``accelerator.prepare`` shards them across
   processes and places them on the device, and DDP averages the gradients;
+* gradient accumulation over ``grad_accum_steps`` batches per optimiser step and autocast (bf16) through
+  ``accelerate``; every step count is of optimiser steps;
 * checkpoints every ``save_every`` steps (:mod:`selfspec.train.checkpoint`: ``accelerate`` state, atomic
   rename); a killed run resumes at its last checkpoint, on the same batches, and ends with the same head
   as an unbroken run;
@@ -149,7 +151,11 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
     """Train ``recipe``'s head and save it to ``<output_dir>/heads``; returns that directory.
 
     Uses ``cfg.lr``, ``betas``, ``weight_decay``, ``warmup_steps``, ``grad_clip``, ``epochs`` / ``max_steps``
-    / ``max_train_minutes``, ``eval_every`` / ``save_every``, ``output_dir``. ``heldout_ids`` (the held-out
+    / ``max_train_minutes``, ``eval_every`` / ``save_every``, ``output_dir``, ``grad_accum_steps``: each
+    optimiser step sums the gradients of that many of the recipe's batches (``accelerator.accumulate``; the
+    loss of each divided by it), and every count here (steps, schedule, cadence, checkpoints) is of
+    optimiser steps. Each loss runs under ``accelerator.autocast()`` (bf16 with ``mixed_precision: bf16``,
+    set on the ``Accelerator`` by :mod:`selfspec.train.__main__`). ``heldout_ids`` (the held-out
     split's conversation ids, in split order) go to the training record.
 
     Raises:
@@ -158,7 +164,11 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
     out_dir = Path(cfg.output_dir)
     ckpt = out_dir / "checkpoint"
     world = accelerator.num_processes
+    accum = cfg.grad_accum_steps
+    accelerator.gradient_accumulation_steps = accum  # accumulate() syncs, and backward() divides, by it
     identity = {"head": recipe.family, "features": recipe.signature}
+    if accum > 1:  # a step of another accumulation is another step (absent at 1: older checkpoints resume)
+        identity["grad_accum_steps"] = accum
     module = recipe.module()
     params = [p for p in module.parameters() if p.requires_grad]
     # fused AdamW: one kernel instead of ~10 elementwise passes per step (+20 % tokens/s on 2 CPU cores)
@@ -167,10 +177,12 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
     n_batches = len(recipe.batches(0))
     if n_batches == 0:
         raise ValueError("no training batch: check the data source and max_length")
-    sampler = EpochBatches(recipe.batches, max(world, n_batches // world * world))
+    # whole optimiser steps on every process: micro-batches per epoch a multiple of processes x accumulation
+    per_step = world * accum
+    sampler = EpochBatches(recipe.batches, max(per_step, n_batches // per_step * per_step))
     loader = torch.utils.data.DataLoader(_Items(), batch_sampler=sampler, collate_fn=recipe.collate)
     model, prepared_optim, loader = accelerator.prepare(module, optim, loader)
-    steps_per_epoch = len(loader)
+    steps_per_epoch = len(loader) // accum  # optimiser steps
     total = min(steps_per_epoch * cfg.epochs, cfg.max_steps or steps_per_epoch * cfg.epochs)
 
     step = resumable_step(ckpt, identity)
@@ -189,22 +201,29 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
     stop = False
     while step < total and not stop:
         epoch, within = divmod(step, steps_per_epoch)
-        epoch_loader = accelerator.skip_first_batches(loader, within) if within else loader
+        epoch_loader = accelerator.skip_first_batches(loader, within * accum) if within else loader
         epoch_loader.set_epoch(epoch)
         sampler.set_epoch(epoch)
+        micro, losses = 0, []
         for batch in epoch_loader:
-            out = recipe.loss(model, batch, step)
+            with accelerator.accumulate(model), accelerator.autocast():
+                # the micro-batch index: the optimiser step itself without accumulation
+                out = recipe.loss(model, batch, step * accum + micro)
+                accelerator.backward(out.loss)
+            micro, losses = micro + 1, [*losses, out.loss.detach().float()]
+            for key, n in out.counts.items():
+                counts[key] = counts.get(key, 0) + int(n)
+            if not accelerator.sync_gradients:
+                continue
             used_lr = float(sched.get_last_lr()[0])
-            accelerator.backward(out.loss)
             if cfg.grad_clip:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             prepared_optim.step()
             sched.step()
             prepared_optim.zero_grad(set_to_none=True)
             step += 1
-            for key, n in out.counts.items():
-                counts[key] = counts.get(key, 0) + int(n)
-            loss = round(out.loss.item(), 4)
+            loss = round(float(torch.stack(losses).mean()), 4)
+            micro, losses = 0, []
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in out.logs.items() if isinstance(v, float)})
             if (step % cfg.eval_every == 0 or step == total) and accelerator.is_main_process:
