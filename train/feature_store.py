@@ -84,6 +84,19 @@ class FeatureStore:
             *(torch.cat([getattr(s, name) for s in stores]) for name in ("tokens", "features", "loss_mask", "lengths"))
         )
 
+    @classmethod
+    def interleave(cls, shards: list[FeatureStore]) -> FeatureStore:
+        """The sequences of ``shards`` taken round robin (shard 0's first, shard 1's first, ..., shard 0's
+        second, ...): process r of w holds conversations ``r::w``, so this is the conversations' own order,
+        and a run on w processes trains on the same data order as one process."""
+        if len(shards) == 1:
+            return cls.cat(shards)
+        whole = cls.cat(shards)
+        starts = [0, *torch.tensor([len(s) for s in shards]).cumsum(0).tolist()[:-1]]
+        order = [starts[r] + i for i in range(max(len(s) for s in shards)) for r, s in enumerate(shards) if i < len(s)]
+        idx = torch.cat([torch.arange(int(whole.offsets[j]), int(whole.offsets[j] + whole.lengths[j])) for j in order])
+        return cls(whole.tokens[idx], whole.features[idx], whole.loss_mask[idx], whole.lengths[order])
+
     def tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """The four tensors by name (``prefix + "tokens"``, ...), as :func:`save_features` writes them."""
         return {
@@ -173,7 +186,7 @@ def target_features(
     Process r computes (or finds in its cache file) the conversations ``r::w`` of each split, rendered
     with :func:`~selfspec.train.chat_tokens.build_training_examples` at ``cfg.max_length`` (or the target's
     ``max_position_embeddings`` when that is shorter, with a log line); then every process
-    reads all w files and concatenates them in rank order.
+    reads all w files and interleaves them back into the conversations' order (:meth:`FeatureStore.interleave`).
 
     Returns:
         ``(train, held_out, signature)``: the stores and their :func:`feature_signature`.
@@ -215,4 +228,4 @@ def target_features(
         if loaded is None:
             raise ValueError(f"process {r} cached features of other data than process {rank}")
         shards.append(loaded)
-    return FeatureStore.cat([s[0] for s in shards]), FeatureStore.cat([s[1] for s in shards]), signature
+    return FeatureStore.interleave([s[0] for s in shards]), FeatureStore.interleave([s[1] for s in shards]), signature

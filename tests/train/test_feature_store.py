@@ -131,6 +131,7 @@ def test_training_record_layout(tmp_path, tokenizer):
             "version": 1,
             "head": head,
             "target": "tiny",
+            "target_adapter": None,
             "target_fingerprint": target_fingerprint(target),
             "data": "chats.jsonl",
             "max_conversations": None,
