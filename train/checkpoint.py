@@ -12,16 +12,33 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+from safetensors.torch import load_file, save_file
+
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
 logger = logging.getLogger(__name__)
 
+BEST_FILE = "best_head.safetensors"
 
-def save_checkpoint(accelerator: Accelerator, out: Path, step: int, elapsed_s: float, identity: dict[str, Any]) -> None:
+
+def save_checkpoint(
+    accelerator: Accelerator,
+    out: Path,
+    step: int,
+    elapsed_s: float,
+    identity: dict[str, Any],
+    best: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None,
+) -> None:
     """Write ``accelerator.save_state`` to ``<out>.tmp`` with ``trainer_state.json`` (``step``,
-    ``train_elapsed_s``, ``identity``), then rename it to ``out`` (the old one moved aside first and
-    removed after). Every process must call it (``save_state`` synchronises them)."""
+    ``train_elapsed_s``, ``identity``, and ``best``'s info), then rename it to ``out`` (the old one moved aside
+    first and removed after). Every process must call it (``save_state`` synchronises them).
+
+    Args:
+        best: the main process's best head so far, ``(info, state_dict)``: the info goes to
+            ``trainer_state.json["best"]``, the tensors to ``best_head.safetensors`` (:func:`resumed_best`).
+    """
     tmp = out.with_name(out.name + ".tmp")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -30,6 +47,9 @@ def save_checkpoint(accelerator: Accelerator, out: Path, step: int, elapsed_s: f
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         state = {"step": step, "train_elapsed_s": round(elapsed_s, 3), **identity}
+        if best is not None:
+            state["best"] = best[0]
+            save_file({k: v.contiguous() for k, v in best[1].items()}, str(tmp / BEST_FILE))
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         old = out.with_name(out.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -38,6 +58,16 @@ def save_checkpoint(accelerator: Accelerator, out: Path, step: int, elapsed_s: f
         os.replace(tmp, out)
         shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+def resumed_best(checkpoint: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+    """The best head recorded in ``checkpoint`` by :func:`save_checkpoint`: ``(info, state_dict)`` (CPU
+    tensors), or None when it holds none."""
+    state_file, weights = checkpoint / "trainer_state.json", checkpoint / BEST_FILE
+    if not state_file.exists() or not weights.exists():
+        return None
+    info = json.loads(state_file.read_text()).get("best")
+    return (info, load_file(str(weights))) if info else None
 
 
 def resumable_step(checkpoint: Path, identity: dict[str, Any]) -> int:

@@ -138,6 +138,9 @@ class TrainConfig:
         max_train_minutes: stop the optimisation loop after this wall time (features excluded); the cosine
             decay then follows the clock when it is further along than the step count.
         eval_every / save_every: in optimiser steps.
+        select_head: ``"tau"``: the head saved is the evaluated one (every ``eval_every`` steps and the last)
+            of the highest held-out chain tau estimate (:func:`selfspec.train.loop.chain_tau`); ``"last"``: the
+            last one.
         eval_topk: top-k accuracies recorded (per head for Medusa; used to build the static tree).
         output_dir: checkpoints, features and the final ``heads/`` directory go here.
         seed: all randomness.
@@ -176,6 +179,7 @@ class TrainConfig:
     max_train_minutes: float | None = None
     eval_every: int = 100
     save_every: int = 100
+    select_head: str = "tau"
     eval_topk: int = 8
     output_dir: str = "runs/medusa-smollm2"
     seed: int = 0
@@ -193,6 +197,8 @@ class TrainConfig:
             raise ValueError("dtype must be 'bfloat16' or 'float32'")
         if self.mixed_precision not in ("no", "bf16"):
             raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {self.mixed_precision!r}")
+        if self.select_head not in ("tau", "last"):
+            raise ValueError(f"select_head must be 'tau' or 'last', got {self.select_head!r}")
         if self.grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
         if not 0.0 < self.eval_fraction < 1.0:

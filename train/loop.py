@@ -13,7 +13,10 @@ supplies the rest, the same for every head family:
 * checkpoints every ``save_every`` steps (:mod:`selfspec.train.checkpoint`: ``accelerate`` state, atomic
   rename); a killed run resumes at its last checkpoint, on the same batches, and ends with the same head
   as an unbroken run;
-* held-out evaluation every ``eval_every`` steps, the time budget, ``<output_dir>/train_summary.json`` and
+* held-out evaluation every ``eval_every`` steps with per-position acceptance and the chain tau estimate
+  (:func:`chain_tau`); the head saved is the one of the highest estimate (``select_head: tau``), not the
+  lowest loss, since a draft's loss can keep falling while its acceptance falls;
+* the time budget, ``<output_dir>/train_summary.json`` and
   ``<heads>/training_record.json`` (:mod:`selfspec.train.record`);
 * the draft vocabulary's choice from token counts (:func:`draft_vocabulary`).
 """
@@ -32,7 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from selfspec.heads.config import draft_vocab_from_counts
-from selfspec.train.checkpoint import resumable_step, save_checkpoint
+from selfspec.train.checkpoint import resumable_step, resumed_best, save_checkpoint
 from selfspec.train.clock import TrainClock, make_scheduler, resumed_elapsed
 from selfspec.train.config import TrainConfig
 from selfspec.train.record import RECORD_FILE, training_record
@@ -98,6 +101,17 @@ class Recipe(abc.ABC):
     def history(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """The part of :meth:`evaluate`'s metrics that goes into each history record."""
 
+    def acceptance(self, metrics: dict[str, Any]) -> list[float] | None:
+        """Held-out per-position acceptance ``[a_1, ..., a_d]`` of :meth:`evaluate`'s metrics: ``a_i`` the share
+        of drafts at depth i the target accepts given the first i - 1 were accepted, from which
+        :func:`chain_tau` ranks checkpoints. Default: from a ``"chain"`` entry (EAGLE, EAGLE-3: ``chain[i-1]``
+        the share of chains whose first i drafts all match), ``a_i = chain[i-1] / chain[i-2]``; None when the
+        metrics have none (the last head is kept)."""
+        chain = metrics.get("chain")
+        if not chain:
+            return None
+        return [c / p if p > 0 else 0.0 for c, p in zip(chain, [1.0, *chain[:-1]], strict=True)]
+
     @abc.abstractmethod
     def save(self, metrics: dict[str, Any], head_dir: Path) -> dict[str, Any]:
         """Save the trained head to ``head_dir`` (main process only) and return the summary's recipe part;
@@ -127,6 +141,17 @@ class EpochBatches(torch.utils.data.Sampler):
         batches = self.make(self.epoch)
         for i in range(self.num_batches):
             yield batches[i % len(batches)]
+
+
+def chain_tau(acceptance: list[float]) -> float:
+    """The greedy chain tau estimate of per-position acceptance ``[a_1, ..., a_d]``: the expected tokens per
+    verification step of a chain of d drafts, ``1 + sum_i prod_{j <= i} a_j`` (the bonus token included; Leviathan
+    et al. 2023, arXiv:2211.17192, with position-dependent acceptance)."""
+    tau, run = 1.0, 1.0
+    for a in acceptance:
+        run *= float(a)
+        tau += run
+    return tau
 
 
 def draft_vocabulary(counts: torch.Tensor, size: int | None) -> torch.Tensor | None:
@@ -193,6 +218,19 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
         accelerator.load_state(str(ckpt))
         logger.info("resumed from %s at step %d", ckpt, step)
 
+    best = resumed_best(ckpt) if step else None  # (info {"step", "chain_tau", "acceptance"}, head state)
+
+    def consider(at: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """The tau estimate of the head now, kept as the best when it beats the best so far (main process)."""
+        nonlocal best
+        acc = recipe.acceptance(metrics) if cfg.select_head == "tau" else None
+        if acc is None:
+            return {}
+        info = {"step": at, "chain_tau": round(chain_tau(acc), 4), "acceptance": [round(a, 4) for a in acc]}
+        if best is None or info["chain_tau"] > best[0]["chain_tau"]:
+            best = (info, {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()})
+        return {"acceptance": info["acceptance"], "chain_tau_estimate": info["chain_tau"]}
+
     quiet = not accelerator.is_local_main_process
     hist: list[dict[str, Any]] = []
     counts: dict[str, int] = {}
@@ -227,11 +265,12 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in out.logs.items() if isinstance(v, float)})
             if (step % cfg.eval_every == 0 or step == total) and accelerator.is_main_process:
-                metrics = recipe.history(recipe.evaluate())
+                raw = recipe.evaluate()
+                metrics = {**recipe.history(raw), **consider(step, raw)}
                 hist.append({"step": step, "loss": loss, **out.logs, **metrics, "lr": used_lr})
                 logger.info("step %d %s", step, json.dumps({k: v for k, v in hist[-1].items() if k != "step"}))
             if step % cfg.save_every == 0 and step < total:
-                save_checkpoint(accelerator, ckpt, step, clock.elapsed(), identity)
+                save_checkpoint(accelerator, ckpt, step, clock.elapsed(), identity, best)
             if clock.out_of_time(cfg):
                 logger.info("max_train_minutes reached at step %d", step)
                 stop = True
@@ -242,6 +281,13 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
     final_dir = out_dir / "heads"
     if accelerator.is_main_process:
         metrics = recipe.evaluate()
+        if not hist or hist[-1]["step"] != step:
+            consider(step, metrics)
+        if best is not None and best[0]["step"] != step:
+            info = best[0]
+            logger.info("saving the head of step %d (chain tau estimate %.3f)", info["step"], info["chain_tau"])
+            module.load_state_dict(best[1])
+            metrics = recipe.evaluate()
         extras = recipe.save(metrics, final_dir)
         calibration_ids = extras.pop("calibration_ids", [])
         rates = {f"{k}_per_s": round(n * world / max(elapsed, 1e-9), 1) for k, n in counts.items()}
@@ -249,6 +295,7 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
             "head": recipe.family,
             "step": step,
             "train_s": round(elapsed, 1),
+            **({"selected": {"by": "chain_tau_estimate", **best[0]}} if best is not None else {}),
             **rates,
             **extras,
             "history": hist,

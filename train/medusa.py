@@ -166,6 +166,10 @@ class MedusaRecipe(Recipe):
     def history(self, metrics: dict[str, Any]) -> dict[str, Any]:
         return {"top1": [a[0] for a in metrics["topk"]]}
 
+    def acceptance(self, metrics: dict[str, Any]) -> list[float] | None:
+        # head k's held-out top-1 stands for the acceptance at depth k + 1 (teacher-forced: an estimate)
+        return [a[0] for a in metrics["topk"]]
+
     def save(self, metrics: dict[str, Any], head_dir: Path) -> dict[str, Any]:
         self.heads.config = dataclasses.replace(self.heads.config, head_topk_accuracy=metrics["topk"])
         self.heads.save_pretrained(head_dir)
