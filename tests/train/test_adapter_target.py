@@ -182,3 +182,27 @@ def test_missing_or_foreign_adapter_stops_before_compute(setup, tmp_path):
     (renamed / "adapter_config.json").write_text(json.dumps(cfg))
     with pytest.raises(AdapterError, match="made for base model 'org/some-other-model'"):
         selfspec.load(base_dir, adapter=renamed, prompt_lookup=True)
+
+
+def test_killed_adapter_run_resumes_to_the_same_heads(setup, adapted_heads, tmp_path, monkeypatch):
+    import selfspec.train.loop as loop
+    from selfspec.heads import load_heads
+    from selfspec.target import load_target
+
+    real_save = loop.save_checkpoint
+
+    def save_then_die(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise KeyboardInterrupt("simulated kill")
+
+    monkeypatch.setattr(loop, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train(setup, tmp_path / "killed", adapter=True)
+    assert json.loads((tmp_path / "killed" / "checkpoint" / "trainer_state.json").read_text())["step"] == 4
+    monkeypatch.setattr(loop, "save_checkpoint", real_save)
+    resumed = train(setup, tmp_path / "killed", adapter=True)
+    merged, _ = load_target(setup[1], adapter=setup[2])
+    a, b = load_heads(adapted_heads, target=merged), load_heads(resumed, target=merged)
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert ka == kb
+        torch.testing.assert_close(va, vb, rtol=0, atol=1e-6)
