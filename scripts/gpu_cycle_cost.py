@@ -20,10 +20,11 @@ tokens everywhere else, so a is the acceptance rate per depth. Each configuratio
 loop, ``selfspec.decode.generate.speculative_generate``, unchanged:
 
 * cycle ms: ``(total_s - prefill_s) / steps`` of a run of about ``--cycles`` steps (the loop reads the new
-  tokens on the host every step, so its clock is synchronised), median over ``--rounds`` rounds; one
-  plain step: the median ms per token of a greedy loop of one-token forwards (``Verifier.forward_tree``
-  + ``lm_logits`` + argmax, the token fed back on the device, no host read until the end), measured in
-  the same rounds. Rounds interleave the plain loop and every configuration (alternating order).
+  tokens on the host every step, so its clock is synchronised), median over ``--rounds`` rounds. One
+  plain step: ms per token of a greedy loop of ``--cycles`` one-token forwards (``Verifier.forward_tree``
+  + ``lm_logits`` + argmax, the token fed back on the device, no host read until the end), run right
+  before each configuration's run in every round; a cycle in plain steps is the median over rounds of
+  the cycle over the plain step just before it. Configurations alternate their order round by round.
 * the split: one more run with the loop's parts wrapped (``drafter.propose``, ``tree_depths`` /
   ``cut_tree``, ``Verifier.forward_tree``, ``lm_logits`` + ``_finite``, ``target_distributions``,
   ``_verify``, ``kv.compact_cache``), the device synchronised around each; ``other`` is the rest of the
@@ -38,11 +39,22 @@ loop, ``selfspec.decode.generate.speculative_generate``, unchanged:
   ``model.generate``), recorded per configuration; in bf16 a tree forward may round differently from a
   one-token forward, so it is reported there, not asserted.
 
-Usage (one command on a GPU machine: ~4 min on an H200 for all sizes; the working tree is all it needs)::
+Usage. On a GPU machine that has only the working tree and an older transformers (an image with 5.17: its
+``get_layer_types_and_kwargs`` returns no per-layer kwargs, which ``decode/masks.py`` reads), carry the
+transformers release the project tests against as a wheel; prepare it once in the checkout::
 
-    set -o pipefail; PYTHONUNBUFFERED=1 timeout 540 python3 scripts/gpu_cycle_cost.py --device cuda \\
-        --out $OUT/cycle.json 2>&1 | tee $OUT/cycle.log
+    echo /.whl/ >> .git/info/exclude
+    pip download --no-deps --only-binary=:all: transformers==5.24.0 -d .whl
 
+then run one command there (carrying ``.whl``; about 4 minutes on an H200 for the three sizes)::
+
+    set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+        .whl/transformers-5.24.0-py3-none-any.whl && export PYTHONPATH=/tmp/site && PYTHONUNBUFFERED=1 \
+        timeout 540 python3 scripts/gpu_cycle_cost.py --device cuda --out $OUT/cycle.json 2>&1 | tee $OUT/cycle.log
+
+Where transformers >= 5.24 is installed, the script alone::
+
+    python scripts/gpu_cycle_cost.py --device cuda --out $OUT/cycle.json
     python scripts/gpu_cycle_cost.py --dry-run --out runs/cycle_dry.json   # CPU, tiny target, seconds
 """
 
@@ -145,6 +157,7 @@ SIZES: dict[str, dict[str, Any]] = {  # the shapes of scripts/gpu_cost_curves.py
 # from them matters (Medusa's greedy construction, as EAGLE-2's global reranking keeps the N best paths).
 TREE_ACCURACY = [[0.5, 0.7, 0.8, 0.86, 0.9, 0.92, 0.94, 0.95]] * 6
 GOAL_CYCLE_STEPS = 1.3
+MIN_TRANSFORMERS = (5, 24)  # pyproject's bound: the release the decode loop is tested against
 PARTS = ("draft", "tree_prep", "forward", "logits", "process", "accept", "compact", "other")
 _MOVES = ("to(device)", "tensor(device=)")
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero")
@@ -567,19 +580,20 @@ def measure_size(size: str, args: argparse.Namespace, dtype: torch.dtype) -> dic
         c["parts_ms"] = per_step
         c["instrumented_cycle_ms"] = instrumented_ms
 
-    # Timed rounds: the plain loop, then every configuration; the order alternates round by round.
+    # Timed rounds: each configuration right after a plain run (a load change on a busy machine shifts both
+    # alike); the order of the configurations alternates round by round.
     plain_ms: list[float] = []
     for r in range(args.rounds):
-        ms, _ = plain_decode(verifier, prompt, args.cycles)
-        plain_ms.append(ms)
         for c in configs if r % 2 == 0 else reversed(configs):
+            plain_ms.append(plain_decode(verifier, prompt, args.cycles)[0])
             ms, _ = run_loop(verifier, c["drafter"], prompt, c["new_tokens"])
             c.setdefault("cycle_ms_rounds", []).append(ms)
+            c.setdefault("cycle_rel_rounds", []).append(ms / plain_ms[-1])
     plain = statistics.median(plain_ms)
     rows = []
     for c in configs:
         cycle = statistics.median(c["cycle_ms_rounds"])
-        rel = cycle / plain
+        rel = statistics.median(c["cycle_rel_rounds"])
         rows.append(
             {
                 "shape": c["shape"],
@@ -594,6 +608,7 @@ def measure_size(size: str, args: argparse.Namespace, dtype: torch.dtype) -> dic
                 "cycle_ms": cycle,
                 "cycle_ms_rounds": c["cycle_ms_rounds"],
                 "cycle_rel": rel,
+                "cycle_rel_rounds": c["cycle_rel_rounds"],
                 "speedup": c["measured_tau"] / rel,
                 "meets_goal": rel <= args.goal,
                 "parts_ms": c["parts_ms"],
@@ -688,7 +703,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sync-count", choices=("auto", "debug", "patch"), default="auto", help="auto: debug on CUDA")
     p.add_argument("--goal", type=float, default=GOAL_CYCLE_STEPS, help="cycle cost goal in plain steps")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--max-minutes", type=float, default=8.0, help="skip the sizes not started by then")
+    p.add_argument("--max-minutes", type=float, default=6.0, help="skip the sizes not started by then")
     p.add_argument("--dry-run", action="store_true", help="CPU, fp32, the tiny target, few rounds: seconds")
     p.add_argument("--strict", action="store_true", help="raise instead of recording a size's error")
     p.add_argument("--out", default="runs/gpu_cycle_cost.json")
@@ -700,6 +715,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.sync_count == "auto":
         args.sync_count = "debug" if args.device.startswith("cuda") else "patch"
+    import transformers  # heavy import; its version decides whether the decode loop runs at all
+    from packaging.version import Version
+
+    if Version(transformers.__version__).release < MIN_TRANSFORMERS:
+        p.error(
+            f"transformers {transformers.__version__} is older than {'.'.join(map(str, MIN_TRANSFORMERS))}, which "
+            "selfspec.decode needs; install that release, or carry its wheel (see this script's docstring)"
+        )
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("CUDA is not available: pass --device cpu, or --dry-run for the tiny CPU run")
     if args.sync_count == "debug" and not args.device.startswith("cuda"):
