@@ -260,8 +260,9 @@ class Verifier:
 
         Row b's block is its tree of ``len(parents[b])`` nodes padded to Q; its cache slots hold positions
         ``key_positions[b]`` (``-1``: empty). The masks are :func:`~selfspec.decode.masks.block_attention_masks`
-        (per attention-layer type, sliding windows by position). Runs the target's own backbone (the kernel
-        plan is for batch-1 trees).
+        (per attention-layer type, sliding windows by position). The linears run the planned kernel of
+        ``B * Q`` rows (:meth:`kernel_for`: the plan is by the rows a linear multiplies, which a batch-1 tree
+        of that many nodes has too).
 
         Args:
             tokens: LongTensor ``[B, Q]`` (padding: any valid id).
@@ -283,7 +284,9 @@ class Verifier:
         kwargs = dict(input_ids=tokens, attention_mask=mask, position_ids=positions.to(device))
         if layers:
             kwargs["output_hidden_states"] = True
-        out = call_with_cache(backbone(self.target), cache, **kwargs)
+        kernel = self.kernel_for(tokens.numel())
+        model = backbone(self.target) if kernel == "linear" else self._twins[kernel]
+        out = call_with_cache(model, cache, **kwargs)
         hidden = out.last_hidden_state
         if not layers:
             return hidden

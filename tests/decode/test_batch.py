@@ -312,3 +312,23 @@ def test_sampling_keeps_each_rows_distribution(arch):
         chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))
         assert len(obs) >= 3 and chi2 < chi2_critical(len(obs) - 1), (b, chi2, len(obs))
     assert 0 < accepted < 2 * N_SAMPLES
+
+
+@pytest.mark.parametrize("kernel", ["weight_first", "packed"])
+def test_rows_stay_exact_with_the_verifiers_kernel_plan(kernel):
+    """The block forward runs the planned kernel of its B * Q rows (a twin of the backbone): rows still equal
+    their batch-1 output, and that equals plain generate."""
+    t = target("llama")
+    v = Verifier(t)
+    if kernel == "packed" and not v.packed_available():
+        pytest.skip("no oneDNN in this torch")
+    v.set_plan({n: kernel for n in range(1, 65)})
+    assert v.kernel_for(12) == kernel
+    alone = [speculative_generate(v, eagle(t), p, max_new_tokens=NEW_TOKENS).tokens for p in PROMPTS]
+    plain = [
+        t.generate(p[None], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, top_k=None)[0, p.numel() :]
+        for p in PROMPTS
+    ]
+    assert alone == [x.tolist() for x in plain]
+    rows = speculative_generate_batch(v, eagle(t), PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert [r.tokens for r in rows] == alone
