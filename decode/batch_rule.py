@@ -160,6 +160,7 @@ def measure_batch_cost_profile(
     node_counts: Sequence[int] = BATCH_NODE_COUNTS,
     context_length: int = 128,
     repeats: int = 3,
+    verifier: Verifier | None = None,
 ) -> BatchCostProfile:
     """Measure :class:`BatchCostProfile` for ``target`` where it is (device, dtype, threads).
 
@@ -167,7 +168,8 @@ def measure_batch_cost_profile(
     (a bushy tree, node i's parent ``(i - 1) // 2``) is timed as one :meth:`Verifier.forward_block` plus
     :meth:`Verifier.lm_logits` over the B * N hidden states, the cache cropped back after every call;
     sizes interleaved, one untimed call each, the median of ``repeats``. About 30 s for SmolLM2-135M on
-    a 2-core CPU with the defaults. The target is not modified.
+    a 2-core CPU with the defaults. ``verifier``: the one that will decode (its kernel plan is timed with
+    it); None = a plain one. The target is not modified.
 
     Raises:
         ValueError: empty or non-positive sizes, ``context_length < 1``.
@@ -180,7 +182,7 @@ def measure_batch_cost_profile(
     device = next(target.parameters()).device
     gen = torch.Generator().manual_seed(0)
     vocab = target.config.vocab_size
-    verifier = Verifier(target)
+    verifier = verifier or Verifier(target)
     rows: list[list[float]] = []
     for b in bs:
         cache, table = verifier.new_cache(), SlotTable(b)
@@ -214,9 +216,12 @@ def batch_cost_path(target: PreTrainedModel) -> Path:
     return profiles_dir() / f"batch-verify-{profile_stem(cost_key(target), next(target.parameters()).device)}.json"
 
 
-def get_batch_cost_profile(target: PreTrainedModel, refresh: bool = False) -> BatchCostProfile:
+def get_batch_cost_profile(
+    target: PreTrainedModel, refresh: bool = False, verifier: Verifier | None = None
+) -> BatchCostProfile:
     """The cached :class:`BatchCostProfile` of ``target`` here, measured (and cached) when missing, stale
-    (another key) or unreadable (with a warning)."""
+    (another key) or unreadable (with a warning). ``verifier``: the one that decodes, timed with its kernel
+    plan (the plan follows from the target's cached batch-1 cost profile, so one file serves it)."""
     path = batch_cost_path(target)
     if not refresh and path.exists():
         try:
@@ -227,7 +232,7 @@ def get_batch_cost_profile(target: PreTrainedModel, refresh: bool = False) -> Ba
             if dict(cached.key) == cost_key(target):
                 return cached
     logger.warning("measuring this target's verification cost by batch size once (about 30 s; cached afterwards)")
-    profile = measure_batch_cost_profile(target)
+    profile = measure_batch_cost_profile(target, verifier=verifier)
     try:
         write_json(path, profile.to_dict())
     except OSError as err:

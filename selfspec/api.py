@@ -187,7 +187,7 @@ class SpeculativeModel:
         An EAGLE head with an acceptance profile gets the EAGLE-2 budget per batch size; any other drafter a
         depth cap from the acceptance measured during the call. Built on first use; a new one per call
         of the online kind (it learns within a call)."""
-        cost = get_batch_cost_profile(self.target)
+        cost = get_batch_cost_profile(self.target, verifier=self.verifier)
         drafter = self.drafter
         profile = getattr(drafter, "acceptance_profile", None)
         if isinstance(drafter, EagleDrafter) and profile is not None:

@@ -248,7 +248,7 @@ def test_batch_cost_profile_is_measured_cached_and_refused_when_corrupt(tmp_path
     with pytest.raises(ValueError, match="one finite positive ms"):
         BatchCostProfile(p.key, 16, (1, 4), (1, 4), ((1.0, float("nan")), (1.0, 2.0)))
     assert 0 < p.step_ms(2, 2) and p.per_row_profile(4).verify_ms[0] == pytest.approx(p.verify_ms[1][0] / 4)
-    monkeypatch.setattr("selfspec.decode.batch_rule.measure_batch_cost_profile", lambda target: p)
+    monkeypatch.setattr("selfspec.decode.batch_rule.measure_batch_cost_profile", lambda target, verifier=None: p)
     first = get_batch_cost_profile(t)
     path = next(tmp_path.rglob("batch-verify-*.json"))
     path.write_text("{broken")
