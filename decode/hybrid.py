@@ -117,12 +117,13 @@ class SourceAcceptance:
         return (got + 0.5) / (self.head_drafted + 1.0)
 
     def chain_rate(self, ngram: int, depth: int) -> float:
-        """P(a chain from a match of ``ngram`` tokens is accepted to ``depth``), prior 0.5."""
+        """P(a chain from a match of ``ngram`` tokens is accepted to ``depth``), prior 0.25 (one pseudo-step:
+        prompt lookup's first-depth acceptance on the development machine's prompt sets was 0.35, deeper less)."""
         drafted = self.chain_drafted.get(ngram, [])
         reached = self.chain_reached.get(ngram, [])
         n = drafted[depth - 1] if depth <= len(drafted) else 0
         r = reached[depth - 1] if depth <= len(reached) else 0
-        return (r + 0.5) / (n + 1.0)
+        return (r + 0.25) / (n + 1.0)
 
     def record_head(self, reached: int) -> None:
         self.head_drafted += 1
@@ -192,7 +193,7 @@ class HybridDrafter:
         self._head_ms = 0.0
         self._head_calls = 0
         self._last: tuple[DraftTree, int, list[int], int] | None = None  # tree, head nodes, chain path, n-gram
-        self._full_total = getattr(head, "total_tokens", None)
+        self._head_shape: tuple[int, int] | None = None  # (nodes, depth) of the head's last tree
 
     @property
     def target_layers(self) -> tuple[int, ...] | None:
@@ -214,6 +215,7 @@ class HybridDrafter:
         self.acceptance = SourceAcceptance()
         self.split = []
         self._last = None
+        self._head_shape = None
 
     def _expected(self, head_on: bool, chain_len: int, ngram: int, depth: int) -> float:
         tokens = 1.0
@@ -223,12 +225,14 @@ class HybridDrafter:
             tokens += h + c - h * c
         return tokens
 
-    def _choose(self, head_nodes: int, head_depth: int, chain: list[int], ngram: int, added: list[int]):
+    def _choose(
+        self, head_nodes: int, head_depth: int, chain: list[int], ngram: int, added: list[int], heads=(True, False)
+    ):
         """The (head on?, chain length) with the most expected tokens per ms."""
         head_ms = self._head_ms if self._head_calls else 0.0
         best = (True, 0)
         best_rate = -1.0
-        for head_on in (True, False):
+        for head_on in heads:
             for length in range(len(chain) + 1):
                 if not head_on and length == 0:
                     continue
@@ -251,22 +255,33 @@ class HybridDrafter:
         """The merged tree for this step (root ``context[-1]``); ``max_depth`` caps the n-gram chain."""
         limit = self.lookup.num_tokens if max_depth is None else max(0, min(self.lookup.num_tokens, max_depth))
         chain, ngram = lookup_chain(context.tolist(), self.lookup, limit) if limit else ([], 0)
-        t0 = time.perf_counter()
-        tree = self.head.propose(context, sampling, generator)
-        self._head_calls += 1
-        self._head_ms += ((time.perf_counter() - t0) * 1e3 - self._head_ms) / self._head_calls
-        if tree.q is not None:
-            raise ValueError(f"the {self.head.name} drafter sampled its tree (q given); a hybrid needs top-k drafts")
-        n_head = tree.tokens.numel()
+        head_on = True
+        if chain and self._head_shape is not None:
+            # Whether to draft with the head at all, from its last tree's size (the chain counted as all new):
+            # a step the chain alone serves better skips the head's drafting cost too.
+            n_last, depth_last = self._head_shape
+            head_on, _ = self._choose(n_last, depth_last, chain, ngram, list(range(len(chain) + 1)))
         path: list[int] = []
-        if chain:
-            head_depth = _depth_of(tree)
-            head_on, length = self._choose(n_head, head_depth, chain, ngram, new_nodes(tree, chain))
-            if not head_on:
-                tree = DraftTree(tokens=context[-1:], parents=torch.tensor([-1], device=tree.parents.device))
-                n_head = 1
-            if length:
-                tree, path = merge_chain(tree, chain[:length])
+        if head_on:
+            t0 = time.perf_counter()
+            tree = self.head.propose(context, sampling, generator)
+            self._head_calls += 1
+            self._head_ms += ((time.perf_counter() - t0) * 1e3 - self._head_ms) / self._head_calls
+            if tree.q is not None:
+                raise ValueError(
+                    f"the {self.head.name} drafter sampled its tree (q given); a hybrid needs top-k drafts"
+                )
+            n_head = tree.tokens.numel()
+            self._head_shape = (n_head, _depth_of(tree))
+            if chain:
+                _, length = self._choose(n_head, self._head_shape[1], chain, ngram, new_nodes(tree, chain), (True,))
+                if length:
+                    tree, path = merge_chain(tree, chain[:length])
+        else:
+            n_head = 1
+            tree = DraftTree(tokens=context[-1:], parents=torch.tensor([-1], device=context.device))
+            _, length = self._choose(1, 0, chain, ngram, list(range(len(chain) + 1)), (False,))
+            tree, path = merge_chain(tree, chain[: max(1, length)])
         self.split.append((n_head, tree.tokens.numel() - n_head))
         self._last = (tree, n_head, path, ngram)
         return tree

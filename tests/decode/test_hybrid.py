@@ -168,8 +168,11 @@ def test_split_follows_measured_acceptance_and_cost():
         h.acceptance.record_head(0)
         h.acceptance.record_chain(3, 8, 8)
     ctx = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])  # "5 6 7" matches: chain [8, 9, 5, 6, 7]
+    h.propose(ctx, None, None)  # the first step drafts with the head: its tree's size is not known before
+    calls = h._head_calls
     tree = h.propose(ctx, None, None)
     assert h.split[-1] == (1, 5) and tree.tokens.tolist() == [7, 8, 9, 5, 6, 7]
+    assert h._head_calls == calls  # the head was not asked to draft at all
     h2 = HybridDrafter(Rigged(), cost(0.05))
     h2.begin(torch.tensor([5]), torch.zeros(1, 4))
     for _ in range(30):
