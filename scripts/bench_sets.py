@@ -1,0 +1,41 @@
+"""Per prompt set: the median speedup and mean tau of every method of one ``selfspec bench`` report.
+
+A bench over several prompt sets in one run takes one JSONL whose categories name the set first
+(``mt_bench/writing``, ``humaneval``, ``gsm8k``); this groups the report's samples by that first part and
+prints a Markdown table: per set, each method's median over prompts of (its tokens/s / the reference's on
+the same prompt) and its mean tau, then the mean of the set medians.
+
+    python scripts/bench_sets.py runs/combo/out/report.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+
+def set_table(report: dict, reference: str = "baseline") -> str:
+    """The Markdown table for a report dict (``report.json``)."""
+    groups: dict[str, list[dict]] = {}
+    for sample in report["samples"]:
+        groups.setdefault(sample["category"].split("/")[0], []).append(sample)
+    methods = [m for m in report["samples"][0]["results"] if m != reference]
+    lines = ["| set | n | " + " | ".join(methods) + " |", "|---|---:|" + "---:|" * len(methods)]
+    medians: dict[str, list[float]] = {m: [] for m in methods}
+    for name, samples in groups.items():
+        cells = []
+        for m in methods:
+            ratios = [s["results"][m]["tokens_per_s"] / s["results"][reference]["tokens_per_s"] for s in samples]
+            taus = [s["results"][m]["tau"] for s in samples if s["results"][m].get("tau")]
+            medians[m].append(statistics.median(ratios))
+            tau = f" (tau {statistics.mean(taus):.2f})" if taus else ""
+            cells.append(f"{medians[m][-1]:.3f}x{tau}")
+        lines.append(f"| {name} | {len(samples)} | " + " | ".join(cells) + " |")
+    lines.append("| mean of sets | | " + " | ".join(f"{statistics.mean(v):.3f}x" for v in medians.values()) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        print(set_table(json.load(f)))
