@@ -34,6 +34,7 @@ import torch
 
 from selfspec.decode.drafters import DraftTree, PromptLookupDrafter
 from selfspec.decode.sampling import SamplingConfig
+from selfspec.decode.tree import tree_depths
 
 if TYPE_CHECKING:
     from selfspec.decode.costs import CostProfile
@@ -82,11 +83,10 @@ def merge_chain(tree: DraftTree, chain: list[int]) -> tuple[DraftTree, list[int]
 def new_nodes(tree: DraftTree, chain: list[int]) -> list[int]:
     """How many nodes :func:`merge_chain` adds for each prefix of ``chain``: ``[len(chain) + 1]``, entry L
     for the first L tokens (entry 0 is 0)."""
-    children = {(p, t) for p, t in zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True)}
     index = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True))}
     counts, node, added, fresh = [0], 0, 0, False
     for tok in chain:
-        if not fresh and (node, tok) in children:
+        if not fresh and (node, tok) in index:
             node = index[(node, tok)]
         else:
             fresh = True
@@ -272,7 +272,7 @@ class HybridDrafter:
                     f"the {self.head.name} drafter sampled its tree (q given); a hybrid needs top-k drafts"
                 )
             n_head = tree.tokens.numel()
-            self._head_shape = (n_head, _depth_of(tree))
+            self._head_shape = (n_head, int(tree_depths(tree.parents.cpu()).max()))
             if chain:
                 _, length = self._choose(n_head, self._head_shape[1], chain, ngram, new_nodes(tree, chain), (True,))
                 if length:
@@ -303,14 +303,6 @@ class HybridDrafter:
                     break
                 reached += 1
             self.acceptance.record_chain(ngram, len(path), reached)
-
-
-def _depth_of(tree: DraftTree) -> int:
-    parents = tree.parents.tolist()
-    depth = [0] * len(parents)
-    for i in range(1, len(parents)):
-        depth[i] = depth[parents[i]] + 1
-    return max(depth)
 
 
 def _walk(tree: DraftTree, tokens: list[int]) -> list[int]:

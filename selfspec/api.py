@@ -149,26 +149,7 @@ class SpeculativeModel:
         )
         if generator is None and seed is not None:
             generator = torch.Generator(device=next(self.target.parameters()).device).manual_seed(seed)
-        if batch is not None:
-            return speculative_generate_batch(
-                self.verifier,
-                self.drafter,
-                [self.encode(p) for p in batch],
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=min_new_tokens,
-                sampling=sampling,
-                eos_token_id=self.default_eos() if eos_token_id is None else eos_token_id,
-                stop_strings=stop_strings,
-                tokenizer=self.tokenizer,
-                logits_processor=logits_processor,
-                generator=generator,
-                acceptance=acceptance,
-                tree_rule=self.batch_tree_rule() if batch_tree == "auto" and self.tune == "auto" else None,
-            )
-        return speculative_generate(
-            self.verifier,
-            self.drafter,
-            self.encode(prompt),
+        common = dict(
             max_new_tokens=max_new_tokens,
             min_new_tokens=min_new_tokens,
             sampling=sampling,
@@ -178,8 +159,13 @@ class SpeculativeModel:
             logits_processor=logits_processor,
             generator=generator,
             acceptance=acceptance,
-            streamer=streamer,
         )
+        if batch is not None:
+            rule = self.batch_tree_rule() if batch_tree == "auto" and self.tune == "auto" else None
+            return speculative_generate_batch(
+                self.verifier, self.drafter, [self.encode(p) for p in batch], tree_rule=rule, **common
+            )
+        return speculative_generate(self.verifier, self.drafter, self.encode(prompt), streamer=streamer, **common)
 
     def batch_tree_rule(self) -> BatchTreeRule:
         """The rule that sizes each row's tree by batch size (:class:`~selfspec.decode.batch_rule.BatchTreeRule`),
