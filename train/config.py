@@ -66,6 +66,9 @@ class Eagle3Options:
             from the target's).
         batch_tokens: head positions per optimiser step, packed in rows of ``max_length``.
         score_prompt: also score positions whose drafted token is a prompt token.
+        features: where the target's layer states come from: ``"store"`` (computed once, cached on disk and
+            held in memory), ``"online"`` (computed with the target as each batch is built, never stored), or
+            ``"auto"``: the cheaper for the run (:func:`selfspec.train.online_features.feature_source`).
     """
 
     target_layers: tuple[int, ...] | None = None
@@ -76,8 +79,11 @@ class Eagle3Options:
     init_lm_head: bool = True
     batch_tokens: int = 2048
     score_prompt: bool = False
+    features: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.features not in ("auto", "store", "online"):
+            raise ValueError(f"eagle3.features must be 'auto', 'store' or 'online', got {self.features!r}")
         if self.ttt_steps < 1:
             raise ValueError(f"eagle3.ttt_steps must be >= 1, got {self.ttt_steps}")
         if self.loss not in ("kl", "ce"):

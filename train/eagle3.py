@@ -34,8 +34,9 @@ from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.train.calibrate import calibrate_head
 from selfspec.train.config import Eagle3Options, TrainConfig
 from selfspec.train.eagle_data import PairStore, collate, epoch_rows, pack_rows
-from selfspec.train.feature_store import FeatureStore, target_features
+from selfspec.train.feature_store import FeatureStore
 from selfspec.train.loop import Recipe, StepLoss, draft_vocabulary, train_loop
+from selfspec.train.online_features import OnlineFeatures, eagle3_feature_stores
 from selfspec.train.unroll import chain_hits, unrolled_mask
 
 if TYPE_CHECKING:
@@ -200,7 +201,10 @@ class Eagle3Recipe(Recipe):
         self.cfg, self.target, self.tokenizer, self.signature = cfg, target, tokenizer, signature
         self.eval_convs = eval_convs
         opts = cfg.eagle3
-        self.train, self.held = (PairStore(s.tokens, s.features, s.loss_mask, s.lengths) for s in (train, held))
+        self.train, self.held = (
+            s if isinstance(s, PairStore) else PairStore(s.tokens, s.features, s.loss_mask, s.lengths)
+            for s in (train, held)
+        )
         if self.train.scored_positions() == 0:
             raise ValueError("no training positions: check the data source and max_length")
         V, D = target.config.vocab_size, target.config.hidden_size
@@ -227,6 +231,7 @@ class Eagle3Recipe(Recipe):
         self.rows_per_step = max(1, opts.batch_tokens // cfg.max_length)
         self.lm_full = target.get_output_embeddings().weight.detach()
         self._lm_rows: torch.Tensor | None = None  # [S, D] float32 on the training device
+        self.feature_source = "online" if isinstance(self.train, OnlineFeatures) else "store"
 
     def module(self) -> torch.nn.Module:
         return UnrolledEagle3(self.head)
@@ -269,7 +274,10 @@ class Eagle3Recipe(Recipe):
             "target_layers": list(self.head.target_layers),
             "heldout": metrics,
             "options": dataclasses.asdict(self.cfg.eagle3),
+            "feature_source": self.feature_source,
         }
+        if isinstance(self.train, OnlineFeatures):
+            out["online_feature_tokens"] = self.train.computed_tokens + self.held.computed_tokens
         if self.cfg.calibrate_prompts > 0 and self.tokenizer is not None:
             out["acceptance_profile"] = calibrate_head(
                 self.cfg, self.head, self.target, self.tokenizer, self.eval_convs, head_dir
@@ -294,15 +302,19 @@ def train_eagle3(
 ) -> Path:
     """Train an EAGLE-3 head on the frozen ``target``; returns the saved head directory (``<output_dir>/heads``).
 
-    The feature store holds the three layers and the last hidden state at every position (cached, keyed by
-    them); the loop (:func:`~selfspec.train.loop.train_loop`) does the rest; afterwards the head is calibrated
+    The features are the three layers and the last hidden state at every position, from the feature store
+    (cached, keyed by them) or computed online as batches are built, as ``cfg.eagle3.features`` says
+    (:func:`~selfspec.train.online_features.eagle3_feature_stores`); the loop
+    (:func:`~selfspec.train.loop.train_loop`) does the rest; afterwards the head is calibrated
     on held-out prompts when ``cfg.calibrate_prompts`` > 0 and a tokenizer is given.
 
     Raises:
         ValueError: no scored training position.
     """
     layers = head_layers(cfg, target)
-    train, held, signature = target_features(cfg, accelerator, target, tokenizer, train_convs, eval_convs, layers)
+    train, held, signature, _ = eagle3_feature_stores(
+        cfg, accelerator, target, tokenizer, train_convs, eval_convs, layers
+    )
     recipe = Eagle3Recipe(cfg, accelerator, target, tokenizer, train, held, signature, eval_convs)
     ids = [c["id"] for c in eval_convs] if heldout_ids is None else heldout_ids
     return train_loop(cfg, accelerator, recipe, ids)

@@ -73,8 +73,9 @@ class PairStore(FeatureStore):
         return shift_pairs(*self.sequence(i))
 
     def scored_positions(self) -> int:
-        """Pairs scored over the whole store (``m_{t+2}`` true)."""
-        return sum(int(self.pairs(i)[3].sum()) for i in range(len(self)))
+        """Pairs scored over the whole store (``m_{t+2}`` true; from the masks alone, no feature is read)."""
+        spans = zip(self.offsets.tolist(), self.lengths.tolist(), strict=True)
+        return sum(int(self.loss_mask[o + 2 : o + n].sum()) for o, n in spans)
 
 
 def collate(store: PairStore, rows: list[list[int]], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -88,7 +89,7 @@ def collate(store: PairStore, rows: list[list[int]], dtype: torch.dtype = torch.
     """
     parts = [[store.pairs(i) for i in row] for row in rows]
     T = max(sum(p[0].numel() for p in row) for row in parts)
-    B, D = len(rows), store.features.shape[-1]
+    B, D = len(rows), store.width
     tokens = torch.zeros(B, T, dtype=torch.long)
     feats = torch.zeros(B, T, D, dtype=dtype)
     targets = torch.zeros(B, T, D, dtype=dtype)

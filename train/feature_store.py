@@ -114,6 +114,11 @@ class FeatureStore:
     def __len__(self) -> int:
         return int(self.lengths.numel())
 
+    @property
+    def width(self) -> int:
+        """Feature width per token (``features.shape[-1]``)."""
+        return int(self.features.shape[-1])
+
     def sequence(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(tokens [T], features [T, D], loss_mask [T])`` of sequence i."""
         o, T = int(self.offsets[i]), int(self.lengths[i])
@@ -145,6 +150,27 @@ def save_features(path: Path, train: FeatureStore, held: FeatureStore, signature
         {**train.tensors(), **held.tensors("eval_")}, str(tmp), metadata={"signature": signature, "layers": layers}
     )
     os.replace(tmp, path)
+
+
+def has_features(path: Path, signature: str) -> bool:
+    """Whether ``path`` exists and carries ``signature`` (reads the metadata only)."""
+    if not path.exists():
+        return False
+    with safe_open(str(path), "pt") as fh:
+        return (fh.metadata() or {}).get("signature") == signature
+
+
+def training_examples(
+    cfg: TrainConfig, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, convs: list[dict]
+) -> list[dict]:
+    """``convs`` rendered for training (:func:`~selfspec.train.chat_tokens.build_training_examples`) at
+    ``cfg.max_length``, or at the target's ``max_position_embeddings`` when that is shorter (logged)."""
+    length = cfg.max_length
+    context = getattr(target.config, "max_position_embeddings", None)
+    if context and context < length:
+        logger.info("conversations truncated to the target's context, %d tokens (max_length %d)", context, length)
+        length = int(context)
+    return build_training_examples(tokenizer, convs, length)
 
 
 def load_features(path: Path, signature: str) -> tuple[FeatureStore, FeatureStore] | None:
@@ -184,8 +210,7 @@ def target_features(
     hidden_features`), and the signature names them (``"2,15,27,final_norm"``).
 
     Process r computes (or finds in its cache file) the conversations ``r::w`` of each split, rendered
-    with :func:`~selfspec.train.chat_tokens.build_training_examples` at ``cfg.max_length`` (or the target's
-    ``max_position_embeddings`` when that is shorter, with a log line); then every process
+    with :func:`training_examples`; then every process
     reads all w files and interleaves them back into the conversations' order (:meth:`FeatureStore.interleave`).
 
     Returns:
@@ -204,14 +229,9 @@ def target_features(
         quiet = not accelerator.is_local_main_process
         t0 = time.perf_counter()
         D = target.config.hidden_size
-        length = cfg.max_length
-        context = getattr(target.config, "max_position_embeddings", None)
-        if context and context < length:
-            logger.info("conversations truncated to the target's context, %d tokens (max_length %d)", context, length)
-            length = int(context)
         parts = []
         for convs in (train_convs[rank::world], eval_convs[rank::world]):
-            ex = build_training_examples(tokenizer, convs, length)
+            ex = training_examples(cfg, target, tokenizer, convs)
             feats = hidden_features(target, ex, disable_progress=quiet, layers=layers)
             parts.append(FeatureStore.from_examples(ex, feats, D * (len(layers) + 1 if layers else 1)))
         own = (parts[0], parts[1])
