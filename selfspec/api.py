@@ -492,10 +492,13 @@ def load(
             default tree sizes.
         adapter: a PEFT adapter directory (``PeftModel.save_pretrained``) or a ``PeftModel`` wrapping
             ``target``: the target decoded is the base with the adapter merged in, and heads must have been
-            trained on that adapted target (the fingerprint names base and adapter).
+            trained on that adapted target (the fingerprint names base and adapter). Default: the ``adapter/``
+            directory inside ``heads`` when there is one (Medusa-2 heads, :mod:`selfspec.train.medusa2`).
         drafter_options: ``tree``, ``tree_nodes``, ``draft_model``, ``draft_tokens``, ``draft_shared_vocab``,
-            ``prompt_lookup``, and EAGLE options (``depth``, ``top_k``, ``total_tokens``; ``"auto"`` = sized
-            to this machine when the head has an acceptance profile, see :func:`make_drafter`).
+            ``prompt_lookup``, ``hybrid``, ``suffix_index`` (a saved index or a JSONL of conversations,
+            indexed with ``tokenizer``; see :func:`make_drafter`), and EAGLE options (``depth``, ``top_k``,
+            ``total_tokens``; ``"auto"`` = sized to this machine when the head has an acceptance profile, see
+            :func:`make_drafter`).
 
     Returns:
         :class:`SpeculativeModel`. Nothing is stored on the target model.
@@ -512,6 +515,9 @@ def load(
         raise ValueError(f"tune must be one of {TUNE_MODES}, got {tune!r}")
     if threads:
         torch.set_num_threads(threads)
+    own_adapter = Path(heads) / "adapter" if isinstance(heads, (str, Path)) else None
+    if adapter is None and own_adapter is not None and (own_adapter / "adapter_config.json").is_file():
+        adapter = own_adapter  # Medusa-2 heads: trained with their own adapter, saved beside them
     if isinstance(target, (str, Path)):
         from selfspec.target import load_target  # selfspec.target imports transformers' Auto classes
 

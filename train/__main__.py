@@ -22,6 +22,7 @@ from selfspec.train.eagle import train_eagle
 from selfspec.train.eagle3 import train_eagle3
 from selfspec.train.features import self_distill
 from selfspec.train.medusa import train_medusa
+from selfspec.train.medusa2 import train_medusa2
 
 logger = logging.getLogger("selfspec.train")
 
@@ -89,7 +90,9 @@ def run(cfg: TrainConfig) -> Path:
             logger.info("adding %d conversations as written (not regenerated)", len(written))
         # Every process gets the whole regenerated set (in rank order); the recipes shard it again.
         train_convs, eval_convs = gather_object(distilled) + written, gather_object(distilled_eval)
-    if cfg.head == "medusa":
+    if cfg.head == "medusa" and cfg.medusa.joint:
+        heads_dir = train_medusa2(cfg, accelerator, target, tokenizer, train_convs, eval_convs, heldout_ids)
+    elif cfg.head == "medusa":
         heads_dir = train_medusa(cfg, accelerator, target, tokenizer, train_convs, eval_convs, heldout_ids)
     elif cfg.head == "eagle3":
         heads_dir = train_eagle3(cfg, accelerator, target, tokenizer, train_convs, eval_convs, heldout_ids)

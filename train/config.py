@@ -102,6 +102,13 @@ class MedusaOptions:
         num_heads / num_layers / own_lm_head: head shape (see :class:`~selfspec.heads.medusa.MedusaConfig`).
         batch_positions: training positions per optimiser step (heads see one position at a time).
         head_decay: CE weight of head k is ``head_decay ** k``.
+        joint: Medusa-2 (:mod:`selfspec.train.medusa2`): train the heads jointly with a LoRA adapter on the
+            target, the adapted target kept close to the frozen base by ``kl_weight * KL(p_base || p_adapted)``;
+            the adapter is saved with the heads and decoding is exact with respect to the adapted target.
+        lora_rank / lora_alpha: the adapter's rank r and scale alpha (``peft.LoraConfig``).
+        lora_modules: module names the adapter wraps (None: peft's default for the target's architecture).
+        kl_weight: weight of the KL term; heads_weight: weight of the heads' loss in the joint loss.
+        batch_tokens: tokens per optimiser step of joint training (whole sequences, padded per batch).
     """
 
     num_heads: int = 4
@@ -109,6 +116,23 @@ class MedusaOptions:
     own_lm_head: bool = True
     batch_positions: int = 256
     head_decay: float = 0.8
+    joint: bool = False
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    lora_modules: tuple[str, ...] | None = None
+    kl_weight: float = 1.0
+    heads_weight: float = 1.0
+    batch_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.lora_rank < 1:
+            raise ValueError(f"medusa.lora_rank must be >= 1, got {self.lora_rank}")
+        if self.kl_weight < 0 or self.heads_weight <= 0:
+            raise ValueError("medusa.kl_weight must be >= 0 and medusa.heads_weight > 0")
+        if self.lora_modules is not None:
+            if isinstance(self.lora_modules, str) or not all(isinstance(m, str) for m in self.lora_modules):
+                raise ValueError(f"medusa.lora_modules must be a list of module names, got {self.lora_modules!r}")
+            object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
 
 
 @dataclass(frozen=True)
@@ -217,6 +241,11 @@ class TrainConfig:
                 object.__setattr__(self, name, _build(cls, value, prefix=f"{name}."))
             elif not isinstance(value, cls):
                 raise ValueError(f"{name} must be a mapping of {cls.__name__} fields, got {value!r}")
+        if self.head == "medusa" and self.medusa.joint and self.target_adapter:
+            raise ValueError(
+                "medusa.joint (Medusa-2) trains its own LoRA adapter on the base target: drop target_adapter, or "
+                "merge that adapter into a saved model first and pass that directory as the target"
+            )
 
 
 _NESTED: dict[str, type] = {"eagle": EagleOptions, "eagle3": Eagle3Options, "medusa": MedusaOptions}
