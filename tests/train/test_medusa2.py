@@ -168,3 +168,16 @@ def test_bad_joint_options_stop_before_compute(setup, tmp_path):
     assert not (tmp_path / "o").exists()
     with pytest.raises(ValueError, match="medusa.lora_modules"):
         train(setup, tmp_path / "wrong-modules", medusa={"lora_modules": ["no_such_proj"]})
+
+
+def test_shipped_config_loads():
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "medusa2-smollm2.yaml")
+    assert cfg.head == "medusa" and cfg.medusa.joint and cfg.medusa.lora_rank == 8 and cfg.medusa.kl_weight == 1.0
+    medusa1 = load_config(Path(__file__).resolve().parents[2] / "configs" / "medusa-smollm2.yaml")
+    assert (cfg.data, cfg.distill_conversations, cfg.max_train_minutes) == (
+        medusa1.data,
+        medusa1.distill_conversations,
+        medusa1.max_train_minutes,
+    )
