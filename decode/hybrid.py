@@ -19,9 +19,13 @@ of (head tree on/off or smaller, n-gram length L) the expected tokens
     1 + sum_d [h_d + c_d - h_d * c_d]
 
 (h_d: how often the head's path reached depth d; c_d: how often an n-gram chain of the current match
-length reached depth d; the two treated as independent) over the cost ``draft_ms + verify_ms(nodes)``
+length and source reached depth d; the two treated as independent) over the cost ``draft_ms + verify_ms(nodes)``
 (:meth:`~selfspec.decode.costs.CostProfile.verify_cost_ms`), and the best ratio is drafted. Nodes both
 sources propose are counted once.
+
+With a :class:`~selfspec.decode.suffix_index.SuffixIndex` of training answers, the chain of a step comes
+from the context or from the index, whichever matched the longer n-gram (the context on a tie), and the
+acceptance of index chains is counted apart from the context's (keyed by ``-n``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from selfspec.decode.tree import tree_depths
 
 if TYPE_CHECKING:
     from selfspec.decode.costs import CostProfile
+    from selfspec.decode.suffix_index import SuffixIndex
 
 
 def merge_chain(tree: DraftTree, chain: list[int]) -> tuple[DraftTree, list[int]]:
@@ -102,7 +107,8 @@ class SourceAcceptance:
     Attributes:
         head_drafted: steps drafted with the head at full size.
         head_reached: ``head_reached[d - 1]``: of those, steps whose accepted path held a head node at depth d.
-        chain_drafted: ``{match n-gram size: [steps whose chain had a node at depth d]}``.
+        chain_drafted: ``{match n-gram size: [steps whose chain had a node at depth d]}``; the key is the size
+            n for a chain from the context, ``-n`` for one from a suffix index.
         chain_reached: ``{match n-gram size: [steps whose accepted path followed the chain to depth d]}``.
     """
 
@@ -171,6 +177,8 @@ class HybridDrafter:
             :class:`~selfspec.decode.drafters.MedusaDrafter`; any deterministic drafter).
         cost: the target's verification cost profile here (ms by tree size).
         lookup: the n-gram source (its ``max_ngram`` / ``min_ngram``; ``num_tokens`` is the longest chain).
+        suffix_index: an optional second n-gram source, continuations from training answers
+            (:class:`~selfspec.decode.suffix_index.SuffixIndex`); shared, read only, by :meth:`fork`.
 
     Attributes:
         acceptance: the :class:`SourceAcceptance` of the current decode (reset by :meth:`begin`).
@@ -182,12 +190,19 @@ class HybridDrafter:
 
     name = "hybrid"
 
-    def __init__(self, head: Any, cost: CostProfile, lookup: PromptLookupDrafter | None = None) -> None:
+    def __init__(
+        self,
+        head: Any,
+        cost: CostProfile,
+        lookup: PromptLookupDrafter | None = None,
+        suffix_index: SuffixIndex | None = None,
+    ) -> None:
         if isinstance(head, HybridDrafter):
             raise ValueError("the head of a hybrid drafter cannot be a hybrid drafter")
         self.head = head
         self.cost = cost
         self.lookup = lookup or PromptLookupDrafter(num_tokens=8)
+        self.suffix_index = suffix_index
         self.acceptance = SourceAcceptance()
         self.split: list[tuple[int, int]] = []
         self._head_ms = 0.0
@@ -203,9 +218,11 @@ class HybridDrafter:
         """A hybrid for another sequence (a batch row): its own head fork and statistics."""
         from selfspec.decode.batch import fork_drafter  # batch imports the decode loop, which imports drafters
 
-        return HybridDrafter(fork_drafter(self.head), self.cost, self.lookup)
+        return HybridDrafter(fork_drafter(self.head), self.cost, self.lookup, self.suffix_index)
 
     def check_vocab(self, target_vocab_size: int) -> None:
+        if self.suffix_index is not None:
+            self.suffix_index.check_vocab(target_vocab_size)
         check = getattr(self.head, "check_vocab", None)
         if check is not None:
             check(target_vocab_size)
@@ -254,7 +271,12 @@ class HybridDrafter:
     ) -> DraftTree:
         """The merged tree for this step (root ``context[-1]``); ``max_depth`` caps the n-gram chain."""
         limit = self.lookup.num_tokens if max_depth is None else max(0, min(self.lookup.num_tokens, max_depth))
-        chain, ngram = lookup_chain(context.tolist(), self.lookup, limit) if limit else ([], 0)
+        ctx = context.tolist()
+        chain, ngram = lookup_chain(ctx, self.lookup, limit) if limit else ([], 0)
+        if self.suffix_index is not None and limit:
+            found, n = self.suffix_index.lookup(ctx, limit)
+            if n > ngram:  # the longer match wins, the context on a tie; -n keeps the index's acceptance apart
+                chain, ngram = found, -n
         head_on = True
         if chain and self._head_shape is not None:
             # Whether to draft with the head at all, from its last tree's size (the chain counted as all new):

@@ -22,6 +22,7 @@ from selfspec.decode.generate import GenerationOutput, speculative_generate
 from selfspec.decode.hybrid import HybridDrafter, head_of
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.streaming import iterate_text
+from selfspec.decode.suffix_index import SuffixIndex
 from selfspec.decode.target_check import check_target
 from selfspec.decode.tree import greedy_tree_from_accuracy, static_tree
 from selfspec.decode.verifier import Verifier
@@ -275,6 +276,8 @@ def make_drafter(
     draft_shared_vocab: int | None = None,
     prompt_lookup: bool = False,
     hybrid: bool = False,
+    suffix_index: str | Path | SuffixIndex | None = None,
+    tokenizer: Any = None,
     tune: str = "auto",
     **eagle_options: Any,
 ):
@@ -283,7 +286,10 @@ def make_drafter(
     ``hybrid=True`` (with ``heads``) merges the head's tree with prompt-lookup continuations into one tree,
     each step's split sized from the target's verification cost profile here and each source's measured
     acceptance (:class:`~selfspec.decode.hybrid.HybridDrafter`); with ``tune="off"`` nothing is measured
-    and the split uses a nominal cost (:data:`NOMINAL_NODE_COST`).
+    and the split uses a nominal cost (:data:`NOMINAL_NODE_COST`). ``suffix_index`` (with ``hybrid=True``)
+    adds continuations from training answers as a second n-gram source: a
+    :class:`~selfspec.decode.suffix_index.SuffixIndex`, a file saved by its ``save`` (``.safetensors``), or a
+    JSONL file of ``{"id", "messages"}`` conversations whose assistant turns are indexed with ``tokenizer``.
 
     Medusa heads use ``tree`` (index paths) if given, else Medusa's greedy tree from their held-out
     accuracies, of ``tree_nodes`` nodes or, when None and ``tune="auto"``, of the size that maximises
@@ -307,7 +313,8 @@ def make_drafter(
 
     Raises:
         ValueError: none or several drafting methods given, a draft model whose vocabulary is not the
-            target's, an EAGLE option that is neither an integer
+            target's, ``suffix_index`` without ``hybrid=True`` or (for conversations) without a tokenizer, a
+            suffix index file that does not load, an EAGLE option that is neither an integer
             nor ``"auto"``, or ``tune`` not ``"auto"`` / ``"off"``.
         HeadFormatError: the heads do not load (see :func:`selfspec.heads.load_heads`), or their acceptance
             profile is malformed.
@@ -319,6 +326,8 @@ def make_drafter(
         raise ValueError("pass exactly one of heads=..., draft_model=..., prompt_lookup=True")
     if hybrid and heads is None:
         raise ValueError("hybrid=True merges a head's tree with prompt lookup: pass heads=... too")
+    if suffix_index is not None and not hybrid:
+        raise ValueError("suffix_index=... is a source of the hybrid drafter: pass hybrid=True (and heads=...) too")
     if prompt_lookup:
         return PromptLookupDrafter(num_tokens=draft_tokens * 2)
     if draft_model is not None:
@@ -349,8 +358,9 @@ def make_drafter(
         drafter = _eagle_drafter(target, heads, head_dir, tune, **eagle_options)
     if not hybrid:
         return drafter
+    index = SuffixIndex.open(suffix_index, tokenizer) if suffix_index is not None else None
     cost = costs.get_cost_profile(target) if tune == "auto" else _nominal_cost(target)
-    return HybridDrafter(drafter, cost, PromptLookupDrafter(num_tokens=draft_tokens * 2))
+    return HybridDrafter(drafter, cost, PromptLookupDrafter(num_tokens=draft_tokens * 2), index)
 
 
 # With tune="off" a hybrid drafter sizes its split from this nominal cost: one extra tree node costs 4% of a
@@ -530,7 +540,7 @@ def load(
         else:  # an adapter directory is merged into a copy: the caller's model stays the bare base
             target = load_adapted(target if _is_peft_model(adapter) else copy.deepcopy(target), adapter)
     check_target(target)  # refuses a target whose decoding would not be exactly its own
-    drafter = make_drafter(target, heads, tune=tune, **drafter_options)
+    drafter = make_drafter(target, heads, tune=tune, tokenizer=tokenizer, **drafter_options)
     model = SpeculativeModel(target, tokenizer, drafter, make_verifier(target, drafter, tune))
     model.tune = tune
     return model
