@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-model", default=None, help="small causal LM with the target's tokenizer (draft_model method)"
     )
     p.add_argument(
+        "--suffix-index",
+        default=None,
+        metavar="PATH",
+        help="with --methods ... hybrid: also run hybrid_suffix, the hybrid with a suffix index of training "
+        "answers as a second n-gram source (a JSONL of conversations, or an index saved as .safetensors)",
+    )
+    p.add_argument(
         "--eagle-depth",
         type=_int_or_auto,
         default=None,
@@ -165,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             draft_model=draft,
             tree_nodes=args.tree_nodes,
             eagle_options=eagle_options,
+            suffix_index=args.suffix_index,
         )
     except ValueError as err:
         parser.error(str(err))

@@ -21,6 +21,7 @@ from selfspec.decode.eagle import EagleDrafter
 from selfspec.decode.generate import GenerationStats
 from selfspec.decode.hybrid import HybridDrafter
 from selfspec.decode.sampling import SamplingConfig
+from selfspec.decode.suffix_index import SuffixIndex
 from selfspec.prompts import resolve_eos
 
 if TYPE_CHECKING:
@@ -227,6 +228,7 @@ def build_methods(
     tree_nodes: int | None = None,
     extra_methods: Mapping[str, MethodFn | BenchMethod] | None = None,
     eagle_options: Mapping[str, int | str] | None = None,
+    suffix_index: str | Path | SuffixIndex | None = None,
 ) -> dict[str, BenchMethod]:
     """The methods to compare, all sharing ``target``.
 
@@ -242,12 +244,16 @@ def build_methods(
         eagle_options: ``depth`` / ``top_k`` / ``total_tokens`` for EAGLE heads: integers, ``"auto"`` (sized
             to this machine from the head's acceptance profile) or None (= ``"auto"`` for depth and
             total_tokens, which falls back to the defaults without a profile).
+        suffix_index: with ``hybrid`` among ``methods``, adds ``hybrid_suffix``: the hybrid with this
+            :class:`~selfspec.decode.suffix_index.SuffixIndex` of training answers as a second n-gram source
+            (an index, a saved ``.safetensors`` index, or a JSONL of conversations indexed with ``tokenizer``).
 
     Returns:
         Ordered name -> :class:`BenchMethod`, the reference first.
 
     Raises:
-        ValueError: unknown or duplicate method names, ``draft_model`` requested without a model.
+        ValueError: unknown or duplicate method names, ``draft_model`` requested without a model,
+            ``suffix_index`` without ``hybrid`` among ``methods``.
     """
     unknown = sorted(set(methods) - set(BUILTIN_METHODS))
     if unknown:
@@ -256,12 +262,14 @@ def build_methods(
         raise ValueError("method 'draft_model' needs a draft model: pass --draft-model NAME")
     if "hybrid" in methods and not heads:
         raise ValueError("method 'hybrid' merges a head's tree with prompt lookup: pass --heads DIR too")
+    if suffix_index is not None and "hybrid" not in methods:
+        raise ValueError("--suffix-index adds hybrid_suffix beside the hybrid method: pass --methods ... hybrid too")
     eos = settings.stop_ids(target, tokenizer)
     pad = getattr(target.generation_config, "pad_token_id", None)
     pad = pad if pad is not None else (eos[0] if eos else None)
     chosen = [REFERENCE] + [m for m in BUILTIN_METHODS if m in methods and m != REFERENCE]
     for name in heads or {}:
-        if name in chosen:
+        if name in chosen or (suffix_index is not None and name == "hybrid_suffix"):
             raise ValueError(f"head method name {name!r} is taken; pass it as NAME=DIR with another name")
     lookup = make_drafter(target, prompt_lookup=True)
     head_drafters = {
@@ -297,6 +305,14 @@ def build_methods(
         out["hybrid"] = dataclasses.replace(
             selfspec_method(SpeculativeModel(target, tokenizer, hybrid, verifier), settings, eos),
             description=f"hybrid: the {next(iter(head_drafters))} head's tree + prompt lookup, split by cost",
+        )
+    if "hybrid" in methods and suffix_index is not None:
+        index = SuffixIndex.open(suffix_index, tokenizer)
+        index.check_vocab(target.get_output_embeddings().weight.shape[0])
+        drafter = HybridDrafter(copy.copy(first), hybrid.cost, PromptLookupDrafter(lookup.num_tokens), index)
+        out["hybrid_suffix"] = dataclasses.replace(
+            selfspec_method(SpeculativeModel(target, tokenizer, drafter, verifier), settings, eos),
+            description=f"hybrid_suffix: the hybrid + a suffix index of {index.num_tokens} answer tokens",
         )
     for name, drafter in head_drafters.items():
         head = heads[name]

@@ -294,3 +294,39 @@ def test_public_load_takes_an_index_file_or_conversations(tmp_path):
         selfspec.load(t, head, suffix_index=saved, tune="off")
     with pytest.raises(ValueError, match="needs the target's tokenizer"):
         selfspec.load(t, head, suffix_index=conv, **options)
+
+
+# ---------------------------------------------------------------------------------------------- bench
+def test_bench_adds_hybrid_suffix_beside_hybrid(tmp_path, monkeypatch):
+    """``--suffix-index PATH`` with ``--methods hybrid``: the index holds the target's own answers, and the
+    hybrid_suffix outputs equal plain generate's."""
+    from selfspec.api import make_verifier
+    from selfspec.bench import BenchPrompt, BenchSettings, build_methods, run_bench
+    from selfspec.bench import cli as bench_cli
+    from selfspec.bench import methods as bench_methods
+    from tests.test_bench import CharTokenizer
+
+    monkeypatch.setattr(bench_methods, "get_cost_profile", lambda target: cost())
+    monkeypatch.setattr(bench_methods, "make_verifier", lambda target, drafter: make_verifier(target, drafter, "off"))
+    t, tokenizer = tiny_target("llama"), CharTokenizer()
+    torch.manual_seed(1)
+    head = EagleHead(EagleConfig(hidden_size=t.config.hidden_size, vocab_size=V), t.config, target=t).eval()
+    settings = BenchSettings(max_new_tokens=12, warmup=0, eos_token_ids=())
+    prompts = [BenchPrompt("a", "x", ("hello there",)), BenchPrompt("b", "y", ("a b c",))]
+    plain = run_bench(t, tokenizer, build_methods(t, tokenizer, settings, methods=["baseline"]), prompts, settings)
+    answers = [tokenizer.encode_text("<assistant>") + s.results["baseline"].tokens for s in plain.samples]
+    saved = SuffixIndex(answers).save(tmp_path / "index.safetensors")
+    options = dict(methods=["baseline", "hybrid"], heads={"eagle": head}, eagle_options={"depth": 3, "top_k": 2})
+    methods = build_methods(t, tokenizer, settings, suffix_index=str(saved), **options)
+    assert list(methods) == ["baseline", "hybrid", "hybrid_suffix", "eagle"]
+    assert "suffix index of" in methods["hybrid_suffix"].description
+    report = run_bench(t, tokenizer, methods, prompts, settings).to_dict()
+    assert report["mismatches"] == []
+    for sample in report["samples"]:
+        results = sample["results"]
+        assert results["hybrid_suffix"]["tokens"] == results["baseline"]["tokens"]
+        assert results["hybrid_suffix"]["steps"] < results["hybrid"]["steps"]  # the index's answers were accepted
+    with pytest.raises(ValueError, match="--suffix-index adds hybrid_suffix beside the hybrid method"):
+        build_methods(t, tokenizer, settings, methods=["baseline"], heads={"eagle": head}, suffix_index=str(saved))
+    args = bench_cli.build_parser().parse_args(["--methods", "hybrid", "--suffix-index", str(saved)])
+    assert args.suffix_index == str(saved)
