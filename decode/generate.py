@@ -23,10 +23,10 @@ import torch
 
 from selfspec.decode import kv
 from selfspec.decode.drafters import Drafter, DraftTree, context_length
+from selfspec.decode.host import HostTree, read_tree, to_device
 from selfspec.decode.sampling import EosBan, SamplingConfig, probs_from_logits, process_logits, sample
 from selfspec.decode.stopping import Stopper
 from selfspec.decode.streaming import as_streamer
-from selfspec.decode.tree import tree_depths
 from selfspec.decode.verifier import Verifier, as_verifier
 from selfspec.decode.verify import VerifyResult, verify_greedy, verify_tree_sampling, verify_typical
 
@@ -96,16 +96,17 @@ class GenerationOutput:
 
 
 def _node_contexts(
-    context: torch.Tensor, tree: DraftTree, depths: torch.Tensor
+    context: torch.Tensor, tree: DraftTree, depths: torch.Tensor, host: HostTree | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Group nodes by depth with the token context preceding each node's next token.
+    """Group nodes by depth with the token context preceding each node's next token (the tree's structure
+    from ``host`` when given, else read from the tree).
 
     Returns:
         ``[(node_ids [n_d], contexts [n_d, T + d]) ...]``; the context of node i is the decided tokens
         (ending with the root) plus the draft tokens on the path to node i.
     """
-    parents = tree.parents.tolist()
-    toks = tree.tokens.tolist()
+    parents = tree.parents.tolist() if host is None else host.parents
+    toks = tree.tokens.tolist() if host is None else host.tokens
     paths: list[list[int]] = [[]]
     for i in range(1, len(parents)):
         paths.append(paths[parents[i]] + [toks[i]])
@@ -128,6 +129,7 @@ def target_distributions(
     min_new_tokens: int,
     eos_ids: Sequence[int],
     depths: torch.Tensor,
+    host: HostTree | None = None,
 ) -> torch.Tensor:
     """Process the target logits at every tree node exactly as plain ``generate`` would at that position.
 
@@ -139,19 +141,23 @@ def target_distributions(
         min_new_tokens: EOS is masked while fewer than this many tokens have been generated, after the
             repetition penalty and before the user's processors and the warpers, as ``generate`` orders its
             ``MinNewTokensLengthLogitsProcessor`` (:class:`~selfspec.decode.sampling.EosBan`).
-        depths: LongTensor ``[N]`` node depths (computed once per step by the caller).
+        depths: LongTensor ``[N]`` (CPU) node depths (computed once per step by the caller); moved to the
+            logits' device only when ``min_new_tokens`` bans EOS.
+        host: the tree's structure on the host (:func:`~selfspec.decode.host.read_tree`), for the per-node
+            contexts a repetition penalty or a logits processor needs; read from ``tree`` when None.
 
     Returns:
         ``[N, V]`` float32 processed logits (-inf = disallowed).
     """
     needs_context = sampling.repetition_penalty != 1.0 or bool(logits_processor)
-    depths = depths.to(logits.device)
     # HF's MinNewTokensLengthLogitsProcessor: before the next token, generated = output + depth; it bans EOS
     # before the warpers, so top-k / top-p / min-p choose among the tokens still allowed.
-    banned = (generated_before_root + depths) < min_new_tokens if min_new_tokens > 0 and eos_ids else None
+    banned = None
+    if min_new_tokens > 0 and eos_ids:
+        banned = (generated_before_root + depths.to(logits.device)) < min_new_tokens
     if needs_context:
         out = torch.empty_like(logits)
-        for nodes, ctx in _node_contexts(context, tree, depths):
+        for nodes, ctx in _node_contexts(context, tree, depths, host):
             ban = EosBan(eos_ids, banned[nodes]) if banned is not None else None
             out[nodes] = process_logits(logits[nodes], ctx, sampling, logits_processor, ban)
     else:
@@ -280,14 +286,18 @@ def _decode(
     if stream is not None:
         stream.put(input_ids.unsqueeze(0).cpu())  # as generate: the prompt first (TextStreamer(skip_prompt=...))
     propose = _proposer(drafter)
+    forward_tree = _tree_forward(verifier)
 
     cache = verifier.new_cache()
     # A drafter with ``target_layers`` (EAGLE-3) takes those layers' hidden states instead of the last one.
     layers = getattr(drafter, "target_layers", None)
     hidden, feats = _with_layers(verifier.prefill(input_ids, cache, layers=layers), layers)
     root_tree = DraftTree(tokens=input_ids[-1:], parents=torch.tensor([-1]))
+    logits0 = verifier.lm_logits(hidden[-1:])
+    if sampling.do_sample:
+        _finite(logits0, 0)
     p0 = target_distributions(
-        _finite(verifier.lm_logits(hidden[-1:]), 0),
+        logits0,
         input_ids,
         root_tree,
         sampling,
@@ -297,13 +307,13 @@ def _decode(
         eos_ids,
         torch.zeros(1, dtype=torch.long),
     )
-    first = int(sample(probs_from_logits(p0), generator)[0]) if sampling.do_sample else int(p0[0].argmax())
+    first = int(sample(probs_from_logits(p0), generator)[0]) if sampling.do_sample else _argmax(p0, logits0, 0)[0]
     drafter.begin(input_ids, feats)
     out: list[int] = []
     reason = stopper.push(out, [first])
     if stream is not None:
         stream.put(torch.tensor([first]))
-    context = torch.cat([input_ids, torch.tensor([first], device=device)])
+    context = torch.cat([input_ids, to_device([first], device)])
     past = input_ids.numel()
     stats.prefill_s = time.perf_counter() - t0
 
@@ -314,35 +324,43 @@ def _decode(
         # (down to the root alone: plain decoding). Trees within the context are verified whole, so what
         # step_callback measures describes the drafter's own tree.
         tree = propose(context, sampling, generator, stopper.max_new_tokens - len(out) - 1)
-        depths = tree_depths(tree.parents.cpu())  # once per step: processing and statistics share it
-        if room is not None and int(depths.max()) > room - len(out) - 1:
-            tree, depths = cut_tree(tree, depths, room - len(out) - 1)
+        # The step's one read of the tree: positions, mask, acceptance, cache compaction and statistics share it.
+        host = read_tree(tree.tokens, tree.parents)
+        if room is not None and host.max_depth > room - len(out) - 1:
+            tree, _ = cut_tree(tree, torch.tensor(host.depths), room - len(out) - 1, host=host)
+            host = host.cut(room - len(out) - 1)
+        depths = torch.tensor(host.depths)
         t2 = time.perf_counter()
-        h, feats = _with_layers(verifier.forward_tree(tree.tokens, tree.parents, cache, past, layers=layers), layers)
-        logits = _finite(verifier.lm_logits(h), stats.steps + 1)
+        h, feats = _with_layers(forward_tree(tree, cache, past, layers, host), layers)
+        logits = verifier.lm_logits(h)
+        step = stats.steps + 1
+        greedy = acceptance == "exact" and not sampling.do_sample
+        if not greedy:  # greedy checks on the argmax read instead (_argmax)
+            _finite(logits, step)
         p = target_distributions(
-            logits, context, tree, sampling, logits_processor, len(out), min_new_tokens, eos_ids, depths
+            logits, context, tree, sampling, logits_processor, len(out), min_new_tokens, eos_ids, depths, host
         )
-        result = _verify(p, tree, sampling, generator, acceptance)
-        kv.compact_cache(cache, past, result.accepted_nodes)
+        result = _verify(p, tree, sampling, generator, acceptance, host, logits if greedy else None, step)
+        path = result.path
+        kv.compact_cache(cache, past, result.accepted_nodes, path)
         t3 = time.perf_counter()
         acc = result.accepted_nodes
         if step_callback is not None:
             step_callback(tree, result)
-        new = tree.tokens[acc[1:]].tolist() + [result.next_token]
+        new = [host.tokens[i] for i in path[1:]] + [result.next_token]  # from the host copy: no read back
         drafter.accept(tree.tokens[acc], feats[acc])
         stats.draft_s += t2 - t1
         stats.verify_s += t3 - t2
         stats.steps += 1
-        stats.tree_nodes += tree.tokens.numel()
+        stats.tree_nodes += host.num_nodes
         stats.accepted_per_step.append(len(new))
-        _count_depths(stats, int(depths.max()), len(acc) - 1)
+        _count_depths(stats, host.max_depth, len(path) - 1)
         before = len(out)
         reason = stopper.push(out, new)
         if stream is not None and len(out) > before:
             stream.put(torch.tensor(out[before:]))
-        past += acc.numel()
-        context = torch.cat([context, torch.tensor(new, device=device)])
+        past += len(path)
+        context = torch.cat([context, to_device(new, device)])
 
     if reason == "length" and room is not None and len(out) == room:
         logger.info(
@@ -397,6 +415,16 @@ def _room_in_context(target, prompt_len: int) -> int | None:
     return n - prompt_len
 
 
+def _argmax(p: torch.Tensor, logits: torch.Tensor, step: int) -> list[int]:
+    """``argmax(p, dim=-1)`` on the host (``[N]`` ints), read in one copy with whether ``logits`` are all finite;
+    when they are not, :func:`_finite` decides (raises :class:`NonFiniteLogitsError`, or passes logits with
+    ``-inf`` entries among finite ones)."""
+    values = torch.cat([torch.argmax(p, dim=-1), torch.isfinite(logits).all().view(1).long()]).tolist()
+    if not values[-1]:
+        _finite(logits, step)
+    return values[:-1]
+
+
 def _finite(logits: torch.Tensor, step: int) -> torch.Tensor:
     """``logits`` unchanged, after checking that a token can be chosen from every row (step 0 = the prefill):
     no NaN, no +inf, not every entry -inf. A ``-inf`` entry among finite ones is a token the model rules out,
@@ -418,7 +446,9 @@ def _finite(logits: torch.Tensor, step: int) -> torch.Tensor:
     )
 
 
-def cut_tree(tree: DraftTree, depths: torch.Tensor, max_depth: int) -> tuple[DraftTree, torch.Tensor]:
+def cut_tree(
+    tree: DraftTree, depths: torch.Tensor, max_depth: int, host: HostTree | None = None
+) -> tuple[DraftTree, torch.Tensor]:
     """The draft tree without its nodes deeper than ``max_depth`` (ancestors of kept nodes are shallower, so
     what remains is a tree; node order is kept). Exact under sampling too: which nodes go depends only on
     depth, never on the drafted tokens, and a node left without children proposes nothing.
@@ -427,13 +457,15 @@ def cut_tree(tree: DraftTree, depths: torch.Tensor, max_depth: int) -> tuple[Dra
         tree: the step's draft, ``N`` nodes.
         depths: LongTensor ``[N]`` (CPU), the node depths.
         max_depth: >= 0; 0 keeps only the root.
+        host: the tree's structure on the host (:func:`~selfspec.decode.host.read_tree`): parents are taken
+            from it instead of read from the device.
 
     Returns:
         ``(tree with M <= N nodes, depths [M])``.
     """
     keep = depths <= max_depth
     new_index = torch.cumsum(keep.long(), 0) - 1
-    parents = tree.parents.cpu()[keep]
+    parents = (tree.parents.cpu() if host is None else torch.tensor(host.parents))[keep]
     parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
     device = tree.tokens.device
     kept = keep.nonzero().flatten()
@@ -449,17 +481,41 @@ def _proposer(drafter: Drafter) -> Callable[[torch.Tensor, SamplingConfig, torch
     return lambda c, s, g, d: drafter.propose(c, s, g)
 
 
+def _tree_forward(verifier: Verifier) -> Callable:
+    """``forward(tree, cache, past, layers, host)``: ``verifier.forward_tree``, given the host copy of the tree
+    where it takes one (a ``host`` keyword or ``**kwargs``; a subclass overriding it without reads the tree
+    itself)."""
+    params = inspect.signature(verifier.forward_tree).parameters.values()
+    if any(p.name == "host" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return lambda t, c, past, layers, host: verifier.forward_tree(
+            t.tokens, t.parents, c, past, layers=layers, host=host
+        )
+    return lambda t, c, past, layers, host: verifier.forward_tree(t.tokens, t.parents, c, past, layers=layers)
+
+
 def _with_layers(out, layers) -> tuple[torch.Tensor, torch.Tensor]:
     """``(last hidden [N, D], what the drafter takes [N, D or len(layers) * D])`` of a verifier forward."""
     return out if layers else (out, out)
 
 
-def _verify(p: torch.Tensor, tree: DraftTree, sampling: SamplingConfig, generator, acceptance: str) -> VerifyResult:
+def _verify(
+    p: torch.Tensor,
+    tree: DraftTree,
+    sampling: SamplingConfig,
+    generator,
+    acceptance: str,
+    host: HostTree | None = None,
+    logits: torch.Tensor | None = None,
+    step: int = 0,
+) -> VerifyResult:
+    """The step's acceptance. Under greedy with the raw ``logits`` given, their finiteness check (step
+    ``step``) rides on the argmax read (:func:`_argmax`); the caller checks them itself otherwise."""
     if acceptance == "typical":
-        return verify_typical(probs_from_logits(p), tree.tokens, tree.parents, generator=generator)
+        return verify_typical(probs_from_logits(p), tree.tokens, tree.parents, generator=generator, host=host)
     if not sampling.do_sample:
-        return verify_greedy(p, tree.tokens, tree.parents)
-    return verify_tree_sampling(probs_from_logits(p), tree.tokens, tree.parents, tree.q, generator)
+        argmax = None if logits is None else _argmax(p, logits, step)
+        return verify_greedy(p, tree.tokens, tree.parents, host=host, argmax=argmax)
+    return verify_tree_sampling(probs_from_logits(p), tree.tokens, tree.parents, tree.q, generator, host=host)
 
 
 def _count_depths(stats: GenerationStats, max_depth: int, accepted_depth: int) -> None:

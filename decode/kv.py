@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -78,7 +79,9 @@ def _full_layers(cache: DynamicCache) -> list:
     return cache.layers
 
 
-def compact_cache(cache: DynamicCache, past_length: int, accepted_nodes: torch.Tensor) -> None:
+def compact_cache(
+    cache: DynamicCache, past_length: int, accepted_nodes: torch.Tensor, path: Sequence[int] | None = None
+) -> None:
     """Keep the cached prefix plus the KV entries of the accepted tree nodes, in path order.
 
     After :meth:`~selfspec.decode.verifier.Verifier.forward_tree` the cache holds ``past_length + N``
@@ -90,20 +93,29 @@ def compact_cache(cache: DynamicCache, past_length: int, accepted_nodes: torch.T
         cache: a ``DynamicCache`` from :func:`new_cache`.
         past_length: the prefix length before the tree.
         accepted_nodes: LongTensor ``[A]`` of node indices, starting with 0.
+        path: the same indices on the host (:attr:`~selfspec.decode.verify.VerifyResult.path`): then whether
+            they are the first A nodes is decided there, with no host read of ``accepted_nodes``.
 
     Raises:
         TypeError: a layer that is not a plain ``DynamicLayer`` (e.g. a sliding-window layer that has
             dropped keys), which cannot be edited by position.
     """
     a = accepted_nodes.numel()
-    contiguous = bool((accepted_nodes == torch.arange(a, device=accepted_nodes.device)).all())
+    if path is None:
+        contiguous = bool((accepted_nodes == torch.arange(a, device=accepted_nodes.device)).all())
+    else:
+        contiguous = all(node == j for j, node in enumerate(path))
     keep = past_length + a
     src = None if contiguous else (accepted_nodes + past_length)
+    moved: dict[torch.device, torch.Tensor] = {}  # src on each device the layers live on, moved once
     for layer in _full_layers(cache):
         if layer.keys is None or not layer.keys.numel():
             continue
         if src is not None:
-            idx = src.to(layer.keys.device)
+            dev = layer.keys.device
+            idx = moved.get(dev)
+            if idx is None:
+                idx = moved[dev] = src if src.device == dev else src.to(dev)
             layer.keys[:, :, past_length:keep] = layer.keys.index_select(2, idx)
             layer.values[:, :, past_length:keep] = layer.values.index_select(2, idx)
         layer.crop(keep - layer.get_seq_length())

@@ -19,11 +19,13 @@ trees also drop their own oldest ancestors once the branch outgrows the window.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from selfspec.decode.host import to_device
 from selfspec.decode.tree import ancestor_mask, tree_depths
 
 if TYPE_CHECKING:
@@ -86,12 +88,14 @@ def attention_layout(config: PretrainedConfig) -> AttentionLayout:
     return AttentionLayout(tuple(types), windows.pop() if windows else None)
 
 
-def tree_allowed(parents: torch.Tensor, past_length: int, sliding_window: int | None = None) -> torch.Tensor:
+def tree_allowed(
+    parents: torch.Tensor | Sequence[int], past_length: int, sliding_window: int | None = None
+) -> torch.Tensor:
     """Which keys each tree node attends to: the cached prefix and its own ancestors (and itself), within
     the last ``sliding_window`` positions when one is given.
 
     Args:
-        parents: LongTensor ``[N]`` (see :mod:`selfspec.decode.tree`).
+        parents: LongTensor ``[N]`` (see :mod:`selfspec.decode.tree`), or its values as ints.
         past_length: tokens in the cache before the tree (positions ``0 .. past_length - 1``).
         sliding_window: W, or None for full attention.
 
@@ -115,7 +119,7 @@ def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def tree_attention_masks(
-    parents: torch.Tensor,
+    parents: torch.Tensor | Sequence[int],
     past_length: int,
     dtype: torch.dtype,
     layout: AttentionLayout,
@@ -124,11 +128,11 @@ def tree_attention_masks(
     """The ``attention_mask`` that verifies a tree after ``past_length`` cached tokens on every layer.
 
     Args:
-        parents: LongTensor ``[N]``.
+        parents: LongTensor ``[N]``, or its values as ints (no host read then).
         past_length: cached prefix length.
         dtype: the model's compute dtype.
         layout: the target's :class:`AttentionLayout`.
-        device: where the masks go.
+        device: where the masks go (built on the host; on CUDA copied from pinned memory without blocking).
 
     Returns:
         One additive mask ``[1, 1, N, past_length + N]`` (``dtype``) when every layer is of one type, else
@@ -138,7 +142,7 @@ def tree_attention_masks(
     masks = {}
     for kind in layout.kinds:
         window = layout.sliding_window if kind == SLIDING else None
-        masks[kind] = additive(tree_allowed(parents, past_length, window), dtype).to(device)
+        masks[kind] = to_device(additive(tree_allowed(parents, past_length, window), dtype), device)
     if len(masks) == 1:
         return next(iter(masks.values()))
     return masks

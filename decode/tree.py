@@ -95,27 +95,27 @@ def validate_parents(parents: torch.Tensor) -> None:
         raise ValueError("every non-root node needs 0 <= parents[i] < i")
 
 
-def tree_depths(parents: torch.Tensor) -> torch.Tensor:
-    """Depth of each node. ``parents``: LongTensor ``[N]`` -> LongTensor ``[N]`` (root 0)."""
-    p = parents.tolist()
+def tree_depths(parents: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """Depth of each node. ``parents``: LongTensor ``[N]`` (or its values as ints) -> LongTensor ``[N]`` (root 0)."""
+    p = parents.tolist() if isinstance(parents, torch.Tensor) else list(parents)
     depth = [0] * len(p)
     for i in range(1, len(p)):
         depth[i] = depth[p[i]] + 1
     return torch.tensor(depth, dtype=torch.long)
 
 
-def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+def ancestor_mask(parents: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """Tree attention pattern: ``mask[i, j]`` is True iff node j is node i or one of its ancestors.
 
     Args:
-        parents: LongTensor ``[N]``.
+        parents: LongTensor ``[N]``, or its values as ints (no host read then).
 
     Returns:
         BoolTensor ``[N, N]`` (lower-triangular because parents precede children).
     """
-    n = parents.numel()
+    p = parents.tolist() if isinstance(parents, torch.Tensor) else list(parents)
+    n = len(p)
     mask = torch.eye(n, dtype=torch.bool)
-    p = parents.tolist()
     for i in range(1, n):
         mask[i] |= mask[p[i]]
     return mask

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from selfspec.decode import cpu_linear
+from selfspec.decode.host import HostTree, depths_of, to_device
 from selfspec.decode.kv import backbone, call_with_cache, new_cache
 from selfspec.decode.masks import attention_layout, block_attention_masks, tree_attention_masks
-from selfspec.decode.tree import tree_position_ids
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
@@ -211,6 +211,7 @@ class Verifier:
         cache: DynamicCache,
         past_length: int,
         layers: Sequence[int] | None = None,
+        host: HostTree | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Verify a whole draft tree in one target forward (tree attention), with the planned kernel.
 
@@ -220,6 +221,9 @@ class Verifier:
             cache: ``DynamicCache`` holding exactly ``past_length`` tokens; grows by N.
             past_length: cached prefix length.
             layers: optional decoder-layer indices whose input hidden states to return too.
+            host: the tree's structure already on the host (:func:`~selfspec.decode.host.read_tree`); then
+                the chain test, the positions and the mask read nothing from the device. Without it,
+                ``parents`` is read (one host synchronisation on a GPU when it lives there).
 
         Returns:
             Hidden states ``[N, D]`` (after the final norm, model dtype) at every node; node i has
@@ -229,15 +233,18 @@ class Verifier:
         dtype = next(self.target.parameters()).dtype
         device = tokens.device
         n = tokens.numel()
-        if n == 1 or bool((parents[1:] == torch.arange(n - 1, device=parents.device)).all()):
+        if host is None and n > 1:
+            parent_list = parents.tolist()
+            host = HostTree([], parent_list, depths_of(parent_list))
+        if n == 1 or host.is_chain:
             # A chain: the ordinary causal mask is the tree mask; let the model build it (fast path).
             positions = torch.arange(past_length, past_length + n, device=device).unsqueeze(0)
             mask = None
         else:
             # One mask per attention-layer type: sliding layers see only their window (selfspec.decode.masks).
-            positions = tree_position_ids(parents.cpu(), past_length).to(device)
+            positions = to_device([past_length + d for d in host.depths], device).unsqueeze(0)
             layout = attention_layout(self.target.config)
-            mask = tree_attention_masks(parents.cpu(), past_length, dtype, layout, device)
+            mask = tree_attention_masks(host.parents, past_length, dtype, layout, device)
         kwargs = dict(input_ids=tokens.unsqueeze(0), attention_mask=mask, position_ids=positions)
         if layers:
             kwargs["output_hidden_states"] = True

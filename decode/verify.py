@@ -27,6 +27,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .host import HostTree, to_device
 from .sampling import sample
 
 
@@ -39,10 +40,12 @@ class VerifyResult:
             indices, starting with 0 (the root). Node ``accepted_nodes[j]`` has depth j.
         next_token: the token that follows the last accepted node: the bonus token (drawn from / argmax
             of p at that node) or the correction drawn from the residual after a rejection.
+        path: ``accepted_nodes`` on the host (the verifiers fill it; None when a result is built without it).
     """
 
     accepted_nodes: torch.Tensor
     next_token: int
+    path: tuple[int, ...] | None = None
 
     @property
     def num_accepted(self) -> int:
@@ -172,7 +175,10 @@ def _as_source(generator: torch.Generator | RandomSource | None, num_nodes: int,
 # Validation and tree plumbing (small host-side lists; N is tens to hundreds).
 
 
-def _check_tree(tree_tokens: torch.Tensor, parents: torch.Tensor) -> tuple[list[int], list[int]]:
+def _check_tree(
+    tree_tokens: torch.Tensor, parents: torch.Tensor, host: HostTree | None = None
+) -> tuple[list[int], list[int]]:
+    """``(tokens, parents)`` as lists after checking the tree; from ``host`` when given (no host read)."""
     if parents.dim() != 1 or parents.numel() == 0 or parents.is_floating_point():
         raise ValueError(f"parents must be an integer tensor [N], N >= 1, got {tuple(parents.shape)} {parents.dtype}")
     if tree_tokens.shape != parents.shape or tree_tokens.is_floating_point():
@@ -180,13 +186,17 @@ def _check_tree(tree_tokens: torch.Tensor, parents: torch.Tensor) -> tuple[list[
             f"tree_tokens must be an integer tensor of parents' shape {tuple(parents.shape)}, got "
             f"{tuple(tree_tokens.shape)} {tree_tokens.dtype}"
         )
-    parent_list = parents.tolist()
+    parent_list = parents.tolist() if host is None else host.parents
     if parent_list[0] != -1:
         raise ValueError(f"parents[0] must be -1 (node 0 is the root), got {parent_list[0]}")
     for i, parent in enumerate(parent_list[1:], start=1):
         if not 0 <= parent < i:
             raise ValueError(f"parents[{i}] = {parent}; every non-root node needs 0 <= parents[i] < i")
-    return tree_tokens.tolist(), parent_list
+    return (tree_tokens.tolist() if host is None else host.tokens), parent_list
+
+
+def _result(path: list[int], next_token: int, device: torch.device) -> VerifyResult:
+    return VerifyResult(to_device(path, device), next_token, tuple(path))
 
 
 def _check_rows(name: str, x: torch.Tensor, rows: int) -> None:
@@ -225,18 +235,29 @@ def _deepest_valid(valid: list[bool], parent_list: list[int], score: list[float]
 # Greedy.
 
 
-def verify_greedy(logits: torch.Tensor, tree_tokens: torch.Tensor, parents: torch.Tensor) -> VerifyResult:
+def verify_greedy(
+    logits: torch.Tensor,
+    tree_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    *,
+    host: HostTree | None = None,
+    argmax: list[int] | None = None,
+) -> VerifyResult:
     """Greedy tree verification: the output equals plain greedy decoding token for token.
 
     A draft node is valid when its token equals ``argmax(logits[parent])`` and its parent is valid. The
     deepest valid node wins (ties, possible only with duplicate sibling tokens: lowest index);
     ``next_token = argmax(logits[last])``. Argmax is ``torch.argmax`` (first maximal index on exact
-    ties), like ``generate``. One host copy of the ``[N]`` argmaxes.
+    ties), like ``generate``. One host copy of the ``[N]`` argmaxes (none when ``argmax`` is given), and
+    of the tree unless ``host`` is given.
 
     Args:
         logits: ``[N, V]`` processed target logits (:func:`~selfspec.decode.sampling.process_logits`).
         tree_tokens: LongTensor ``[N]`` (``tree_tokens[0]``, the root, is not checked).
         parents: LongTensor ``[N]``, ``parents[0] = -1``, ``parents[i] < i``.
+        host: the same tree already read to the host (:func:`~selfspec.decode.host.read_tree`).
+        argmax: ``torch.argmax(logits, dim=-1)`` already read to the host (N ints), e.g. together with
+            another value the caller needs in the same copy.
 
     Returns:
         :class:`VerifyResult`.
@@ -244,16 +265,19 @@ def verify_greedy(logits: torch.Tensor, tree_tokens: torch.Tensor, parents: torc
     Raises:
         ValueError: bad shapes or an invalid ``parents``.
     """
-    tokens, parent_list = _check_tree(tree_tokens, parents)
+    tokens, parent_list = _check_tree(tree_tokens, parents, host)
     _check_rows("logits", logits, len(parent_list))
-    argmax = torch.argmax(logits, dim=-1).tolist()
+    if argmax is None:
+        argmax = torch.argmax(logits, dim=-1).tolist()
+    elif len(argmax) != len(parent_list):
+        raise ValueError(f"argmax must hold one index per node ({len(parent_list)}), got {len(argmax)}")
     valid = [True] * len(parent_list)
     for i in range(1, len(parent_list)):
         parent = parent_list[i]
         valid[i] = valid[parent] and tokens[i] == argmax[parent]
     last = _deepest_valid(valid, parent_list)
     path = _path_to(last, parent_list)
-    return VerifyResult(torch.tensor(path, dtype=torch.long, device=parents.device), argmax[last])
+    return _result(path, argmax[last], parents.device)
 
 
 def verify_greedy_chain(logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[int, int]:
@@ -291,6 +315,8 @@ def verify_tree_sampling(
     parents: torch.Tensor,
     q: torch.Tensor | None,
     generator: torch.Generator | RandomSource | None = None,
+    *,
+    host: HostTree | None = None,
 ) -> VerifyResult:
     """Multi-candidate recursive rejection sampling over a draft tree (SpecInfer, Miao et al. 2024).
 
@@ -321,6 +347,7 @@ def verify_tree_sampling(
             candidates, see above).
         generator: a ``torch.Generator`` on p's device (None: torch's default), or any
             :class:`RandomSource` (tests use one that enumerates all outcomes).
+        host: the same tree already read to the host (:func:`~selfspec.decode.host.read_tree`): no copy of it.
 
     Returns:
         :class:`VerifyResult`.
@@ -329,7 +356,7 @@ def verify_tree_sampling(
         ValueError: bad shapes or an invalid ``parents``.
         TypeError: ``generator`` is neither a ``torch.Generator`` nor a :class:`RandomSource`.
     """
-    tokens, parent_list = _check_tree(tree_tokens, parents)
+    tokens, parent_list = _check_tree(tree_tokens, parents, host)
     n = len(parent_list)
     _check_rows("p", p, n)
     if q is not None:
@@ -338,7 +365,7 @@ def verify_tree_sampling(
             raise ValueError(f"p and q must have the same vocabulary size, got {p.shape[1]} and {q.shape[1]}")
     source = _as_source(generator, n, p.device)
     path, next_token = _rejection_walk(p, tokens, parent_list, q, source)
-    return VerifyResult(torch.tensor(path, dtype=torch.long, device=parents.device), next_token)
+    return _result(path, next_token, parents.device)
 
 
 def verify_chain_sampling(
@@ -440,6 +467,8 @@ def verify_typical(
     generator: torch.Generator | None = None,
     posterior_threshold: float = 0.09,
     posterior_alpha: float = 0.3,
+    *,
+    host: HostTree | None = None,
 ) -> VerifyResult:
     """Medusa's typical acceptance (Cai et al. 2024, "Medusa", Sec. 2.3.1). LOSSY: NOT distribution-preserving.
 
@@ -457,6 +486,7 @@ def verify_typical(
         generator: ``torch.Generator`` for the next-token draw (None: torch's default).
         posterior_threshold: epsilon, the hard threshold (Medusa default 0.09).
         posterior_alpha: delta, the entropy-scaled threshold factor (Medusa default 0.3).
+        host: the same tree already read to the host (:func:`~selfspec.decode.host.read_tree`): no copy of it.
 
     Returns:
         :class:`VerifyResult`.
@@ -469,7 +499,7 @@ def verify_typical(
             f"posterior_threshold and posterior_alpha must be in [0, 1], got {posterior_threshold}, "
             f"{posterior_alpha}; Medusa uses 0.09 and 0.3"
         )
-    tokens, parent_list = _check_tree(tree_tokens, parents)
+    tokens, parent_list = _check_tree(tree_tokens, parents, host)
     n = len(parent_list)
     _check_rows("p", p, n)
     valid, log_score = [True] * n, [0.0] * n
@@ -488,4 +518,4 @@ def verify_typical(
     last = _deepest_valid(valid, parent_list, log_score)
     path = _path_to(last, parent_list)
     next_token = int(sample(p[last].unsqueeze(0), generator)[0])
-    return VerifyResult(torch.tensor(path, dtype=torch.long, device=parents.device), next_token)
+    return _result(path, next_token, parents.device)

@@ -25,10 +25,10 @@ loop, ``selfspec.decode.generate.speculative_generate``, unchanged:
   + ``lm_logits`` + argmax, the token fed back on the device, no host read until the end), run right
   before each configuration's run in every round; a cycle in plain steps is the median over rounds of
   the cycle over the plain step just before it. Configurations alternate their order round by round.
-* the split: one more run with the loop's parts wrapped (``drafter.propose``, ``tree_depths`` /
+* the split: one more run with the loop's parts wrapped (``drafter.propose``, ``read_tree`` /
   ``cut_tree``, ``Verifier.forward_tree``, ``lm_logits`` + ``_finite``, ``target_distributions``,
   ``_verify``, ``kv.compact_cache``), the device synchronised around each; ``other`` is the rest of the
-  cycle (reading the accepted tokens, the stopping rule, the context, the drafter's ``accept``).
+  cycle (the accepted tokens, the stopping rule, the context, the drafter's ``accept``).
 * host syncs per step: on CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` with every warning counted
   and attributed to the Python line that caused it; on a CPU (or ``--sync-count patch``), counters
   patched into ``torch.Tensor.item / tolist / cpu / numpy / __bool__ / __int__ / __float__ / __index__ /
@@ -467,7 +467,7 @@ def timed_parts(verifier: Verifier, drafter: RiggedDrafter, probe: Probe, parts:
 
     wrap = [
         (drafter, "propose", "draft"),
-        (LOOP, "tree_depths", "tree_prep"),
+        (LOOP, "read_tree", "tree_prep"),
         (LOOP, "cut_tree", "tree_prep"),
         (verifier, "forward_tree", "forward"),
         (verifier, "lm_logits", "logits"),

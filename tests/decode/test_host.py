@@ -1,0 +1,153 @@
+"""decode/host.py: the tree read once per step and handed to every part of the step gives the results the
+parts compute on their own; a speculation step reads tensor values on the host twice (tree, argmax)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import pytest
+import torch
+
+from selfspec.decode.drafters import DraftTree, MedusaDrafter
+from selfspec.decode.generate import NonFiniteLogitsError, cut_tree, speculative_generate
+from selfspec.decode.host import HostTree, read_tree, to_device
+from selfspec.decode.kv import compact_cache
+from selfspec.decode.tree import static_tree, tree_depths
+from selfspec.decode.verifier import Verifier
+from selfspec.decode.verify import verify_greedy, verify_tree_sampling, verify_typical
+from tests.conftest import tiny_llama
+from tests.decode.test_generate import TREES, plain_greedy, random_heads
+from tests.decode.test_kv import hand_built_cache, positions
+
+PARENTS = [-1, 0, 0, 1, 1, 2, 3, 3]
+
+
+def random_tree(n: int, seed: int, vocab: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    return torch.randint(0, vocab, (n,), generator=g), torch.tensor(parents)
+
+
+def test_read_tree_values_depths_and_cut():
+    tokens = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12])
+    host = read_tree(tokens, torch.tensor(PARENTS))
+    assert host.tokens == tokens.tolist() and host.parents == PARENTS
+    assert host.depths == tree_depths(torch.tensor(PARENTS)).tolist() == [0, 1, 1, 2, 2, 2, 3, 3]
+    assert host.num_nodes == 8 and host.max_depth == 3 and not host.is_chain
+    assert (
+        read_tree(tokens[:3], torch.tensor([-1, 0, 1])).is_chain and read_tree(tokens[:1], torch.tensor([-1])).is_chain
+    )
+    tree = DraftTree(tokens=tokens, parents=torch.tensor(PARENTS))
+    for d in range(4):
+        cut, depths = cut_tree(tree, torch.tensor(host.depths), d)
+        cut_host, _ = cut_tree(tree, torch.tensor(host.depths), d, host=host)
+        assert host.cut(d) == HostTree(cut.tokens.tolist(), cut.parents.tolist(), depths.tolist())
+        assert cut_host.tokens.tolist() == cut.tokens.tolist() and cut_host.parents.tolist() == cut.parents.tolist()
+    assert to_device([3, 4], "cpu").tolist() == [3, 4] and to_device([3], "cpu").dtype == torch.long
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_verifiers_given_the_host_tree_decide_as_without(seed):
+    n, v = 12, 50
+    tokens, parents = random_tree(n, seed, v)
+    host = read_tree(tokens, parents)
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, v, generator=g) * 3
+    p = logits.softmax(-1)
+    tokens[1:] = torch.where(torch.rand(n - 1, generator=g) < 0.6, logits.argmax(-1)[parents[1:]], tokens[1:])
+    host = read_tree(tokens, parents)
+    q = torch.rand(n, v, generator=g).softmax(-1)
+
+    def same(a, b):
+        assert a.accepted_nodes.tolist() == b.accepted_nodes.tolist() == list(a.path) == list(b.path)
+        assert a.next_token == b.next_token
+
+    ref = verify_greedy(logits, tokens, parents)
+    same(verify_greedy(logits, tokens, parents, host=host), ref)
+    same(verify_greedy(logits, tokens, parents, host=host, argmax=logits.argmax(-1).tolist()), ref)
+    for qq in (q, None):
+        a = verify_tree_sampling(p, tokens, parents, qq, torch.Generator().manual_seed(7))
+        same(verify_tree_sampling(p, tokens, parents, qq, torch.Generator().manual_seed(7), host=host), a)
+    a = verify_typical(p, tokens, parents, torch.Generator().manual_seed(3))
+    same(verify_typical(p, tokens, parents, torch.Generator().manual_seed(3), host=host), a)
+    with pytest.raises(ValueError, match="argmax must hold one index per node"):
+        verify_greedy(logits, tokens, parents, host=host, argmax=[0])
+    bad = HostTree(host.tokens, [-1, 2] + host.parents[2:], host.depths)
+    with pytest.raises(ValueError, match=r"parents\[1\] = 2"):
+        verify_greedy(logits, tokens, parents, host=bad)
+
+
+@pytest.mark.parametrize("path", [[0, 2, 4], [0, 1, 2], [0], [0, 1, 3]])
+def test_compact_cache_with_the_host_path_equals_without(path):
+    a, b = hand_built_cache(), hand_built_cache()
+    compact_cache(a, 4, torch.tensor(path))
+    compact_cache(b, 4, torch.tensor(path), path)
+    assert positions(a) == positions(b)
+
+
+def test_forward_tree_with_the_host_tree_equals_without():
+    target = tiny_llama(seed=2)
+    verifier = Verifier(target)
+    prompt = torch.randint(3, 96, (9,), generator=torch.Generator().manual_seed(0))
+    for parents in (PARENTS, [-1, 0, 1, 2], [-1]):
+        tokens = torch.randint(3, 96, (len(parents),), generator=torch.Generator().manual_seed(1))
+        parents_t = torch.tensor(parents)
+        outs = []
+        for host in (None, read_tree(tokens, parents_t)):
+            cache = verifier.new_cache()
+            verifier.prefill(prompt, cache)
+            outs.append(verifier.forward_tree(tokens, parents_t, cache, prompt.numel(), host=host))
+        assert torch.equal(outs[0], outs[1])
+
+
+@contextlib.contextmanager
+def counted_reads(sites: Counter):
+    """Count calls that read tensor values on the host (a synchronisation on a GPU for a device tensor)."""
+    names = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+    saved = {name: torch.Tensor.__dict__.get(name) for name in names}
+
+    def counted(name, orig):
+        def call(self, *args, **kwargs):
+            sites[name] += 1
+            return orig(self, *args, **kwargs)
+
+        return call
+
+    try:
+        for name in names:
+            setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+        yield
+    finally:
+        for name, orig in saved.items():
+            if orig is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, orig)
+
+
+def test_a_greedy_tree_step_reads_the_host_twice(tiny_target):
+    heads = random_heads(tiny_target)
+    ids = torch.randint(3, 96, (8,), generator=torch.Generator().manual_seed(4))
+    ref = plain_greedy(tiny_target, ids, 20)
+    drafter = MedusaDrafter(heads, static_tree(TREES[2]))
+    out = speculative_generate(tiny_target, drafter, ids, max_new_tokens=20)
+    assert out.tokens == ref
+    drafter = MedusaDrafter(heads, static_tree(TREES[2]))  # built outside the count (it reads its tree)
+    sites: Counter = Counter()
+    with counted_reads(sites):
+        again = speculative_generate(tiny_target, drafter, ids, max_new_tokens=20)
+    assert again.tokens == ref
+    # the prefill reads its first token (argmax and finite flag together), then each step the tree and the argmax
+    assert sum(sites.values()) == 1 + 2 * again.stats.steps, sites
+
+
+def test_non_finite_logits_at_a_tree_step_still_name_the_step(tiny_target):
+    heads = random_heads(tiny_target)
+    ids = torch.randint(3, 96, (8,), generator=torch.Generator().manual_seed(4))
+    first = plain_greedy(tiny_target, ids, 1)[0]
+    target = tiny_llama()
+    target.load_state_dict(tiny_target.state_dict())
+    target.model.embed_tokens.weight[first] = float("inf")  # the logits after the root (step 1) are NaN
+    with pytest.raises(NonFiniteLogitsError, match="at verification step 1: no token can be chosen"):
+        speculative_generate(target, MedusaDrafter(heads, static_tree(TREES[2])), ids, max_new_tokens=8)
