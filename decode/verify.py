@@ -138,8 +138,9 @@ class RandomSource(Protocol):
 class GeneratorSource:
     """The production :class:`RandomSource`: a ``torch.Generator``.
 
-    All N uniforms of a verification are drawn in one ``torch.rand(N)`` call (float64, one host copy);
-    tokens with :func:`selfspec.decode.sampling.sample` (``torch.multinomial``).
+    All N uniforms of a verification are drawn in one ``torch.rand(N)`` call (float64, one host copy, which
+    :func:`verify_tree_sampling` shares with the first-try probabilities); tokens with
+    :func:`selfspec.decode.sampling.sample` (``torch.multinomial``).
 
     Args:
         generator: the generator (on ``device``), or None for torch's default generator.
@@ -153,10 +154,14 @@ class GeneratorSource:
         self.device = device
         self._uniforms: list[float] | None = None
 
+    def draw(self) -> torch.Tensor:
+        """The N uniforms, float64 ``[N]`` on ``device``, drawn now and not read (the caller reads them and
+        hands them back as ``_uniforms``, before any ``accept`` or ``categorical``)."""
+        return torch.rand(self.num_nodes, generator=self.generator, device=self.device, dtype=torch.float64)
+
     def accept(self, node: int, probability: float) -> bool:
         if self._uniforms is None:
-            u = torch.rand(self.num_nodes, generator=self.generator, device=self.device, dtype=torch.float64)
-            self._uniforms = u.tolist()
+            self._uniforms = self.draw().tolist()
         return _is_accepted(self._uniforms[node], probability)
 
     def categorical(self, probs: torch.Tensor) -> int:
@@ -425,7 +430,15 @@ def _rejection_walk(
         token_idx = torch.tensor(tokens[1:], dtype=torch.long, device=p.device)
         p_x = p[parent_idx, token_idx]
         q_x = torch.ones_like(p_x) if q is None else q[parent_idx, token_idx].to(p_x.dtype)
-        first_try = [math.nan] + acceptance_probability(p_x, q_x).tolist()
+        probs = acceptance_probability(p_x, q_x)
+        if isinstance(source, GeneratorSource) and source._uniforms is None:
+            # The first accept draws the uniforms anyway, before any categorical draw: draw them now and read
+            # them with the probabilities in one copy (float32 -> float64 is exact, so the decisions are the same).
+            values = torch.cat([probs.to(torch.float64), source.draw()]).tolist()
+            first_try = [math.nan] + values[: n - 1]
+            source._uniforms = values[n - 1 :]
+        else:
+            first_try = [math.nan] + probs.tolist()
 
     node, path = 0, [0]
     while True:

@@ -13,6 +13,7 @@ from selfspec.decode.drafters import DraftTree, MedusaDrafter
 from selfspec.decode.generate import NonFiniteLogitsError, cut_tree, speculative_generate
 from selfspec.decode.host import HostTree, read_tree, to_device
 from selfspec.decode.kv import compact_cache
+from selfspec.decode.sampling import sample
 from selfspec.decode.tree import static_tree, tree_depths
 from selfspec.decode.verifier import Verifier
 from selfspec.decode.verify import verify_greedy, verify_tree_sampling, verify_typical
@@ -151,3 +152,40 @@ def test_non_finite_logits_at_a_tree_step_still_name_the_step(tiny_target):
     target.model.embed_tokens.weight[first] = float("inf")  # the logits after the root (step 1) are NaN
     with pytest.raises(NonFiniteLogitsError, match="at verification step 1: no token can be chosen"):
         speculative_generate(target, MedusaDrafter(heads, static_tree(TREES[2])), ids, max_new_tokens=8)
+
+
+class LazyUniforms:
+    """The uniforms drawn at the first ``accept`` and read on their own (a :class:`RandomSource` that is not a
+    ``GeneratorSource``, so the walk reads its probabilities apart): the draws a ``torch.Generator`` makes."""
+
+    def __init__(self, generator: torch.Generator, n: int) -> None:
+        self.generator, self.n, self.u = generator, n, None
+
+    def accept(self, node: int, probability: float) -> bool:
+        if self.u is None:
+            self.u = torch.rand(self.n, generator=self.generator, dtype=torch.float64).tolist()
+        return self.u[node] < probability
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        return int(sample(probs.unsqueeze(0), self.generator)[0])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_sampling_reads_uniforms_with_the_first_try_probabilities_and_decides_the_same(seed):
+    n, v = 10, 40
+    tokens, parents = random_tree(n, seed, v)
+    g = torch.Generator().manual_seed(seed)
+    p = (torch.randn(n, v, generator=g) * 2).softmax(-1)
+    q = (torch.randn(n, v, generator=g) * 2).softmax(-1)
+    host = read_tree(tokens, parents)
+    for qq in (q, None):
+        for s in range(5):
+            a = verify_tree_sampling(p, tokens, parents, qq, torch.Generator().manual_seed(s), host=host)
+            b = verify_tree_sampling(p, tokens, parents, qq, LazyUniforms(torch.Generator().manual_seed(s), n))
+            assert a.path == b.path and a.next_token == b.next_token
+    chain = torch.arange(-1, n - 1)
+    sites: Counter = Counter()
+    with counted_reads(sites):
+        verify_tree_sampling(p, tokens, chain, None, torch.Generator().manual_seed(0), host=read_tree(tokens, chain))
+    # the tree (read_tree), the probabilities with the uniforms, the final draw; no sibling on a chain
+    assert sum(sites.values()) == 3, sites
