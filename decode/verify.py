@@ -426,8 +426,7 @@ def _rejection_walk(
     first_try: list[float] = []
     if n > 1:
         # First-try acceptance probability of every draft node, against the untouched p of its parent.
-        parent_idx = torch.tensor(parent_list[1:], dtype=torch.long, device=p.device)
-        token_idx = torch.tensor(tokens[1:], dtype=torch.long, device=p.device)
+        parent_idx, token_idx = to_device([parent_list[1:], tokens[1:]], p.device)  # one copy, [2, N - 1]
         p_x = p[parent_idx, token_idx]
         q_x = torch.ones_like(p_x) if q is None else q[parent_idx, token_idx].to(p_x.dtype)
         probs = acceptance_probability(p_x, q_x)
@@ -519,11 +518,11 @@ def verify_typical(
     if n > 1:
         entropy = -torch.special.xlogy(p, p).sum(dim=-1)  # [N]
         threshold = torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)
-        parent_idx = torch.tensor(parent_list[1:], dtype=torch.long, device=p.device)
-        token_idx = torch.tensor(tokens[1:], dtype=torch.long, device=p.device)
+        parent_idx, token_idx = to_device([parent_list[1:], tokens[1:]], p.device)  # one copy, [2, N - 1]
         p_x = p[parent_idx, token_idx]
-        ok = (p_x > threshold[parent_idx]).tolist()
-        logp = torch.log(p_x.to(torch.float64)).tolist()
+        ok_logp = torch.cat([(p_x > threshold[parent_idx]).to(torch.float64), torch.log(p_x.to(torch.float64))])
+        values = ok_logp.tolist()  # one copy: whether each draft is acceptable, then its log p
+        ok, logp = [v > 0.5 for v in values[: n - 1]], values[n - 1 :]
         for i in range(1, n):
             parent = parent_list[i]
             valid[i] = valid[parent] and ok[i - 1]

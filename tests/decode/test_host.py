@@ -189,3 +189,17 @@ def test_sampling_reads_uniforms_with_the_first_try_probabilities_and_decides_th
         verify_tree_sampling(p, tokens, chain, None, torch.Generator().manual_seed(0), host=read_tree(tokens, chain))
     # the tree (read_tree), the probabilities with the uniforms, the final draw; no sibling on a chain
     assert sum(sites.values()) == 3, sites
+
+
+def test_typical_reads_acceptability_and_log_p_in_one_copy():
+    n, v = 9, 30
+    tokens, parents = random_tree(n, 3, v)
+    p = (torch.randn(n, v, generator=torch.Generator().manual_seed(3)) * 2).softmax(-1)
+    tokens[1:] = p.argmax(-1)[parents[1:]]  # every draft the parent's most likely token: acceptable
+    ref = verify_typical(p, tokens, parents, torch.Generator().manual_seed(1))
+    host = read_tree(tokens, parents)
+    sites: Counter = Counter()
+    with counted_reads(sites):
+        got = verify_typical(p, tokens, parents, torch.Generator().manual_seed(1), host=host)
+    assert got.path == ref.path and got.next_token == ref.next_token and len(got.path) == max(host.depths) + 1
+    assert sum(sites.values()) == 2, sites  # acceptability with log p, then the next-token draw
