@@ -1,0 +1,225 @@
+"""How a head grows with data and training time: train one head family at growing budgets, bench each, and write
+the scaling table and plot.
+
+Each point of the schedule is a training run of ``selfspec train CONFIG`` with more conversations and more
+minutes than the one before (the self-distilled answers are cached in one directory, so a larger point only
+generates the answers the smaller ones did not), followed by one ``selfspec bench`` of the saved head against
+plain decoding on the same prompts, in the same process. Per point the table gives:
+
+* data: conversations (self-distilled + as written), the feature tokens trained on (the store's size), and the
+  CPU hours spent (wall seconds of the training command, self-distillation and features included, times the
+  threads it used, over 3600);
+* held-out acceptance by depth and the chain tau estimate of the saved head (``train_summary.json``);
+* tau and the median speedup over plain decoding on the bench prompts (``report.json``).
+
+A point whose outputs exist is not run again (a killed curve resumes at the point it was in; the training
+command itself resumes from its checkpoint). Results: ``OUT/scaling.json``, ``OUT/scaling.md`` and
+``OUT/scaling.png``.
+
+    python scripts/scaling_curve.py --config configs/eagle-smollm2.yaml --out runs/scaling --threads 2 \\
+        --bench-prompts ../shared/data/eval/mt_bench/question.jsonl --bench-num-prompts 16
+
+The default schedule (``--points``) is 0.5, 1, 2 and 2.5 CPU-hours on the development machine's 2 cores:
+``NAME:DISTILLED:WRITTEN:MINUTES`` each, the minutes being the training clock (``max_train_minutes``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_POINTS = ("h0.5:320:400:12", "h1:640:800:30", "h2:1280:1200:66", "h2.5:1600:1200:84")
+
+
+def parse_point(text: str) -> dict[str, Any]:
+    """``NAME:DISTILLED:WRITTEN:MINUTES`` -> a point dict.
+
+    Raises:
+        ValueError: not four fields, or counts / minutes that are not positive numbers.
+    """
+    parts = text.split(":")
+    if len(parts) != 4:
+        raise ValueError(f"a point is NAME:DISTILLED:WRITTEN:MINUTES, got {text!r}")
+    name, distilled, written, minutes = parts
+    point = {"name": name, "distilled": int(distilled), "written": int(written), "minutes": float(minutes)}
+    if point["distilled"] < 0 or point["written"] < 0 or point["minutes"] <= 0:
+        raise ValueError(f"counts must be >= 0 and minutes > 0, got {text!r}")
+    return point
+
+
+def train_command(args: argparse.Namespace, point: dict[str, Any], out: Path) -> list[str]:
+    """The ``selfspec train`` command of one point (the shared distillation cache, the point's budget).
+
+    With ``self_distill`` the point's conversations are the first ``distilled`` training conversations
+    regenerated and the next ``written`` as written, out of the config's pool (kept, so every point has the same
+    held-out split); without it, the pool is cut to give about ``written`` training conversations (the
+    held-out split then grows with it, by the config's ``eval_fraction``).
+
+    Raises:
+        ValueError: ``distilled`` > 0 for a config without ``self_distill``.
+    """
+    from selfspec.train.config import load_config
+
+    cfg = load_config(args.config, args.override)
+    overrides = [f"output_dir={out}", f"max_train_minutes={point['minutes']}", f"threads={args.threads}"]
+    if cfg.self_distill:
+        pool = max(cfg.max_conversations, int((point["distilled"] + point["written"]) / (1 - cfg.eval_fraction)) + 50)
+        overrides += [
+            f"distill_dir={args.out / 'distill'}",
+            f"distill_conversations={point['distilled']}",
+            f"original_conversations={point['written']}",
+            f"max_conversations={pool}",
+        ]
+    elif point["distilled"]:
+        raise ValueError(f"{args.config} does not self-distill: give points with 0 distilled conversations")
+    else:
+        overrides.append(f"max_conversations={int(point['written'] / (1 - cfg.eval_fraction)) + 1}")
+    return [sys.executable, "-m", "selfspec.train", str(args.config), *overrides, *args.override]
+
+
+def bench_command(args: argparse.Namespace, heads: Path, out: Path) -> list[str]:
+    """The ``selfspec bench`` command of one point's head (baseline in the same process)."""
+    cmd = [sys.executable, "-m", "selfspec.bench", "--prompts", str(args.bench_prompts), "--heads", f"head={heads}"]
+    cmd += ["--methods", "baseline", "--max-new-tokens", str(args.bench_max_new_tokens), "--max-turns", "1"]
+    cmd += ["--threads", str(args.threads), "--out", str(out)]
+    if args.target:
+        cmd += ["--target", args.target]
+    if args.bench_num_prompts:
+        cmd += ["--num-prompts", str(args.bench_num_prompts)]
+    return cmd
+
+
+def run_logged(cmd: list[str], log: Path) -> float:
+    """Run ``cmd`` with its output in ``log``; returns its wall seconds.
+
+    Raises:
+        RuntimeError: a non-zero exit (the message names the log).
+    """
+    t0 = time.perf_counter()
+    with log.open("a") as fh:
+        fh.write("$ " + " ".join(cmd) + "\n")
+        fh.flush()
+        rc = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT)
+    if rc != 0:
+        raise RuntimeError(f"{cmd[2]} exited with {rc}: see {log}")
+    return time.perf_counter() - t0
+
+
+def feature_tokens(run_dir: Path) -> int:
+    """Tokens of the training split in a run's feature store (0 when it kept none)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted((run_dir / "features").glob("rank*-of*.safetensors")):
+        with safe_open(str(path), "pt") as fh:
+            total += int(fh.get_tensor("lengths").sum())
+    return total
+
+
+def point_row(point: dict[str, Any], run_dir: Path, bench_dir: Path, wall_s: float, threads: int) -> dict[str, Any]:
+    """One table row from a point's ``train_summary.json`` and bench ``report.json``."""
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    report = json.loads((bench_dir / "report.json").read_text())
+    ratios, taus = [], []
+    for sample in report["samples"]:
+        res = sample["results"]
+        ratios.append(res["head"]["tokens_per_s"] / res["baseline"]["tokens_per_s"])
+        if res["head"].get("tau"):
+            taus.append(res["head"]["tau"])
+    selected = summary.get("selected", {})
+    return {
+        **point,
+        "feature_tokens": feature_tokens(run_dir),
+        "train_steps": summary["step"],
+        "wall_s": round(wall_s, 1),
+        "cpu_hours": round(wall_s * threads / 3600, 3),
+        "heldout_acceptance": selected.get("acceptance"),
+        "chain_tau_estimate": selected.get("chain_tau"),
+        "bench_tau": round(statistics.mean(taus), 3) if taus else None,
+        "speedup": round(statistics.median(ratios), 3),
+        "prompts": len(ratios),
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The Markdown scaling table."""
+    lines = [
+        "| point | conversations | feature tokens | CPU-hours | steps | held-out acceptance | chain tau est. "
+        "| bench tau | speedup |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        acc = " / ".join(f"{a:.2f}" for a in r["heldout_acceptance"] or [])
+        lines.append(
+            f"| {r['name']} | {r['distilled']} + {r['written']} | {r['feature_tokens']:,} | {r['cpu_hours']:.2f} "
+            f"| {r['train_steps']} | {acc} | {r['chain_tau_estimate']} | {r['bench_tau']} | {r['speedup']:.3f}x |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Tau (bench and estimate) and speedup against feature tokens, one figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [r["feature_tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(x, [r["bench_tau"] for r in rows], "o-", label="tau (bench)")
+    ax.plot(x, [r["chain_tau_estimate"] for r in rows], "s--", label="chain tau estimate (held out)")
+    ax.plot(x, [r["speedup"] for r in rows], "^-", label="speedup (median)")
+    for r, xi in zip(rows, x, strict=True):
+        ax.annotate(f"{r['cpu_hours']:.1f} h", (xi, r["speedup"]), textcoords="offset points", xytext=(4, -12))
+    ax.set_xscale("log")
+    ax.set_xlabel("feature tokens trained on")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=Path("configs/eagle-smollm2.yaml"))
+    parser.add_argument("--out", type=Path, default=Path("runs/scaling"))
+    parser.add_argument("--points", nargs="+", default=list(DEFAULT_POINTS), help="NAME:DISTILLED:WRITTEN:MINUTES")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--target", default=None, help="bench target (default: the head's)")
+    parser.add_argument("--bench-prompts", default="../shared/data/eval/mt_bench/question.jsonl")
+    parser.add_argument("--bench-num-prompts", type=int, default=16)
+    parser.add_argument("--bench-max-new-tokens", type=int, default=128)
+    parser.add_argument("--override", nargs="*", default=[], help="extra key=value for every training run")
+    args = parser.parse_args(argv)
+    points = [parse_point(p) for p in args.points]
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for point in points:
+        run_dir, bench_dir = args.out / point["name"], args.out / point["name"] / "bench"
+        done_file = run_dir / "point.json"
+        if done_file.exists():
+            rows.append(json.loads(done_file.read_text()))
+            continue
+        run_dir.mkdir(parents=True, exist_ok=True)
+        wall = run_logged(train_command(args, point, run_dir), run_dir / "train.log")
+        run_logged(bench_command(args, run_dir / "heads", bench_dir), run_dir / "bench.log")
+        row = point_row(point, run_dir, bench_dir, wall, args.threads)
+        done_file.write_text(json.dumps(row, indent=2))
+        rows.append(row)
+        print(table(rows), flush=True)
+    (args.out / "scaling.json").write_text(json.dumps(rows, indent=2))
+    (args.out / "scaling.md").write_text(table(rows) + "\n")
+    plot(rows, args.out / "scaling.png")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""scripts/scaling_curve.py end to end on a tiny saved target: two points of growing data and time, each trained
+by ``python -m selfspec.train`` and benched by ``python -m selfspec.bench``; the table, JSON and plot are written,
+the second point has more data, and a finished point is not run again."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.archs import tiny_target
+from tests.train.test_architectures import conversations, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("scaling_curve", ROOT / "scripts" / "scaling_curve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_points_are_parsed_and_checked():
+    script = load_script()
+    assert script.parse_point("a:10:20:1.5") == {"name": "a", "distilled": 10, "written": 20, "minutes": 1.5}
+    for bad in ("a:10:20", "a:-1:2:3", "a:1:2:0"):
+        with pytest.raises(ValueError):
+            script.parse_point(bad)
+    assert [script.parse_point(p)["minutes"] for p in script.DEFAULT_POINTS] == [12, 30, 66, 84]
+
+
+def test_two_points_train_bench_and_tabulate(tmp_path, monkeypatch):
+    script = load_script()
+    target_dir = tmp_path / "target"
+    tiny_target("llama").save_pretrained(target_dir)
+    tiny_tokenizer().save_pretrained(target_dir)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in conversations(40)))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"question_id": i, "category": "writing", "turns": [f"tell me about the {t} please"]}) + "\n"
+            for i, t in enumerate(["sea", "moon"])
+        )
+    )
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        f"head: medusa\ntarget: {target_dir}\ndata: {data}\nself_distill: false\nmax_length: 32\n"
+        "draft_vocab_size: 64\nlr: 0.003\nwarmup_steps: 1\neval_every: 1000\nsave_every: 1000\n"
+        "calibrate_prompts: 0\neval_fraction: 0.2\nmedusa: {num_heads: 2, batch_positions: 16}\n"
+    )
+    out = tmp_path / "curve"
+    argv = ["--config", str(config), "--out", str(out), "--threads", "1", "--target", str(target_dir)]
+    argv += ["--bench-prompts", str(prompts), "--bench-num-prompts", "2", "--bench-max-new-tokens", "8"]
+    argv += ["--points", "small:0:10:0.02", "large:0:30:0.04", "--override", "max_steps=4"]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert script.main(argv) == 0
+    rows = json.loads((out / "scaling.json").read_text())
+    assert [r["name"] for r in rows] == ["small", "large"]
+    assert 0 < rows[0]["feature_tokens"] < rows[1]["feature_tokens"]
+    for r in rows:
+        assert r["train_steps"] == 4 and r["prompts"] == 2 and r["speedup"] > 0 and r["cpu_hours"] > 0
+        assert len(r["heldout_acceptance"]) == 2 and r["chain_tau_estimate"] >= 1.0
+    assert (out / "scaling.png").stat().st_size > 1000
+    assert "| large | 0 + 30 |" in (out / "scaling.md").read_text()
+    # a finished point is read back, not run again
+    (out / "small" / "train.log").unlink()
+    assert script.main(argv) == 0 and not (out / "small" / "train.log").exists()
