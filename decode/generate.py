@@ -341,7 +341,7 @@ def _decode(
             logits, context, tree, sampling, logits_processor, len(out), min_new_tokens, eos_ids, depths, host
         )
         result = _verify(p, tree, sampling, generator, acceptance, host, logits if greedy else None, step)
-        path = result.path
+        path = result.path if result.path is not None else tuple(result.accepted_nodes.tolist())
         kv.compact_cache(cache, past, result.accepted_nodes, path)
         t3 = time.perf_counter()
         acc = result.accepted_nodes
