@@ -9,6 +9,10 @@ target's chat template and sorted by length as :func:`selfspec.train.features.se
 target (SmolLM2-135M-Instruct, float32, CPU) runs ``generate`` greedily over the same prompts at each
 batch size, after one warm-up call, the settings interleaved for ``--rounds`` rounds; every run after
 the first reports how many answers equal the first run's. docs/RESULTS.md (round 6) quotes its run.
+
+``--engines generate,selfspec`` also runs selfspec's batched loop (``selfspec.load(target, prompt_lookup=True)``
+and ``generate([...], batch_tree="auto")``: rows leave the batch when they finish, rows are never padded,
+speculation sized by batch) on the same batches, interleaved with ``generate``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="32,64")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2, help="times each setting runs, settings interleaved")
+    p.add_argument("--engines", default="generate", help="generate and/or selfspec, comma-separated")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_target("smollm2-135m-instruct")
@@ -44,25 +49,40 @@ def main() -> None:
     with torch.inference_mode():  # warm-up: the first generate of a process pays one-off costs
         enc = tok(texts[:8], return_tensors="pt", padding=True, add_special_tokens=False)
         model.generate(**enc, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
+    engines = args.engines.split(",")
+    spec = None
+    if "selfspec" in engines:
+        import selfspec
+
+        spec = selfspec.load(model, prompt_lookup=True, tokenizer=tok)
+        spec.generate([tok(texts[0], add_special_tokens=False)["input_ids"]] * 2, max_new_tokens=8)  # warm-up
     reference = None
     for _ in range(args.rounds):
-        for bs in sizes:
-            answers = []
-            t0 = time.perf_counter()
-            for s in range(0, len(texts), bs):
-                enc = tok(texts[s : s + bs], return_tensors="pt", padding=True, add_special_tokens=False)
-                with torch.inference_mode():
-                    out = model.generate(
-                        **enc, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=tok.pad_token_id
-                    )
-                answers += [tok.decode(r[enc["input_ids"].shape[1] :], skip_special_tokens=True) for r in out]
-            seconds = time.perf_counter() - t0
-            agree = 0 if reference is None else sum(a == b for a, b in zip(reference, answers, strict=True))
-            same = "" if reference is None else f", {agree}/{len(texts)} answers as the first"
-            reference = reference or answers
-            print(
-                f"batch {bs:4d}: {seconds:6.1f} s for {len(texts)} prompts x {args.new_tokens} tokens{same}", flush=True
-            )
+        for engine in engines:
+            for bs in sizes:
+                answers = []
+                t0 = time.perf_counter()
+                for s in range(0, len(texts), bs):
+                    if engine == "selfspec":
+                        ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts[s : s + bs]]
+                        outs = spec.generate(ids, max_new_tokens=args.new_tokens, eos_token_id=tok.eos_token_id)
+                        answers += [tok.decode(o.tokens, skip_special_tokens=True) for o in outs]
+                        continue
+                    enc = tok(texts[s : s + bs], return_tensors="pt", padding=True, add_special_tokens=False)
+                    with torch.inference_mode():
+                        out = model.generate(
+                            **enc, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=tok.pad_token_id
+                        )
+                    answers += [tok.decode(r[enc["input_ids"].shape[1] :], skip_special_tokens=True) for r in out]
+                seconds = time.perf_counter() - t0
+                agree = 0 if reference is None else sum(a == b for a, b in zip(reference, answers, strict=True))
+                same = "" if reference is None else f", {agree}/{len(texts)} answers as the first"
+                reference = reference or answers
+                print(
+                    f"{engine:9s} batch {bs:4d}: {seconds:6.1f} s for {len(texts)} prompts x {args.new_tokens} "
+                    f"tokens{same}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":
