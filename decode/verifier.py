@@ -25,10 +25,13 @@ import torch
 from selfspec.decode import cpu_linear
 from selfspec.decode.host import HostTree, depths_of, to_device
 from selfspec.decode.kv import backbone, call_with_cache, new_cache
-from selfspec.decode.masks import attention_layout, block_attention_masks, tree_attention_masks
+from selfspec.decode.masks import FULL, additive, attention_layout, block_attention_masks, tree_attention_masks
+from selfspec.decode.tree import ancestor_mask
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
+
+TREE_SHAPES_KEPT = 8  # tree shapes whose depths and ancestor mask stay on the device (see Verifier._tree_block)
 
 
 class Verifier:
@@ -56,6 +59,7 @@ class Verifier:
         self._twins: dict[str, torch.nn.Module] = {}  # kernel -> twin of the backbone
         self._shared: tuple[tuple[dict, str, torch.Tensor], ...] = ()  # what the twins share, see _in_sync
         self._built_for: tuple[torch.device, torch.dtype] | None = None
+        self._tree_blocks: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # see _tree_block
         if plan:
             self.set_plan(plan)
 
@@ -223,7 +227,10 @@ class Verifier:
             layers: optional decoder-layer indices whose input hidden states to return too.
             host: the tree's structure already on the host (:func:`~selfspec.decode.host.read_tree`); then
                 the chain test, the positions and the mask read nothing from the device. Without it,
-                ``parents`` is read (one host synchronisation on a GPU when it lives there).
+                ``parents`` is read (one host synchronisation on a GPU when it lives there). When every
+                layer attends fully, the depths and ancestor block of the last :data:`TREE_SHAPES_KEPT`
+                tree shapes stay on the device: the positions and the mask are then built there, and a
+                static tree is copied once.
 
         Returns:
             Hidden states ``[N, D]`` (after the final norm, model dtype) at every node; node i has
@@ -240,10 +247,15 @@ class Verifier:
             # A chain: the ordinary causal mask is the tree mask; let the model build it (fast path).
             positions = torch.arange(past_length, past_length + n, device=device).unsqueeze(0)
             mask = None
+        elif (layout := attention_layout(self.target.config)).kinds == (FULL,):
+            # Full attention only: the mask is the cached prefix (all 0) then the tree's ancestor block, and
+            # the positions are past_length + depth; depth and block stay on the device per tree shape.
+            depths, block = self._tree_block(host, dtype, device)
+            positions = (depths + past_length).unsqueeze(0)
+            mask = torch.cat([block.new_zeros(1, 1, n, past_length), block], dim=-1)
         else:
             # One mask per attention-layer type: sliding layers see only their window (selfspec.decode.masks).
             positions = to_device([past_length + d for d in host.depths], device).unsqueeze(0)
-            layout = attention_layout(self.target.config)
             mask = tree_attention_masks(host.parents, past_length, dtype, layout, device)
         kwargs = dict(input_ids=tokens.unsqueeze(0), attention_mask=mask, position_ids=positions)
         if layers:
@@ -253,6 +265,21 @@ class Verifier:
         out = call_with_cache(model, cache, **kwargs)
         hidden = out.last_hidden_state[0]
         return (hidden, layer_states(out, layers)) if layers else hidden
+
+    def _tree_block(
+        self, host: HostTree, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(depths [N] long, additive ancestor mask [1, 1, N, N] in dtype)`` of the tree's shape on ``device``
+        (:func:`~selfspec.decode.masks.additive` of :func:`~selfspec.decode.tree.ancestor_mask`). The last
+        :data:`TREE_SHAPES_KEPT` shapes are kept, so a static tree is sent to the device once, not every step."""
+        key = (tuple(host.parents), dtype, device)
+        hit = self._tree_blocks.get(key)
+        if hit is None:
+            hit = (to_device(host.depths, device), to_device(additive(ancestor_mask(host.parents), dtype), device))
+            if len(self._tree_blocks) >= TREE_SHAPES_KEPT:
+                del self._tree_blocks[next(iter(self._tree_blocks))]
+            self._tree_blocks[key] = hit
+        return hit
 
     def forward_block(
         self,

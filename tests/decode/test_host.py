@@ -16,9 +16,9 @@ from selfspec.decode.kv import compact_cache
 from selfspec.decode.sampling import sample
 from selfspec.decode.tree import static_tree, tree_depths
 from selfspec.decode.verifier import Verifier
-from selfspec.decode.verify import verify_greedy, verify_tree_sampling, verify_typical
+from selfspec.decode.verify import VerifyResult, verify_greedy, verify_tree_sampling, verify_typical
 from tests.conftest import tiny_llama
-from tests.decode.test_generate import TREES, plain_greedy, random_heads
+from tests.decode.test_generate import TREES, OracleDrafter, plain_greedy, random_heads
 from tests.decode.test_kv import hand_built_cache, positions
 
 PARENTS = [-1, 0, 0, 1, 1, 2, 3, 3]
@@ -203,3 +203,48 @@ def test_typical_reads_acceptability_and_log_p_in_one_copy():
         got = verify_typical(p, tokens, parents, torch.Generator().manual_seed(1), host=host)
     assert got.path == ref.path and got.next_token == ref.next_token and len(got.path) == max(host.depths) + 1
     assert sum(sites.values()) == 2, sites  # acceptability with log p, then the next-token draw
+
+
+def test_a_result_without_the_host_path_is_read_from_the_device(tiny_target, monkeypatch):
+    import selfspec.decode.generate as loop
+
+    ids = torch.randint(3, 96, (7,), generator=torch.Generator().manual_seed(5))
+    ref = plain_greedy(tiny_target, ids, 30)
+    orig = loop._verify
+
+    def no_path(*args, **kwargs):
+        r = orig(*args, **kwargs)
+        return VerifyResult(r.accepted_nodes, r.next_token)
+
+    monkeypatch.setattr(loop, "_verify", no_path)
+    out = speculative_generate(tiny_target, OracleDrafter(7, ref, 0, 12), ids, max_new_tokens=30)
+    assert out.tokens == ref and out.stats.mean_accepted_tokens > 1.5
+
+
+def test_full_attention_tree_mask_and_positions_from_the_kept_block_equal_the_host_built_ones(monkeypatch):
+    import selfspec.decode.verifier as verifier_module
+    from selfspec.decode.masks import attention_layout, tree_attention_masks
+    from selfspec.decode.tree import tree_position_ids
+
+    target = tiny_llama(seed=2)
+    verifier = Verifier(target)
+    seen = []
+    orig = verifier_module.call_with_cache
+
+    def record(model, cache, **kwargs):
+        seen.append((kwargs.get("attention_mask"), kwargs.get("position_ids")))
+        return orig(model, cache, **kwargs)
+
+    monkeypatch.setattr(verifier_module, "call_with_cache", record)
+    layout = attention_layout(target.config)
+    cache = verifier.new_cache()
+    verifier.prefill(torch.randint(3, 96, (5,), generator=torch.Generator().manual_seed(0)), cache)
+    past = 5
+    for step, seed in enumerate([0, 1, 0, 2, 0]):  # shapes come back: the kept block serves them
+        tokens, parents = random_tree(9, seed, 96)
+        verifier.forward_tree(tokens, parents, cache, past, host=read_tree(tokens, parents) if step % 2 else None)
+        mask, positions = seen[-1]
+        assert torch.equal(mask, tree_attention_masks(parents, past, torch.float32, layout))
+        assert torch.equal(positions, tree_position_ids(parents, past))
+        past += 9
+    assert len(verifier._tree_blocks) == 3
