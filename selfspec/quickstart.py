@@ -31,7 +31,7 @@ from selfspec.train.__main__ import run
 from selfspec.train.config import load_config
 
 
-def default_config(head: str = "eagle") -> Path:
+def default_config(head: str = "eagle3") -> Path:
     """The shipped quickstart config of a head family, ``configs/{head}-smollm2.yaml``, as installed with the
     package (``selfspec.configs``; an editable install resolves to the checkout's file)."""
     return Path(str(resources.files("selfspec.configs") / f"{head}-smollm2.yaml"))
@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="selfspec quickstart", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("overrides", nargs="*", help="key=value training overrides")
-    parser.add_argument("--head", choices=("eagle", "medusa"), default="eagle", help="head family to train")
+    parser.add_argument(
+        "--head", choices=("eagle3", "eagle", "medusa"), default="eagle3", help="head family to train (EAGLE-3 default)"
+    )
     parser.add_argument("--config", default=None, help="training config (default: the shipped one of --head)")
     parser.add_argument("--target", default=None, help="target name or model directory (default: the config's)")
     parser.add_argument("--data", default=None, help="conversations: 'sharegpt', a .json/.jsonl file or a Hub id")
