@@ -27,6 +27,18 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
+def head_labels(ids: torch.Tensor, mask: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Medusa labels of one sequence: Long ``[T, K]``, head k at position t labelled ``x_{t+2+k}`` where that
+    token exists and is an assistant token (``mask``, Bool ``[T]``), ``-100`` elsewhere."""
+    T = ids.numel()
+    labels = torch.full((T, num_heads), IGNORE, dtype=torch.long)
+    for k in range(num_heads):
+        off = 2 + k
+        if T > off:
+            labels[: T - off, k] = torch.where(mask[off:], ids[off:], torch.full_like(ids[off:], IGNORE))
+    return labels
+
+
 def position_table(store: FeatureStore, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Flatten a store into (hidden, labels) rows: Medusa heads look at one position at a time.
 
@@ -44,12 +56,7 @@ def position_table(store: FeatureStore, num_heads: int) -> tuple[torch.Tensor, t
     hs, ys = [], []
     for i in range(len(store)):
         ids, h, mask = store.sequence(i)
-        T = ids.numel()
-        labels = torch.full((T, num_heads), IGNORE, dtype=torch.long)
-        for k in range(num_heads):
-            off = 2 + k
-            if T > off:
-                labels[: T - off, k] = torch.where(mask[off:], ids[off:], torch.full_like(ids[off:], IGNORE))
+        labels = head_labels(ids, mask, num_heads)
         keep = (labels != IGNORE).any(1)
         hs.append(h[keep])
         ys.append(labels[keep])

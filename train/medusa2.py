@@ -41,6 +41,7 @@ from selfspec.train.config import TrainConfig
 from selfspec.train.feature_store import feature_signature, training_examples
 from selfspec.train.loop import Recipe, StepLoss, draft_vocabulary, train_loop
 from selfspec.train.losses import IGNORE, medusa_loss, topk_hits
+from selfspec.train.medusa import head_labels
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -51,19 +52,6 @@ logger = logging.getLogger(__name__)
 
 ADAPTER_DIR = "adapter"
 """The adapter's directory inside a Medusa-2 heads directory."""
-
-
-def head_labels(ids: torch.Tensor, mask: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Medusa labels of one sequence: ``[T, K]``, head k at position t labelled ``x_{t+2+k}`` where that token
-    exists and is an assistant token (``mask``), ``-100`` elsewhere (as :func:`~selfspec.train.medusa.
-    position_table`)."""
-    T = ids.numel()
-    labels = torch.full((T, num_heads), IGNORE, dtype=torch.long)
-    for k in range(num_heads):
-        off = 2 + k
-        if T > off:
-            labels[: T - off, k] = torch.where(mask[off:], ids[off:], torch.full_like(ids[off:], IGNORE))
-    return labels
 
 
 class JointMedusa(torch.nn.Module):
