@@ -16,7 +16,7 @@ A point whose outputs exist is not run again (a killed curve resumes at the poin
 command itself resumes from its checkpoint). Results: ``OUT/scaling.json``, ``OUT/scaling.md`` and
 ``OUT/scaling.png``.
 
-    python scripts/scaling_curve.py --config configs/eagle-smollm2.yaml --out runs/scaling --threads 2 \\
+    python scripts/scaling_curve.py --config configs/eagle3-smollm2.yaml --out runs/scaling --threads 2 \\
         --bench-prompts ../shared/data/eval/mt_bench/question.jsonl --bench-num-prompts 16
 
 The default schedule (``--points``) is 0.5, 1, 2 and 2.5 CPU-hours on the development machine's 2 cores:
@@ -188,7 +188,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, default=Path("configs/eagle-smollm2.yaml"))
+    parser.add_argument("--config", type=Path, default=Path("configs/eagle3-smollm2.yaml"))
     parser.add_argument("--out", type=Path, default=Path("runs/scaling"))
     parser.add_argument("--points", nargs="+", default=list(DEFAULT_POINTS), help="NAME:DISTILLED:WRITTEN:MINUTES")
     parser.add_argument("--threads", type=int, default=2)
