@@ -287,6 +287,7 @@ def _decode(
         stream.put(input_ids.unsqueeze(0).cpu())  # as generate: the prompt first (TextStreamer(skip_prompt=...))
     propose = _proposer(drafter)
     forward_tree = _tree_forward(verifier)
+    greedy = acceptance == "exact" and not sampling.do_sample  # greedy reads the finite check with the argmaxes
 
     cache = verifier.new_cache()
     # A drafter with ``target_layers`` (EAGLE-3) takes those layers' hidden states instead of the last one.
@@ -334,7 +335,6 @@ def _decode(
         h, feats = _with_layers(forward_tree(tree, cache, past, layers, host), layers)
         logits = verifier.lm_logits(h)
         step = stats.steps + 1
-        greedy = acceptance == "exact" and not sampling.do_sample
         if not greedy:  # greedy checks on the argmax read instead (_argmax)
             _finite(logits, step)
         p = target_distributions(

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from selfspec.decode.tree import depths_of
+
 
 @dataclass(frozen=True)
 class HostTree:
@@ -50,14 +52,6 @@ class HostTree:
         new_index = {old: new for new, old in enumerate(kept)}
         parents = [new_index[self.parents[i]] if self.parents[i] >= 0 else self.parents[i] for i in kept]
         return HostTree([self.tokens[i] for i in kept], parents, [self.depths[i] for i in kept])
-
-
-def depths_of(parents: Sequence[int]) -> list[int]:
-    """Node depths from parent indices (``parents[i] < i``; the root 0)."""
-    depth = [0] * len(parents)
-    for i in range(1, len(parents)):
-        depth[i] = depth[parents[i]] + 1
-    return depth
 
 
 def read_tree(tokens: torch.Tensor, parents: torch.Tensor) -> HostTree:

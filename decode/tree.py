@@ -95,13 +95,18 @@ def validate_parents(parents: torch.Tensor) -> None:
         raise ValueError("every non-root node needs 0 <= parents[i] < i")
 
 
+def depths_of(parents: Sequence[int]) -> list[int]:
+    """Node depths from parent indices as ints (``parents[i] < i``; the root 0)."""
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return depth
+
+
 def tree_depths(parents: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """Depth of each node. ``parents``: LongTensor ``[N]`` (or its values as ints) -> LongTensor ``[N]`` (root 0)."""
     p = parents.tolist() if isinstance(parents, torch.Tensor) else list(parents)
-    depth = [0] * len(p)
-    for i in range(1, len(p)):
-        depth[i] = depth[p[i]] + 1
-    return torch.tensor(depth, dtype=torch.long)
+    return torch.tensor(depths_of(p), dtype=torch.long)
 
 
 def ancestor_mask(parents: torch.Tensor | Sequence[int]) -> torch.Tensor:

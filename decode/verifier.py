@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from selfspec.decode import cpu_linear
-from selfspec.decode.host import HostTree, depths_of, to_device
+from selfspec.decode.host import HostTree, read_tree, to_device
 from selfspec.decode.kv import backbone, call_with_cache, new_cache
 from selfspec.decode.masks import FULL, additive, attention_layout, block_attention_masks, tree_attention_masks
 from selfspec.decode.tree import ancestor_mask
@@ -241,8 +241,7 @@ class Verifier:
         device = tokens.device
         n = tokens.numel()
         if host is None and n > 1:
-            parent_list = parents.tolist()
-            host = HostTree([], parent_list, depths_of(parent_list))
+            host = read_tree(tokens, parents)
         if n == 1 or host.is_chain:
             # A chain: the ordinary causal mask is the tree mask; let the model build it (fast path).
             positions = torch.arange(past_length, past_length + n, device=device).unsqueeze(0)

@@ -41,7 +41,7 @@ from selfspec.train.config import TrainConfig
 from selfspec.train.feature_store import feature_signature, training_examples
 from selfspec.train.loop import Recipe, StepLoss, draft_vocabulary, train_loop
 from selfspec.train.losses import IGNORE, medusa_loss, topk_hits
-from selfspec.train.medusa import head_labels
+from selfspec.train.medusa import head_labels, to_draft_labels
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -219,9 +219,7 @@ class Medusa2Recipe(Recipe):
         return batch
 
     def _draft_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        out = labels.clone()
-        valid = labels != IGNORE
-        out[valid] = self.t2d[labels[valid]]
+        out = to_draft_labels(labels, self.t2d)
         return out.masked_fill(out == -1, IGNORE)  # out-of-vocabulary tokens: no gradient
 
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepLoss:
@@ -256,7 +254,7 @@ class Medusa2Recipe(Recipe):
             kl_sum += float((log_p.exp() * (log_p - log_q)).sum(-1).sum())
             agree += int((log_q.argmax(-1) == log_p.argmax(-1)).sum())
             n_kl += log_q.shape[0]
-            h, c = topk_hits(head_logits, _misses_as_minus_one(b["labels"], self.t2d.to(dev)), k)
+            h, c = topk_hits(head_logits, to_draft_labels(b["labels"], self.t2d.to(dev)), k)
             hits += h.cpu()
             counts += c.cpu()
         joint.train(was_training)
@@ -292,15 +290,6 @@ class Medusa2Recipe(Recipe):
             "adapter": ADAPTER_DIR,
             "joint": True,
         }
-
-
-def _misses_as_minus_one(labels: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
-    """Target-id labels ``[P, K]`` as draft ids, ``-1`` for a token outside the draft vocabulary (a miss in
-    :func:`~selfspec.train.losses.topk_hits`), ``-100`` kept (unscored)."""
-    out = labels.clone()
-    valid = labels != IGNORE
-    out[valid] = t2d[labels[valid]]
-    return out
 
 
 def train_medusa2(

@@ -169,7 +169,8 @@ def eagle3_feature_stores(
     cached = cfg.eagle3.features == "auto" and all(
         has_features(store_path(cfg.output_dir, r, world), signature) for r in range(world)
     )
-    split = [] if cached else [training_examples(cfg, target, tokenizer, c) for c in (train_convs, eval_convs)]
+    counted = not cached and cfg.eagle3.features != "store"  # the store's own path renders the conversations
+    split = [training_examples(cfg, target, tokenizer, c) for c in (train_convs, eval_convs)] if counted else []
     width = target.config.hidden_size * (len(layers) + 1)
     itemsize = next(target.parameters()).element_size()
     n_train, n_held = (sum(int(e["input_ids"].numel()) for e in ex) for ex in split) if split else (0, 0)
