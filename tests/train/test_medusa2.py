@@ -181,3 +181,21 @@ def test_shipped_config_loads():
         medusa1.distill_conversations,
         medusa1.max_train_minutes,
     )
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3"])
+def test_joint_heads_decode_exactly_on_other_families(family, tmp_path):
+    """Medusa-2 on Gemma-3 (sliding-window and global layers) and Qwen3: the adapted target's greedy output."""
+    from tests.archs import tiny_target
+
+    base_dir = tmp_path / "base"
+    tiny_target(family).save_pretrained(base_dir)
+    tiny_tokenizer().save_pretrained(base_dir)
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in conversations(24)))
+    heads = train((base_dir, data), tmp_path / "run", epochs=2, medusa={"lora_modules": ["q_proj", "v_proj"]})
+    assert (heads / "adapter" / "adapter_config.json").is_file()
+    spec = selfspec.load(base_dir, heads, tune="off", tree_nodes=4)
+    for topic in ("sea", "winter"):
+        ids = spec.encode([{"role": "user", "content": f"tell me about the {topic}"}])
+        assert spec.generate(ids, max_new_tokens=16, eos_token_id=[]).tokens == plain_greedy(spec.target, ids, 16)
