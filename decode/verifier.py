@@ -347,16 +347,16 @@ class Verifier:
         return logits.float()
 
 
-def layer_states(output, layers: Sequence[int]) -> torch.Tensor:
+def layer_states(output, layers: Sequence[int], row: int = 0) -> torch.Tensor:
     """The hidden states entering decoder layers ``layers`` (``output.hidden_states[i]``: index 0 is the
     embedding output, i the output of layer i - 1, as EAGLE-3's ``eagle_aux_hidden_state_layer_ids`` count),
-    concatenated: ``[T, len(layers) * D]`` for batch row 0.
+    concatenated: ``[T, len(layers) * D]`` for batch row ``row``.
 
     Raises:
         ValueError: a layer index outside ``[0, L)`` (``hidden_states[L]`` is after the final norm).
     """
     states = output.hidden_states
-    return torch.cat([states[i][0] for i in _checked_layers(output, layers)], dim=-1)
+    return torch.cat([states[i][row] for i in _checked_layers(output, layers)], dim=-1)
 
 
 def _checked_layers(output, layers: Sequence[int]) -> list[int]:

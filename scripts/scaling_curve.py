@@ -7,8 +7,9 @@ generates the answers the smaller ones did not), followed by one ``selfspec benc
 plain decoding on the same prompts, in the same process. Per point the table gives:
 
 * data: conversations (self-distilled + as written), the feature tokens trained on (the store's size), and the
-  CPU hours spent (wall seconds of the training command, self-distillation and features included, times the
-  threads it used, over 3600);
+  CPU hours a run from scratch spends: wall seconds of the training command (self-distillation of its new
+  answers, features and training), plus the self-distillation seconds of the answers earlier points
+  generated for it (read from their logs), times the threads, over 3600;
 * held-out acceptance by depth and the chain tau estimate of the saved head (``train_summary.json``);
 * tau and the median speedup over plain decoding on the bench prompts (``report.json``).
 
@@ -19,7 +20,7 @@ command itself resumes from its checkpoint). Results: ``OUT/scaling.json``, ``OU
     python scripts/scaling_curve.py --config configs/eagle3-smollm2.yaml --out runs/scaling --threads 2 \\
         --bench-prompts ../shared/data/eval/mt_bench/question.jsonl --bench-num-prompts 16
 
-The default schedule (``--points``) is 0.5, 1, 2 and 2.5 CPU-hours on the development machine's 2 cores:
+The default schedule (``--points``) is about 0.5, 1 and 2 CPU-hours on the development machine's 2 cores:
 ``NAME:DISTILLED:WRITTEN:MINUTES`` each, the minutes being the training clock (``max_train_minutes``).
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -34,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_POINTS = ("h0.5:320:400:12", "h1:640:800:30", "h2:1280:1200:66", "h2.5:1600:1200:84")
+DEFAULT_POINTS = ("h0.5:160:200:6", "h1:320:400:12", "h2:640:800:30")
 
 
 def parse_point(text: str) -> dict[str, Any]:
@@ -122,8 +124,25 @@ def feature_tokens(run_dir: Path) -> int:
     return total
 
 
-def point_row(point: dict[str, Any], run_dir: Path, bench_dir: Path, wall_s: float, threads: int) -> dict[str, Any]:
-    """One table row from a point's ``train_summary.json`` and bench ``report.json``."""
+def stage_seconds(log: Path) -> dict[str, float]:
+    """Seconds of self-distillation and of the target-feature pass logged by the training command(s) in ``log``
+    (summed over resumed attempts; 0 for a stage that did not run)."""
+    pats = {
+        "distill_s": r"self-distillation done in ([0-9.]+)s",
+        "features_s": r"target features: \d+ tokens in ([0-9.]+)s",
+    }
+    text = log.read_text() if log.exists() else ""
+    return {k: round(sum(float(x) for x in re.findall(pat, text)), 1) for k, pat in pats.items()}
+
+
+def point_row(
+    point: dict[str, Any], run_dir: Path, bench_dir: Path, wall_s: float, threads: int, earlier_distill_s: float = 0.0
+) -> dict[str, Any]:
+    """One table row from a point's ``train_summary.json``, bench ``report.json`` and training log.
+
+    ``earlier_distill_s``: self-distillation seconds that earlier points spent on answers this point reuses
+    from the shared cache; they count in its CPU hours (a run from scratch generates them).
+    """
     summary = json.loads((run_dir / "train_summary.json").read_text())
     report = json.loads((bench_dir / "report.json").read_text())
     ratios, taus = [], []
@@ -133,12 +152,16 @@ def point_row(point: dict[str, Any], run_dir: Path, bench_dir: Path, wall_s: flo
         if res["head"].get("tau"):
             taus.append(res["head"]["tau"])
     selected = summary.get("selected", {})
+    stages = stage_seconds(run_dir / "train.log")
     return {
         **point,
         "feature_tokens": feature_tokens(run_dir),
         "train_steps": summary["step"],
         "wall_s": round(wall_s, 1),
-        "cpu_hours": round(wall_s * threads / 3600, 3),
+        **stages,
+        "train_s": summary.get("train_s"),
+        "earlier_distill_s": round(earlier_distill_s, 1),
+        "cpu_hours": round((wall_s + earlier_distill_s) * threads / 3600, 3),
         "heldout_acceptance": selected.get("acceptance"),
         "chain_tau_estimate": selected.get("chain_tau"),
         "bench_tau": round(statistics.mean(taus), 3) if taus else None,
@@ -210,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         wall = run_logged(train_command(args, point, run_dir), run_dir / "train.log")
         run_logged(bench_command(args, run_dir / "heads", bench_dir), run_dir / "bench.log")
-        row = point_row(point, run_dir, bench_dir, wall, args.threads)
+        earlier = sum(r.get("distill_s", 0.0) for r in rows)
+        row = point_row(point, run_dir, bench_dir, wall, args.threads, earlier)
         done_file.write_text(json.dumps(row, indent=2))
         rows.append(row)
         print(table(rows), flush=True)

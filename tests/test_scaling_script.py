@@ -29,7 +29,7 @@ def test_points_are_parsed_and_checked():
     for bad in ("a:10:20", "a:-1:2:3", "a:1:2:0"):
         with pytest.raises(ValueError):
             script.parse_point(bad)
-    assert [script.parse_point(p)["minutes"] for p in script.DEFAULT_POINTS] == [12, 30, 66, 84]
+    assert [script.parse_point(p)["minutes"] for p in script.DEFAULT_POINTS] == [6, 12, 30]
 
 
 def test_two_points_train_bench_and_tabulate(tmp_path, monkeypatch):

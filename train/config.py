@@ -157,6 +157,8 @@ class TrainConfig:
         distill_dir: where regenerated answers are cached (JSONL per rank); default ``<output_dir>/distill``.
             Point several runs at one directory to train different heads on the same answers.
         dtype: target compute dtype for features and distillation (``"bfloat16"`` or ``"float32"``).
+        feature_batch_tokens: padded tokens per target forward when the feature store is computed (examples
+            sorted by length, :func:`selfspec.train.features.hidden_features`); 0 runs one example at a time.
         draft_vocab_size: size S of the reduced draft vocabulary (the most frequent answer tokens); None or
             at least V: the full vocabulary.
         lr, weight_decay, betas, warmup_steps, grad_clip: AdamW + linear warmup + cosine decay.
@@ -196,6 +198,7 @@ class TrainConfig:
     distill_dir: str | None = None
     original_conversations: int = 0
     dtype: str = "float32"
+    feature_batch_tokens: int = 4096
     draft_vocab_size: int | None = 8192
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -229,6 +232,10 @@ class TrainConfig:
             raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {self.mixed_precision!r}")
         if self.select_head not in ("tau", "last"):
             raise ValueError(f"select_head must be 'tau' or 'last', got {self.select_head!r}")
+        if self.feature_batch_tokens < 0:
+            raise ValueError(
+                f"feature_batch_tokens must be >= 0 (0: one example at a time), got {self.feature_batch_tokens}"
+            )
         if self.grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
         if not 0.0 < self.eval_fraction < 1.0:

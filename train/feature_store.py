@@ -232,7 +232,7 @@ def target_features(
         parts = []
         for convs in (train_convs[rank::world], eval_convs[rank::world]):
             ex = training_examples(cfg, target, tokenizer, convs)
-            feats = hidden_features(target, ex, disable_progress=quiet, layers=layers)
+            feats = hidden_features(target, ex, quiet, layers, cfg.feature_batch_tokens)
             parts.append(FeatureStore.from_examples(ex, feats, D * (len(layers) + 1 if layers else 1)))
         own = (parts[0], parts[1])
         n_tok = int(own[0].lengths.sum() + own[1].lengths.sum())

@@ -37,6 +37,7 @@ def config(tmp_path, features: str, **kw) -> TrainConfig:
         seed=0,
         calibrate_prompts=0,
         output_dir=str(tmp_path),
+        feature_batch_tokens=0,  # one forward per sequence, as online: bit-equal (batching: test_batched_features)
         eagle3={"batch_tokens": 64, "ttt_steps": 2, "target_layers": LAYERS, "features": features},
     )
     base.update(kw)
