@@ -10,6 +10,7 @@ target (SmolLM2-135M-Instruct, float32, CPU) runs ``generate`` greedily over the
 batch size, after one warm-up call, the settings interleaved for ``--rounds`` rounds; every run after
 the first reports how many answers equal the first run's. docs/RESULTS.md (round 6) quotes its run.
 
+``--caches dynamic,static`` runs ``generate`` with each KV cache (``cache_implementation``), interleaved.
 ``--engines generate,selfspec`` also runs selfspec's batched loop (``selfspec.load(target, prompt_lookup=True)``
 and ``generate([...], batch_tree="auto")``: rows leave the batch when they finish, rows are never padded,
 speculation sized by batch) on the same batches, interleaved with ``generate``.
@@ -35,6 +36,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2, help="times each setting runs, settings interleaved")
     p.add_argument("--engines", default="generate", help="generate and/or selfspec, comma-separated")
+    p.add_argument(
+        "--caches", default="dynamic", help="generate's KV caches to compare: dynamic and/or static (comma-separated)"
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_target("smollm2-135m-instruct")
@@ -57,8 +61,10 @@ def main() -> None:
         spec = selfspec.load(model, prompt_lookup=True, tokenizer=tok)
         spec.generate([tok(texts[0], add_special_tokens=False)["input_ids"]] * 2, max_new_tokens=8)  # warm-up
     reference = None
+    caches = args.caches.split(",")
+    runs = [(e, c) for e in engines for c in (caches if e == "generate" else ["-"])]
     for _ in range(args.rounds):
-        for engine in engines:
+        for engine, cache in runs:
             for bs in sizes:
                 answers = []
                 t0 = time.perf_counter()
@@ -70,8 +76,13 @@ def main() -> None:
                         continue
                     enc = tok(texts[s : s + bs], return_tensors="pt", padding=True, add_special_tokens=False)
                     with torch.inference_mode():
+                        extra = {"cache_implementation": "static"} if cache == "static" else {}
                         out = model.generate(
-                            **enc, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=tok.pad_token_id
+                            **enc,
+                            max_new_tokens=args.new_tokens,
+                            do_sample=False,
+                            pad_token_id=tok.pad_token_id,
+                            **extra,
                         )
                     answers += [tok.decode(r[enc["input_ids"].shape[1] :], skip_special_tokens=True) for r in out]
                 seconds = time.perf_counter() - t0
@@ -79,7 +90,8 @@ def main() -> None:
                 same = "" if reference is None else f", {agree}/{len(texts)} answers as the first"
                 reference = reference or answers
                 print(
-                    f"{engine:9s} batch {bs:4d}: {seconds:6.1f} s for {len(texts)} prompts x {args.new_tokens} "
+                    f"{engine:9s} {cache:7s} batch {bs:4d}: {seconds:6.1f} s for {len(texts)} prompts x "
+                    f"{args.new_tokens} "
                     f"tokens{same}",
                     flush=True,
                 )

@@ -124,6 +124,12 @@ def feature_tokens(run_dir: Path) -> int:
     return total
 
 
+def trained_tokens(summary: dict[str, Any]) -> int | None:
+    """Head positions the optimiser saw (the loop's tokens/s times its seconds), None when not logged."""
+    rate, seconds = summary.get("train_tokens_per_s"), summary.get("train_s")
+    return round(rate * seconds) if rate and seconds else None
+
+
 def stage_seconds(log: Path) -> dict[str, float]:
     """Seconds of self-distillation and of the target-feature pass logged by the training command(s) in ``log``
     (summed over resumed attempts; 0 for a stage that did not run)."""
@@ -160,6 +166,7 @@ def point_row(
         "wall_s": round(wall_s, 1),
         **stages,
         "train_s": summary.get("train_s"),
+        "trained_tokens": trained_tokens(summary),
         "earlier_distill_s": round(earlier_distill_s, 1),
         "cpu_hours": round((wall_s + earlier_distill_s) * threads / 3600, 3),
         "heldout_acceptance": selected.get("acceptance"),
@@ -173,15 +180,19 @@ def point_row(
 def table(rows: list[dict[str, Any]]) -> str:
     """The Markdown scaling table."""
     lines = [
-        "| point | conversations | feature tokens | CPU-hours | steps | held-out acceptance | chain tau est. "
-        "| bench tau | speedup |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|",
+        "| point | conversations | feature tokens | trained tokens | CPU-hours | minutes: distill / features / train "
+        "| steps | held-out acceptance | chain tau est. | bench tau | speedup |",
+        "|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|",
     ]
     for r in rows:
         acc = " / ".join(f"{a:.2f}" for a in r["heldout_acceptance"] or [])
+        trained = f"{r['trained_tokens']:,}" if r.get("trained_tokens") else "-"
+        distill = (r.get("distill_s", 0.0) + r.get("earlier_distill_s", 0.0)) / 60
+        minutes = f"{distill:.1f} / {r.get('features_s', 0.0) / 60:.1f} / {(r.get('train_s') or 0.0) / 60:.1f}"
         lines.append(
-            f"| {r['name']} | {r['distilled']} + {r['written']} | {r['feature_tokens']:,} | {r['cpu_hours']:.2f} "
-            f"| {r['train_steps']} | {acc} | {r['chain_tau_estimate']} | {r['bench_tau']} | {r['speedup']:.3f}x |"
+            f"| {r['name']} | {r['distilled']} + {r['written']} | {r['feature_tokens']:,} | {trained} "
+            f"| {r['cpu_hours']:.2f} | {minutes} | {r['train_steps']} | {acc} | {r['chain_tau_estimate']} "
+            f"| {r['bench_tau']} | {r['speedup']:.3f}x |"
         )
     return "\n".join(lines)
 
@@ -228,7 +239,10 @@ def main(argv: list[str] | None = None) -> int:
         run_dir, bench_dir = args.out / point["name"], args.out / point["name"] / "bench"
         done_file = run_dir / "point.json"
         if done_file.exists():
-            rows.append(json.loads(done_file.read_text()))
+            row = json.loads(done_file.read_text())
+            if "trained_tokens" not in row:  # written by an earlier version of this script
+                row["trained_tokens"] = trained_tokens(json.loads((run_dir / "train_summary.json").read_text()))
+            rows.append(row)
             continue
         run_dir.mkdir(parents=True, exist_ok=True)
         wall = run_logged(train_command(args, point, run_dir), run_dir / "train.log")
