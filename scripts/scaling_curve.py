@@ -125,8 +125,10 @@ def feature_tokens(run_dir: Path) -> int:
 
 
 def trained_tokens(summary: dict[str, Any]) -> int | None:
-    """Head positions the optimiser saw (the loop's tokens/s times its seconds), None when not logged."""
-    rate, seconds = summary.get("train_tokens_per_s"), summary.get("train_s")
+    """Head positions the optimiser saw (the loop's tokens/s times its seconds; Medusa counts ``positions``),
+    None when not logged."""
+    rate = summary.get("train_tokens_per_s") or summary.get("positions_per_s")
+    seconds = summary.get("train_s")
     return round(rate * seconds) if rate and seconds else None
 
 
