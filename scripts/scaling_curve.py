@@ -125,8 +125,11 @@ def feature_tokens(run_dir: Path) -> int:
 
 
 def trained_tokens(summary: dict[str, Any]) -> int | None:
-    """Head positions the optimiser saw (the loop's tokens/s times its seconds; Medusa counts ``positions``),
-    None when not logged."""
+    """Head positions the optimiser saw: the loop's ``train_tokens_total`` (Medusa counts ``positions``), or
+    from an older summary its tokens/s times its seconds; None when neither was logged."""
+    for key in ("train_tokens", "positions"):
+        if f"{key}_total" in summary:
+            return int(summary[f"{key}_total"])
     rate = summary.get("train_tokens_per_s") or summary.get("positions_per_s")
     seconds = summary.get("train_s")
     return round(rate * seconds) if rate and seconds else None
@@ -134,13 +137,14 @@ def trained_tokens(summary: dict[str, Any]) -> int | None:
 
 def stage_seconds(log: Path) -> dict[str, float]:
     """Seconds of self-distillation and of the target-feature pass logged by the training command(s) in ``log``
-    (summed over resumed attempts; 0 for a stage that did not run)."""
+    (summed over resumed attempts; None for a stage that did not run)."""
     pats = {
         "distill_s": r"self-distillation done in ([0-9.]+)s",
         "features_s": r"target features: \d+ tokens in ([0-9.]+)s",
     }
     text = log.read_text() if log.exists() else ""
-    return {k: round(sum(float(x) for x in re.findall(pat, text)), 1) for k, pat in pats.items()}
+    found = {k: [float(x) for x in re.findall(pat, text)] for k, pat in pats.items()}
+    return {k: round(sum(v), 1) if v else None for k, v in found.items()}
 
 
 def point_row(
@@ -189,8 +193,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         acc = " / ".join(f"{a:.2f}" for a in r["heldout_acceptance"] or [])
         trained = f"{r['trained_tokens']:,}" if r.get("trained_tokens") else "-"
-        distill = (r.get("distill_s", 0.0) + r.get("earlier_distill_s", 0.0)) / 60
-        minutes = f"{distill:.1f} / {r.get('features_s', 0.0) / 60:.1f} / {(r.get('train_s') or 0.0) / 60:.1f}"
+        distill = ((r.get("distill_s") or 0.0) + (r.get("earlier_distill_s") or 0.0)) / 60
+        features = (r.get("features_s") or 0.0) / 60
+        minutes = f"{distill:.1f} / {features:.1f} / {(r.get('train_s') or 0.0) / 60:.1f}"
         lines.append(
             f"| {r['name']} | {r['distilled']} + {r['written']} | {r['feature_tokens']:,} | {trained} "
             f"| {r['cpu_hours']:.2f} | {minutes} | {r['train_steps']} | {acc} | {r['chain_tau_estimate']} "
@@ -249,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         wall = run_logged(train_command(args, point, run_dir), run_dir / "train.log")
         run_logged(bench_command(args, run_dir / "heads", bench_dir), run_dir / "bench.log")
-        earlier = sum(r.get("distill_s", 0.0) for r in rows)
+        earlier = sum(r.get("distill_s") or 0.0 for r in rows)
         row = point_row(point, run_dir, bench_dir, wall, args.threads, earlier)
         done_file.write_text(json.dumps(row, indent=2))
         rows.append(row)

@@ -66,7 +66,9 @@ def test_two_points_train_bench_and_tabulate(tmp_path, monkeypatch):
         assert len(r["heldout_acceptance"]) == 2 and r["chain_tau_estimate"] >= 1.0
     assert (out / "scaling.png").stat().st_size > 1000
     assert "| large | 0 + 30 |" in (out / "scaling.md").read_text()
-    assert all(r["trained_tokens"] > 0 and r["features_s"] > 0 and r["distill_s"] == 0 for r in rows)
+    # 4 Medusa steps of at most 16 positions each; features were computed, nothing was self-distilled
+    for r in rows:
+        assert 0 < r["trained_tokens"] <= 4 * 16 and r["features_s"] is not None and r["distill_s"] is None
     # a finished point is read back, not run again
     (out / "small" / "train.log").unlink()
     assert script.main(argv) == 0 and not (out / "small" / "train.log").exists()

@@ -291,12 +291,14 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
         extras = recipe.save(metrics, final_dir)
         calibration_ids = extras.pop("calibration_ids", [])
         rates = {f"{k}_per_s": round(n * world / max(elapsed, 1e-9), 1) for k, n in counts.items()}
+        totals = {f"{k}_total": n * world for k, n in counts.items()}
         summary = {
             "head": recipe.family,
             "step": step,
             "train_s": round(elapsed, 1),
             **({"selected": {"by": "chain_tau_estimate", **best[0]}} if best is not None else {}),
             **rates,
+            **totals,
             **extras,
             "history": hist,
         }
