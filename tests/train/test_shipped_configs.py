@@ -31,5 +31,10 @@ def test_full_recipe_fits_the_packaged_data():
     train = pool * (1 - full.eval_fraction)
     assert full.distill_conversations + full.original_conversations <= train * 0.99  # hash split: a margin
     # the same recipe, more of everything: the quickstart's answers are the first ones of the full run's cache
-    assert (full.head, full.eagle3, full.lr, full.distill_dir) == (small.head, small.eagle3, small.lr, small.distill_dir)
+    assert (full.head, full.eagle3, full.lr, full.distill_dir) == (
+        small.head,
+        small.eagle3,
+        small.lr,
+        small.distill_dir,
+    )
     assert full.max_train_minutes is None and full.distill_conversations > small.distill_conversations
