@@ -122,9 +122,10 @@ def hidden_features(
     With ``batch_tokens`` > 1 the examples are sorted by length and run in batches of at most
     ``batch_tokens`` padded tokens (rows right-padded with token 0, no attention mask). A causal target's
     states at a row's real positions never see the padding after them, so each example gets the states it
-    gets alone, up to float rounding of the larger matmuls (about 1e-5 relative in float32). On the
-    development CPU batches of ~4096 tokens forward SmolLM2 1.3-1.5x faster than one example at a time
-    (docs/RESULTS.md, round 11). An example longer than ``batch_tokens`` runs alone.
+    gets alone, up to float rounding of the larger matmuls (float32, on SmolLM2's three EAGLE-3 layers and last
+    state: at most 6e-4 absolute). On the development CPU this forwards sequences of ~180 tokens 1.3-1.5x faster
+    than one at a time, and the ~300-token training mix about as fast (docs/RESULTS.md, round 11). An example longer
+    than ``batch_tokens`` runs alone.
 
     Args:
         model: frozen, causal target.
