@@ -91,8 +91,7 @@ def main() -> None:
                 reference = reference or answers
                 print(
                     f"{engine:9s} {cache:7s} batch {bs:4d}: {seconds:6.1f} s for {len(texts)} prompts x "
-                    f"{args.new_tokens} "
-                    f"tokens{same}",
+                    f"{args.new_tokens} tokens{same}",
                     flush=True,
                 )
 

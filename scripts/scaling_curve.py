@@ -135,7 +135,7 @@ def trained_tokens(summary: dict[str, Any]) -> int | None:
     return round(rate * seconds) if rate and seconds else None
 
 
-def stage_seconds(log: Path) -> dict[str, float]:
+def stage_seconds(log: Path) -> dict[str, float | None]:
     """Seconds of self-distillation and of the target-feature pass logged by the training command(s) in ``log``
     (summed over resumed attempts; None for a stage that did not run)."""
     pats = {
