@@ -166,6 +166,6 @@ def hidden_features(
                 last = out.last_hidden_state[r, :n]
                 if layers:
                     last = torch.cat([layer_states(out, layers, row=r)[:n], last], dim=-1)
-                feats[i] = last.cpu() if len(rows) == 1 else last.cpu().clone()
+                feats[i] = last.cpu()  # a view keeps its batch alive: every row of it is kept anyway
             bar.update(len(rows))
     return feats  # type: ignore[return-value]
