@@ -18,8 +18,9 @@ from selfspec.adapter import read_adapter_config
 from selfspec.target import load_target
 from selfspec.train.config import TrainConfig, load_config
 from selfspec.train.data import load_conversations, split_conversations
+from selfspec.train.distill_states import CapturedStates
 from selfspec.train.eagle import train_eagle
-from selfspec.train.eagle3 import train_eagle3
+from selfspec.train.eagle3 import head_layers, train_eagle3
 from selfspec.train.features import self_distill
 from selfspec.train.medusa import train_medusa
 from selfspec.train.medusa2 import train_medusa2
@@ -31,7 +32,8 @@ def run(cfg: TrainConfig) -> Path:
     """Run one training job end to end (data -> optional self-distillation -> features -> heads).
 
     Self-distillation runs on each process's share of the prompts; every process then holds the whole
-    data set, and the recipe's loop shards the batches (:mod:`selfspec.train.loop`).
+    data set, and the recipe's loop shards the batches (:mod:`selfspec.train.loop`). The target features
+    self-distillation captures (:func:`capture_for`) go to the recipe's feature store.
 
     Returns:
         The directory holding the trained heads (``<output_dir>/heads``).
@@ -56,6 +58,7 @@ def run(cfg: TrainConfig) -> Path:
     train_convs, eval_convs = split_conversations(convs, eval_fraction=cfg.eval_fraction, seed=cfg.seed)
     logger.info("%d conversations: %d train, %d held out", len(convs), len(train_convs), len(eval_convs))
     heldout_ids = [c["id"] for c in eval_convs]
+    capture = capture_for(cfg, target)
     if cfg.self_distill:
         n_eval = max(8, cfg.distill_conversations // 10)
         t1 = time.perf_counter()
@@ -72,6 +75,7 @@ def run(cfg: TrainConfig) -> Path:
             cfg.distill_batch_size,
             max_prompt_tokens=cfg.max_length - cfg.distill_max_new_tokens,
             disable_progress=not accelerator.is_local_main_process,
+            capture=capture,
         )
         distilled_eval = self_distill(
             target,
@@ -82,6 +86,7 @@ def run(cfg: TrainConfig) -> Path:
             cfg.distill_batch_size,
             max_prompt_tokens=cfg.max_length - cfg.distill_max_new_tokens,
             disable_progress=not accelerator.is_local_main_process,
+            capture=capture,
         )
         logger.info("self-distillation done in %.1fs", time.perf_counter() - t1)
         start = cfg.distill_conversations
@@ -93,14 +98,26 @@ def run(cfg: TrainConfig) -> Path:
     if cfg.head == "medusa" and cfg.medusa.joint:
         heads_dir = train_medusa2(cfg, accelerator, target, tokenizer, train_convs, eval_convs, heldout_ids)
     elif cfg.head == "medusa":
-        heads_dir = train_medusa(cfg, accelerator, target, tokenizer, train_convs, eval_convs, heldout_ids)
+        heads_dir = train_medusa(cfg, accelerator, target, tokenizer, train_convs, eval_convs, heldout_ids, capture)
     elif cfg.head == "eagle3":
-        heads_dir = train_eagle3(cfg, accelerator, target, tokenizer, train_convs, eval_convs, heldout_ids)
+        heads_dir = train_eagle3(cfg, accelerator, target, tokenizer, train_convs, eval_convs, heldout_ids, capture)
     else:
-        heads_dir = train_eagle(cfg, accelerator, target, tokenizer, train_convs, eval_convs, heldout_ids)
+        heads_dir = train_eagle(cfg, accelerator, target, tokenizer, train_convs, eval_convs, heldout_ids, capture)
     if accelerator.is_main_process:
         logger.info("done in %.1f min: %s", (time.perf_counter() - t0) / 60, heads_dir)
     return heads_dir
+
+
+def capture_for(cfg: TrainConfig, target: torch.nn.Module) -> CapturedStates | None:
+    """Where self-distillation keeps the target features it computes: None without self-distillation, with
+    ``distill_capture_gb`` 0, for Medusa-2 (its target is trained, so features are computed as it changes) and for
+    EAGLE-3 with ``features: online`` (nothing is stored); else a store of the head's layers."""
+    if not cfg.self_distill or cfg.distill_capture_gb == 0 or (cfg.head == "medusa" and cfg.medusa.joint):
+        return None
+    if cfg.head == "eagle3" and cfg.eagle3.features == "online":
+        return None
+    layers = head_layers(cfg, target) if cfg.head == "eagle3" else None
+    return CapturedStates(layers, int(cfg.distill_capture_gb * 2**30))
 
 
 def main(argv: list[str] | None = None) -> int:

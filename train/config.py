@@ -156,6 +156,10 @@ class TrainConfig:
             of written text cost about a fifth of a regenerated token each, so they stretch a time budget.
         distill_dir: where regenerated answers are cached (JSONL per rank); default ``<output_dir>/distill``.
             Point several runs at one directory to train different heads on the same answers.
+        distill_capture_gb: memory (GiB) for the target features self-distillation captures while it generates
+            (:mod:`selfspec.train.distill_states`), so the feature store does not run the target over those
+            conversations again; capture stops when this is full, and 0 turns it off. Not used by Medusa-2 (its
+            target changes) or by EAGLE-3 with ``features: online``.
         dtype: target compute dtype for features and distillation (``"bfloat16"`` or ``"float32"``).
         feature_batch_tokens: padded tokens per target forward when the feature store is computed (examples
             sorted by length, :func:`selfspec.train.features.hidden_features`); 0 runs one example at a time.
@@ -196,6 +200,7 @@ class TrainConfig:
     distill_max_new_tokens: int = 160
     distill_batch_size: int = 16
     distill_dir: str | None = None
+    distill_capture_gb: float = 4.0
     original_conversations: int = 0
     dtype: str = "float32"
     feature_batch_tokens: int = 4096
@@ -236,6 +241,8 @@ class TrainConfig:
             raise ValueError(
                 f"feature_batch_tokens must be >= 0 (0: one example at a time), got {self.feature_batch_tokens}"
             )
+        if self.distill_capture_gb < 0:
+            raise ValueError(f"distill_capture_gb must be >= 0 (0: no capture), got {self.distill_capture_gb}")
         if self.grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
         if not 0.0 < self.eval_fraction < 1.0:

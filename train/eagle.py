@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from selfspec.train.distill_states import CapturedStates
+
 
 @dataclass
 class EagleStepLoss:
@@ -313,6 +315,7 @@ def train_eagle(
     train_convs: list[dict],
     eval_convs: list[dict],
     heldout_ids: list[str] | None = None,
+    captured: CapturedStates | None = None,
 ) -> Path:
     """Train an EAGLE-1 head on the frozen ``target``; returns the saved head directory (``<output_dir>/heads``).
 
@@ -320,12 +323,15 @@ def train_eagle(
     (default: the ids of ``eval_convs``) go to the training record. Uses ``cfg.eagle``, ``draft_vocab_size``,
     ``max_length`` (row length), ``eval_topk``, ``seed``, ``calibrate_*`` and the loop's options
     (:func:`~selfspec.train.loop.train_loop`). After saving, the head is calibrated on the last held-out
-    prompts (:func:`~selfspec.train.calibrate.calibrate_head`).
+    prompts (:func:`~selfspec.train.calibrate.calibrate_head`). Features self-distillation ``captured`` are
+    reused (:func:`~selfspec.train.feature_store.target_features`).
 
     Raises:
         ValueError: no scored training position (empty data or all answers truncated away).
     """
-    train, held, signature = target_features(cfg, accelerator, target, tokenizer, train_convs, eval_convs)
+    train, held, signature = target_features(
+        cfg, accelerator, target, tokenizer, train_convs, eval_convs, captured=captured
+    )
     recipe = EagleRecipe(cfg, accelerator, target, tokenizer, train, held, signature, eval_convs)
     ids = [c["id"] for c in eval_convs] if heldout_ids is None else heldout_ids
     return train_loop(cfg, accelerator, recipe, ids)

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from selfspec.train.distill_states import CapturedStates
+
 
 class UnrolledEagle3(torch.nn.Module):
     """The training-time test of an EAGLE-3 head (see the module docstring); one forward per optimiser step for
@@ -299,6 +301,7 @@ def train_eagle3(
     train_convs: list[dict],
     eval_convs: list[dict],
     heldout_ids: list[str] | None = None,
+    captured: CapturedStates | None = None,
 ) -> Path:
     """Train an EAGLE-3 head on the frozen ``target``; returns the saved head directory (``<output_dir>/heads``).
 
@@ -306,14 +309,15 @@ def train_eagle3(
     (cached, keyed by them) or computed online as batches are built, as ``cfg.eagle3.features`` says
     (:func:`~selfspec.train.online_features.eagle3_feature_stores`); the loop
     (:func:`~selfspec.train.loop.train_loop`) does the rest; afterwards the head is calibrated
-    on held-out prompts when ``cfg.calibrate_prompts`` > 0 and a tokenizer is given.
+    on held-out prompts when ``cfg.calibrate_prompts`` > 0 and a tokenizer is given. Features self-distillation
+    ``captured`` are reused by the store (and dropped when the features are computed online).
 
     Raises:
         ValueError: no scored training position.
     """
     layers = head_layers(cfg, target)
     train, held, signature, _ = eagle3_feature_stores(
-        cfg, accelerator, target, tokenizer, train_convs, eval_convs, layers
+        cfg, accelerator, target, tokenizer, train_convs, eval_convs, layers, captured
     )
     recipe = Eagle3Recipe(cfg, accelerator, target, tokenizer, train, held, signature, eval_convs)
     ids = [c["id"] for c in eval_convs] if heldout_ids is None else heldout_ids

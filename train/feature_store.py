@@ -32,11 +32,13 @@ from safetensors.torch import load_file, save_file
 from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.train.chat_tokens import build_training_examples
 from selfspec.train.config import TrainConfig
-from selfspec.train.features import hidden_features
+from selfspec.train.features import features_reusing
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from selfspec.train.distill_states import CapturedStates
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +204,7 @@ def target_features(
     train_convs: list[dict],
     eval_convs: list[dict],
     layers: Sequence[int] | None = None,
+    captured: CapturedStates | None = None,
 ) -> tuple[FeatureStore, FeatureStore, str]:
     """Target features of both splits (the same on every process), from the cache or computed.
 
@@ -212,6 +215,8 @@ def target_features(
     Process r computes (or finds in its cache file) the conversations ``r::w`` of each split, rendered
     with :func:`training_examples`; then every process
     reads all w files and interleaves them back into the conversations' order (:meth:`FeatureStore.interleave`).
+    Conversations whose features self-distillation ``captured`` (:mod:`~selfspec.train.distill_states`) are not
+    run through the target again; ``captured`` is emptied either way.
 
     Returns:
         ``(train, held_out, signature)``: the stores and their :func:`feature_signature`.
@@ -232,13 +237,15 @@ def target_features(
         parts = []
         for convs in (train_convs[rank::world], eval_convs[rank::world]):
             ex = training_examples(cfg, target, tokenizer, convs)
-            feats = hidden_features(target, ex, quiet, layers, cfg.feature_batch_tokens)
+            feats = features_reusing(target, ex, captured, quiet, layers, cfg.feature_batch_tokens)
             parts.append(FeatureStore.from_examples(ex, feats, D * (len(layers) + 1 if layers else 1)))
         own = (parts[0], parts[1])
         n_tok = int(own[0].lengths.sum() + own[1].lengths.sum())
         dt = time.perf_counter() - t0
         logger.info("target features: %d tokens in %.1fs (%.0f tokens/s)", n_tok, dt, n_tok / max(dt, 1e-9))
         save_features(mine, *own, signature, taken)
+    if captured is not None:
+        captured.clear()
     if world == 1:
         return own[0], own[1], signature
     accelerator.wait_for_everyone()

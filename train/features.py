@@ -5,6 +5,7 @@ Both run under ``torch.inference_mode`` on the frozen target; nothing here can u
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import Iterable, Sequence
@@ -13,10 +14,19 @@ from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
+from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from selfspec.decode.kv import backbone
 from selfspec.decode.verifier import layer_states
 from selfspec.train.data import prompt_messages
+from selfspec.train.distill_states import (
+    CapturedStates,
+    TailDone,
+    TailForcer,
+    eos_ids_of,
+    recorded_features,
+    template_tail,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -34,6 +44,7 @@ def self_distill(
     batch_size: int = 16,
     max_prompt_tokens: int = 352,
     disable_progress: bool = False,
+    capture: CapturedStates | None = None,
 ) -> list[dict]:
     """Regenerate each conversation's first assistant answer with the target (greedy, batched).
 
@@ -50,6 +61,10 @@ def self_distill(
         batch_size: prompts per ``generate`` call.
         max_prompt_tokens: prompts longer than this are skipped (counted in a log line): one long
             prompt would pad its whole batch.
+        capture: when given (and while it has room), each generated conversation's target features are kept in
+            it (:mod:`selfspec.train.distill_states`): generation also feeds the template's end-of-turn tokens
+            and returns its hidden states, so the feature pass can skip the conversation. The answers are the
+            same with and without it. Answers read from ``cache_file`` are not captured.
 
     Returns:
         ``[{"id", "messages"}]`` with the prompt messages and the target's own answer.
@@ -95,10 +110,16 @@ def self_distill(
                 prompts = [item[2] for item in todo[start : start + batch_size]]
                 texts = [item[3] for item in todo[start : start + batch_size]]
                 enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-                out = model.generate(
-                    **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
-                )
-                for conv, msgs, row in zip(batch, prompts, out[:, enc["input_ids"].shape[1] :], strict=True):
+                if capture is not None and capture.has_room():
+                    tails = [template_tail(tokenizer, m, t) for m, t in zip(prompts, texts, strict=True)]
+                    pad = tokenizer.pad_token_id
+                    answers = _generate_capturing(model, enc, max_new_tokens, pad, tails, capture, batch)
+                else:
+                    out = model.generate(
+                        **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+                    )
+                    answers = list(out[:, enc["input_ids"].shape[1] :])
+                for conv, msgs, row in zip(batch, prompts, answers, strict=True):
                     answer = tokenizer.decode(row, skip_special_tokens=True).strip()
                     rec = {"id": conv["id"], "messages": msgs + [{"role": "assistant", "content": answer}]}
                     done[conv["id"]] = rec
@@ -107,6 +128,49 @@ def self_distill(
     finally:
         tokenizer.padding_side = pad_side
     return [done[c["id"]] for c in conversations if c["id"] in done]
+
+
+def _generate_capturing(
+    model: PreTrainedModel,
+    enc,
+    max_new_tokens: int,
+    pad_token_id: int,
+    tails: list[list[int]],
+    capture: CapturedStates,
+    batch: list[dict],
+) -> list[torch.Tensor]:
+    """One greedy batch of :func:`self_distill` that also captures each row's features into ``capture``.
+
+    Returns:
+        Per row, the answer's token ids (LongTensor ``[n]``, without the end-of-turn tokens): the tokens plain
+        ``generate`` with EOS stopping gives before its EOS.
+    """
+    width = enc["input_ids"].shape[1]
+    forcer = TailForcer(width, eos_ids_of(model), tails, max_new_tokens)
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = []  # no EOS stop (None would mean "the model's"): the forcer ends answers where EOS would
+    config.max_new_tokens = max_new_tokens + max(len(t) for t in tails) + 1
+    config.do_sample = False
+    config.pad_token_id = pad_token_id
+    with recorded_features(model, capture.layers) as steps:
+        sequences = model.generate(
+            **enc,
+            generation_config=config,
+            logits_processor=LogitsProcessorList([forcer]),
+            stopping_criteria=StoppingCriteriaList([TailDone(forcer)]),
+        )
+    feats = torch.cat(steps, dim=1)  # [B, P + N - 1, F]: the i-th token fed at position i
+    prompt_lengths = enc["attention_mask"].sum(dim=1).tolist()
+    answers = []
+    for r, conv in enumerate(batch):
+        n = forcer.answer_tokens[r]
+        if n is None:  # generate stopped first: cannot happen with the max_new_tokens above
+            raise RuntimeError("self-distillation stopped before an answer ended")
+        answers.append(sequences[r, width : width + n])
+        if tails[r]:
+            start, stop = width - int(prompt_lengths[r]), width + n + len(tails[r])
+            capture.add(conv["id"], sequences[r, start:stop].cpu(), feats[r, start:stop].cpu().clone())
+    return answers
 
 
 @torch.inference_mode()
@@ -168,4 +232,36 @@ def hidden_features(
                     last = torch.cat([layer_states(out, layers, row=r)[:n], last], dim=-1)
                 feats[i] = last.cpu()  # a view keeps its batch alive: every row of it is kept anyway
             bar.update(len(rows))
+    return feats  # type: ignore[return-value]
+
+
+def features_reusing(
+    model: PreTrainedModel,
+    examples: Sequence[dict],
+    captured: CapturedStates | None,
+    disable_progress: bool = False,
+    layers: Sequence[int] | None = None,
+    batch_tokens: int = 0,
+) -> list[torch.Tensor]:
+    """:func:`hidden_features` of ``examples``, taking those self-distillation captured from ``captured``.
+
+    Each example whose features ``captured`` holds for the same token ids (:meth:`CapturedStates.take`, which
+    removes them) gets those; the others are computed in one :func:`hidden_features` call. The reuse is logged.
+
+    Returns:
+        One tensor ``[T, F]`` per example, in the order of ``examples``, as :func:`hidden_features` returns.
+    """
+    feats: list[torch.Tensor | None] = [captured.take(e, layers) if captured else None for e in examples]
+    todo = [i for i, f in enumerate(feats) if f is None]
+    if captured is not None:
+        reused = [f for f in feats if f is not None]
+        logger.info(
+            "target features: %d of %d sequences (%d tokens) captured during self-distillation",
+            len(reused),
+            len(feats),
+            sum(f.shape[0] for f in reused),
+        )
+    computed = hidden_features(model, [examples[i] for i in todo], disable_progress, layers, batch_tokens)
+    for i, f in zip(todo, computed, strict=True):
+        feats[i] = f
     return feats  # type: ignore[return-value]

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from selfspec.train.distill_states import CapturedStates
+
 
 def head_labels(ids: torch.Tensor, mask: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Medusa labels of one sequence: Long ``[T, K]``, head k at position t labelled ``x_{t+2+k}`` where that
@@ -191,18 +193,22 @@ def train_medusa(
     train_convs: list[dict],
     eval_convs: list[dict],
     heldout_ids: list[str] | None = None,
+    captured: CapturedStates | None = None,
 ) -> Path:
     """Train Medusa heads on the frozen ``target``; returns the saved heads directory (``<output_dir>/heads``).
 
     ``train_convs`` / ``eval_convs`` are the whole splits (the same on every process); ``heldout_ids``
     (default: the ids of ``eval_convs``) go to the training record. Uses ``cfg.medusa``,
     ``draft_vocab_size``, ``max_length``, ``eval_topk``, ``seed`` and the loop's options
-    (:func:`~selfspec.train.loop.train_loop`).
+    (:func:`~selfspec.train.loop.train_loop`). Features self-distillation ``captured`` are reused
+    (:func:`~selfspec.train.feature_store.target_features`).
 
     Raises:
         ValueError: no training positions (empty data or all answers truncated away).
     """
-    train, held, signature = target_features(cfg, accelerator, target, tokenizer, train_convs, eval_convs)
+    train, held, signature = target_features(
+        cfg, accelerator, target, tokenizer, train_convs, eval_convs, captured=captured
+    )
     recipe = MedusaRecipe(cfg, target, train, held, signature)
     del train, held  # the recipe keeps its position table only
     ids = [c["id"] for c in eval_convs] if heldout_ids is None else heldout_ids

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from selfspec.train.distill_states import CapturedStates
+
 logger = logging.getLogger(__name__)
 
 SOURCES = ("auto", "store", "online")
@@ -156,8 +158,11 @@ def eagle3_feature_stores(
     train_convs: list[dict],
     eval_convs: list[dict],
     layers: Sequence[int],
+    captured: CapturedStates | None = None,
 ) -> tuple[FeatureStore, FeatureStore, str, str]:
     """Both splits' features for an EAGLE-3 run, from the store or online as :func:`feature_source` chooses.
+
+    Features self-distillation ``captured`` go into the store; online, they are dropped (``captured`` is emptied).
 
     Returns:
         ``(train, held_out, signature, source)``: stores (:class:`OnlineFeatures` when online), the feature
@@ -177,8 +182,12 @@ def eagle3_feature_stores(
     source, reason = feature_source(cfg, n_train, n_held, width, itemsize, cached)
     logger.info("target features %s: %s", source, reason)
     if source == "store":
-        train, held, signature = target_features(cfg, accelerator, target, tokenizer, train_convs, eval_convs, layers)
+        train, held, signature = target_features(
+            cfg, accelerator, target, tokenizer, train_convs, eval_convs, layers, captured
+        )
         return train, held, signature, source
+    if captured is not None:
+        captured.clear()
     stores = []
     for ex in split:
         no_features = [torch.zeros(e["input_ids"].numel(), 0) for e in ex]
