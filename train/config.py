@@ -109,6 +109,8 @@ class MedusaOptions:
         lora_modules: module names the adapter wraps (None: peft's default for the target's architecture).
         kl_weight: weight of the KL term; heads_weight: weight of the heads' loss in the joint loss.
         batch_tokens: tokens per optimiser step of joint training (whole sequences, padded per batch).
+        init_heads: Medusa-2 only: a Medusa-1 heads directory (trained on this target and data, same head shape) to
+            start the joint training from, Medusa-2's two-stage recipe (heads first, then heads and adapter).
     """
 
     num_heads: int = 4
@@ -123,12 +125,15 @@ class MedusaOptions:
     kl_weight: float = 1.0
     heads_weight: float = 1.0
     batch_tokens: int = 1024
+    init_heads: str | None = None
 
     def __post_init__(self) -> None:
         if self.lora_rank < 1:
             raise ValueError(f"medusa.lora_rank must be >= 1, got {self.lora_rank}")
         if self.kl_weight < 0 or self.heads_weight <= 0:
             raise ValueError("medusa.kl_weight must be >= 0 and medusa.heads_weight > 0")
+        if self.init_heads is not None and not self.joint:
+            raise ValueError("medusa.init_heads starts Medusa-2's joint training: set medusa.joint: true, or drop it")
         if self.lora_modules is not None:
             if isinstance(self.lora_modules, str) or not all(isinstance(m, str) for m in self.lora_modules):
                 raise ValueError(f"medusa.lora_modules must be a list of module names, got {self.lora_modules!r}")

@@ -191,6 +191,8 @@ class Medusa2Recipe(Recipe):
         )
         lm_head = target.get_output_embeddings().weight.detach().float().cpu().clone()
         self.heads = MedusaHeads(mcfg, target_lm_head=lm_head, draft_ids=draft_ids).to(target.device)
+        if opts.init_heads:
+            warm_start(self.heads, opts.init_heads, target)
         self.joint = JointMedusa(self.adapted, self.heads, getattr(target.config, "final_logit_softcapping", None))
 
     def module(self) -> torch.nn.Module:
@@ -292,6 +294,37 @@ class Medusa2Recipe(Recipe):
         }
 
 
+def warm_start(heads: MedusaHeads, directory: str | Path, target: PreTrainedModel) -> None:
+    """Copy Medusa-1 heads saved in ``directory`` into ``heads`` (Medusa-2's first stage done by Medusa-1 training).
+
+    Raises:
+        HeadFormatError: the directory's heads are corrupt or were trained on another target (fingerprint).
+        ValueError: their shape (heads, layers, own lm_head, draft vocabulary) differs from ``heads``', with the
+            options to change.
+    """
+    from selfspec.heads.io import HeadFormatError
+
+    try:
+        warm = MedusaHeads.from_pretrained(directory, target_fingerprint=target_fingerprint(target))
+    except HeadFormatError as e:
+        raise HeadFormatError(f"medusa.init_heads: {e}") from e
+    mine, theirs = heads.config, warm.config
+    for name in ("num_heads", "num_layers", "own_lm_head", "hidden_size", "vocab_size", "n_draft"):
+        if getattr(mine, name) != getattr(theirs, name):
+            raise ValueError(
+                f"medusa.init_heads {directory} has {name}={getattr(theirs, name)}, this run {getattr(mine, name)}: "
+                "train the Medusa-1 heads with the same medusa.num_heads / num_layers / own_lm_head and "
+                "draft_vocab_size"
+            )
+    if not torch.equal(warm.draft_ids.cpu(), heads.draft_ids.cpu()):
+        raise ValueError(
+            f"medusa.init_heads {directory} drafts another vocabulary: train the Medusa-1 heads on the same data "
+            "(the draft vocabulary is the most frequent answer tokens)"
+        )
+    heads.load_state_dict(warm.state_dict())
+    logger.info("Medusa-2 starts from the Medusa-1 heads in %s", directory)
+
+
 def train_medusa2(
     cfg: TrainConfig,
     accelerator: Accelerator,
@@ -311,6 +344,8 @@ def train_medusa2(
     held = training_examples(cfg, target, tokenizer, eval_convs)
     opts = cfg.medusa
     what = f"medusa2:r{opts.lora_rank}:a{opts.lora_alpha}:{','.join(opts.lora_modules or ())}"
+    if opts.init_heads:
+        what += f":init={opts.init_heads}"
     signature = feature_signature(target, train_convs, eval_convs, cfg.max_length, what)
     recipe = Medusa2Recipe(cfg, target, train, held, signature)
     ids = [c["id"] for c in eval_convs] if heldout_ids is None else heldout_ids

@@ -199,3 +199,39 @@ def test_joint_heads_decode_exactly_on_other_families(family, tmp_path):
     for topic in ("sea", "winter"):
         ids = spec.encode([{"role": "user", "content": f"tell me about the {topic}"}])
         assert spec.generate(ids, max_new_tokens=16, eos_token_id=[]).tokens == plain_greedy(spec.target, ids, 16)
+
+
+def test_joint_training_warm_starts_from_medusa1_heads(setup, tmp_path):
+    """Medusa-2's two stages: Medusa-1 heads on the frozen base, then joint training from them. The joint run's
+    heads start as the Medusa-1 heads (every tensor), and heads of another shape or target are refused with the
+    option to change."""
+    from selfspec.heads.medusa import MedusaHeads
+    from selfspec.target import load_target
+    from selfspec.train.data import load_conversations, split_conversations
+    from selfspec.train.feature_store import training_examples
+    from selfspec.train.medusa2 import Medusa2Recipe
+
+    medusa1 = train(setup, tmp_path / "m1", medusa={"joint": False})
+    target, tok = load_target(setup[0])
+    cfg = config(setup, tmp_path / "m2", medusa={"init_heads": str(medusa1)})
+    train_convs, eval_convs = split_conversations(load_conversations(str(setup[1])), eval_fraction=0.2, seed=0)
+    ex, held = (training_examples(cfg, target, tok, c) for c in (train_convs, eval_convs))
+    recipe = Medusa2Recipe(cfg, target, ex, held, "sig")
+    warm = MedusaHeads.from_pretrained(medusa1).state_dict()
+    start = recipe.heads.state_dict()
+    assert warm.keys() == start.keys()
+    for k in warm:
+        assert torch.equal(warm[k], start[k]), k
+    cold = Medusa2Recipe(config(setup, tmp_path / "m3"), target, ex, held, "sig").heads.state_dict()
+    assert any(not torch.equal(cold[k], warm[k]) for k in warm)  # without init_heads: another start
+    heads = train(setup, tmp_path / "m2", medusa={"init_heads": str(medusa1)})
+    assert json.loads((heads.parent / "train_summary.json").read_text())["joint"] is True
+
+    with pytest.raises(ValueError, match="num_heads=3, this run 2"):
+        three = train(setup, tmp_path / "m1-3", medusa={"joint": False, "num_heads": 3})
+        Medusa2Recipe(config(setup, tmp_path / "x", medusa={"init_heads": str(three)}), target, ex, held, "sig")
+    other = tiny_llama(vocab_size=96, hidden_size=32, seed=1)
+    with pytest.raises(HeadFormatError, match="medusa.init_heads"):
+        Medusa2Recipe(config(setup, tmp_path / "y", medusa={"init_heads": str(medusa1)}), other, ex, held, "sig")
+    with pytest.raises(ValueError, match="set medusa.joint: true"):
+        load_config(None, ["medusa.init_heads=/some/heads"])
