@@ -140,11 +140,12 @@ def template_tail(tokenizer: PreTrainedTokenizerBase, messages: list[dict], prom
 class TailForcer(LogitsProcessor):
     """Greedy ``generate`` that, where it would stop, feeds the chat template's end-of-turn tokens instead.
 
-    As a logits processor: row r's answer ends at the first step whose greedy token is one of ``eos_ids``, or
-    after ``max_answer_tokens`` tokens, exactly where ``generate`` with EOS stopping ends it; from then on the
-    row's scores force ``tails[r]`` token by token. Row r is done (:meth:`done`, :class:`TailDone`) once the last
-    tail token has been fed (one step after it was forced), so its hidden state has been computed. ``generate`` must
-    run without EOS stopping (``eos_token_id=None``) and with ``max_new_tokens`` at least
+    As a logits processor (after ``generate``'s own processors, which see the same inputs as without it): row r's
+    answer ends at the first step whose greedy token is one of ``eos_ids``, or after ``max_answer_tokens`` tokens,
+    exactly where greedy ``generate`` with EOS stopping ends it; from then on the row's scores force ``tails[r]``
+    token by token. Row r is done (:meth:`done`, :class:`TailDone`) once the last tail token has been fed (one
+    step after it was forced), so its hidden state has been computed. ``generate`` must run greedy, without EOS
+    stopping (``eos_token_id=[]``: None would mean the model's own), and with ``max_new_tokens`` at least
     ``max_answer_tokens + max(len(tail)) + 1``.
 
     Args:
@@ -155,6 +156,8 @@ class TailForcer(LogitsProcessor):
 
     Attributes:
         answer_tokens: per row, the answer's length once ended (None before).
+        stopped_by: per row, the EOS id greedy decoding chose where the answer ended (None: ended at the cap, or
+            not yet).
     """
 
     def __init__(
@@ -165,6 +168,7 @@ class TailForcer(LogitsProcessor):
         self.tails = [list(t) for t in tails]
         self.max_answer_tokens = max_answer_tokens
         self.answer_tokens: list[int | None] = [None] * len(self.tails)
+        self.stopped_by: list[int | None] = [None] * len(self.tails)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Scores ``[B, V]`` with each ended row's next tail token forced (every other score -inf)."""
@@ -173,6 +177,7 @@ class TailForcer(LogitsProcessor):
         for r, tail in enumerate(self.tails):
             if self.answer_tokens[r] is None and (step >= self.max_answer_tokens or greedy[r] in self.eos_ids):
                 self.answer_tokens[r] = step
+                self.stopped_by[r] = greedy[r] if greedy[r] in self.eos_ids else None
             end = self.answer_tokens[r]
             if end is not None and step - end < len(tail):
                 scores[r] = float("-inf")

@@ -142,8 +142,8 @@ def _generate_capturing(
     """One greedy batch of :func:`self_distill` that also captures each row's features into ``capture``.
 
     Returns:
-        Per row, the answer's token ids (LongTensor ``[n]``, without the end-of-turn tokens): the tokens plain
-        ``generate`` with EOS stopping gives before its EOS.
+        Per row, the tokens plain ``generate`` with EOS stopping gives up to and including its EOS (LongTensor
+        ``[n]`` or ``[n + 1]``; the padding after it is left out, which decoding skips as a special token anyway).
     """
     width = enc["input_ids"].shape[1]
     forcer = TailForcer(width, eos_ids_of(model), tails, max_new_tokens)
@@ -166,7 +166,9 @@ def _generate_capturing(
         n = forcer.answer_tokens[r]
         if n is None:  # generate stopped first: cannot happen with the max_new_tokens above
             raise RuntimeError("self-distillation stopped before an answer ended")
-        answers.append(sequences[r, width : width + n])
+        eos = forcer.stopped_by[r]
+        answer = sequences[r, width : width + n]
+        answers.append(answer if eos is None else torch.cat([answer, answer.new_tensor([eos])]))
         if tails[r]:
             start, stop = width - int(prompt_lengths[r]), width + n + len(tails[r])
             capture.add(conv["id"], sequences[r, start:stop].cpu(), feats[r, start:stop].cpu().clone())

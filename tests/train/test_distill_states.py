@@ -170,6 +170,34 @@ def test_answers_that_end_at_eos_and_at_the_cap(tmp_path):
         assert entry.features.shape == (entry.input_ids.numel(), 32)
 
 
+def test_answers_stay_the_same_when_eos_is_an_ordinary_token(tmp_path):
+    """An EOS id that decoding keeps (not a special token): plain generate's answer ends with its text, so the
+    captured path's answer must too (the forced tail replaces it only as the next input)."""
+    target = tiny_target("llama")
+    eos = 40  # "w33"
+    with torch.no_grad():
+        target.lm_head.weight[eos] = target.lm_head.weight[eos] * 2.0
+    results = []
+    for capture in (None, CapturedStates(None, 1 << 30)):
+        tok = word_tokenizer()
+        target.generation_config.eos_token_id = eos
+        target.generation_config.suppress_tokens = [0, 1, 2, 3, 4, 5]
+        results.append(
+            self_distill(
+                target,
+                tok,
+                conversations(12),
+                tmp_path / f"{capture is None}.jsonl",
+                14,
+                5,
+                disable_progress=True,
+                capture=capture,
+            )
+        )
+    assert results[0] == results[1]
+    assert any(r["messages"][-1]["content"].endswith("w33") for r in results[0])  # some answers stopped at EOS
+
+
 def test_template_tail_and_forcer():
     tok = word_tokenizer()
     msgs = [{"role": "user", "content": "w1 w2"}]
@@ -186,7 +214,7 @@ def test_template_tail_and_forcer():
     out = forcer(torch.zeros(2, 4, dtype=torch.long), scores.clone())
     assert out[0].argmax() == 7 and out[1].argmax() == 4
     out = forcer(torch.zeros(2, 5, dtype=torch.long), scores.clone())  # row 1 at the cap: its tail starts
-    assert out[1].argmax() == 6 and forcer.answer_tokens == [0, 2]
+    assert out[1].argmax() == 6 and forcer.answer_tokens == [0, 2] and forcer.stopped_by == [2, None]
     assert forcer.done(2, torch.device("cpu")).tolist() == [False, False]
     assert forcer.done(3, torch.device("cpu")).tolist() == [True, False]
     assert forcer.done(5, torch.device("cpu")).tolist() == [True, True]
