@@ -63,8 +63,8 @@ def self_distill(
             prompt would pad its whole batch.
         capture: when given (and while it has room), each generated conversation's target features are kept in
             it (:mod:`selfspec.train.distill_states`): generation also feeds the template's end-of-turn tokens
-            and returns its hidden states, so the feature pass can skip the conversation. The answers are the
-            same with and without it. Answers read from ``cache_file`` are not captured.
+            and forward hooks keep the states of ``capture.layers``, so the feature pass can skip the conversation.
+            The answers are the same with and without it. Answers read from ``cache_file`` are not captured.
 
     Returns:
         ``[{"id", "messages"}]`` with the prompt messages and the target's own answer.
