@@ -187,13 +187,14 @@ WORDS = (
 TOPICS = ("sea", "moon", "bread", "river", "music", "winter", "train", "mountain")
 
 
-def tiny_tokenizer():
-    """A word-level fast tokenizer with a chat template (ids < 96, the tiny targets' vocabulary)."""
+def tiny_tokenizer(words: tuple[str, ...] | list[str] = tuple(WORDS)):
+    """A word-level fast tokenizer over 7 special tokens and ``words``, with a chat template (ids < 96, the tiny
+    targets' vocabulary)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|end|>"]
-    vocab = {w: i for i, w in enumerate(specials + list(WORDS))}
+    vocab = {w: i for i, w in enumerate(specials + list(words))}
     assert len(vocab) <= V
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

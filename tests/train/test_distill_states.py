@@ -15,6 +15,7 @@ from selfspec.train.config import Eagle3Options, MedusaOptions, TrainConfig
 from selfspec.train.distill_states import CapturedStates, TailForcer, template_tail
 from selfspec.train.features import features_reusing, hidden_features, self_distill
 from tests.archs import WINDOW, tiny_target
+from tests.train.test_architectures import tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -25,26 +26,7 @@ def word_tokenizer():
     """A word-level tokenizer over all 96 ids of the tiny targets: specials 0-6, then one word per id, so a
     generated word decodes and re-tokenizes to itself and only a special token (skipped on decoding) changes an
     answer's tokens."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|end|>"]
-    vocab = {w: i for i, w in enumerate(specials + [f"w{i}" for i in range(96 - len(specials))])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        additional_special_tokens=specials[4:],
-    )
-    fast.chat_template = (
-        "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|> {% endif %}"
-    )
-    return fast
+    return tiny_tokenizer([f"w{i}" for i in range(89)])
 
 
 def conversations(n: int, seed: int = 0) -> list[dict]:
