@@ -240,9 +240,11 @@ def recorded_features(model: PreTrainedModel, layers: Sequence[int] | None) -> I
         entering[i] = args[0] if args else kwargs["hidden_states"]
 
     def after(module, args, kwargs, output) -> None:
-        steps.append(torch.cat([*(entering.pop(i) for i in taken), output.last_hidden_state], dim=-1))
+        steps.append(torch.cat([*(entering[i] for i in taken), output.last_hidden_state], dim=-1))
+        entering.clear()
 
-    handles = [blocks[i].register_forward_pre_hook(partial(before, i), with_kwargs=True) for i in taken]
+    # one hook a layer: a layer may be taken twice (EAGLE-3's default layers of a 2-layer target)
+    handles = [blocks[i].register_forward_pre_hook(partial(before, i), with_kwargs=True) for i in sorted(set(taken))]
     handles.append(net.register_forward_hook(after, with_kwargs=True))
     try:
         yield steps

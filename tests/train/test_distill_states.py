@@ -55,7 +55,7 @@ def distill(target, tmp_path, name, capture=None, n=12, specials=False):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "mistral"])
-@pytest.mark.parametrize("layers", [None, (0, 2)])
+@pytest.mark.parametrize("layers", [None, (0, 2), (2, 2, 0)])  # a layer taken twice, in any order
 def test_captured_features_equal_the_feature_pass(tmp_path, arch, layers):
     target = tiny_target(arch)
     _, plain = distill(target, tmp_path, "plain")
