@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from selfspec.target import load_target
+from selfspec.train.__main__ import distill_plan
 from selfspec.train.config import load_config
 from selfspec.train.data import load_conversations, split_conversations
 from selfspec.train.feature_store import training_examples
@@ -40,14 +41,13 @@ def main() -> None:
     convs = load_conversations(cfg.data, max_conversations=cfg.max_conversations)
     train, held = split_conversations(convs, eval_fraction=cfg.eval_fraction, seed=cfg.seed)
     if cfg.self_distill:  # the run's answers, read from its cache in the order the run used them
-        n_eval = max(8, cfg.distill_conversations // 10)
+        to_distill, to_distill_eval, written = distill_plan(cfg, train, held)
         answers = []
-        for convs_, name in ((train[: cfg.distill_conversations], "train"), (held[:n_eval], "eval")):
+        for convs_, name in ((to_distill, "train"), (to_distill_eval, "eval")):
             path = Path(cfg.distill_dir) / f"{name}-rank0-of1.jsonl"
             done = {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
             answers.append([done[c["id"]] for c in convs_ if c["id"] in done])
-        start = cfg.distill_conversations
-        train, held = answers[0] + train[start : start + cfg.original_conversations], answers[1]
+        train, held = answers[0] + written, answers[1]
     ex, held_ex = (training_examples(cfg, target, tok, c) for c in (train, held))
     metrics = Medusa2Recipe(cfg, target, ex, held_ex, "step0").evaluate()
     print(json.dumps({"top1": [a[0] for a in metrics["topk"]], **{k: v for k, v in metrics.items() if k != "topk"}}))

@@ -60,11 +60,10 @@ def run(cfg: TrainConfig) -> Path:
     heldout_ids = [c["id"] for c in eval_convs]
     capture = capture_for(cfg, target)
     if cfg.self_distill:
-        n_eval = max(8, cfg.distill_conversations // 10)
         t1 = time.perf_counter()
         rank, world = accelerator.process_index, accelerator.num_processes
-        mine = train_convs[: cfg.distill_conversations][rank::world]
-        mine_eval = eval_convs[:n_eval][rank::world]
+        to_distill, to_distill_eval, written = distill_plan(cfg, train_convs, eval_convs)
+        mine, mine_eval = to_distill[rank::world], to_distill_eval[rank::world]
         shard_dir = Path(cfg.distill_dir) if cfg.distill_dir else out_dir / "distill"
         distilled = self_distill(
             target,
@@ -89,8 +88,6 @@ def run(cfg: TrainConfig) -> Path:
             capture=capture,
         )
         logger.info("self-distillation done in %.1fs", time.perf_counter() - t1)
-        start = cfg.distill_conversations
-        written = train_convs[start : start + cfg.original_conversations]
         if written:
             logger.info("adding %d conversations as written (not regenerated)", len(written))
         # Every process gets the whole regenerated set (in rank order); the recipes shard it again.
@@ -106,6 +103,20 @@ def run(cfg: TrainConfig) -> Path:
     if accelerator.is_main_process:
         logger.info("done in %.1f min: %s", (time.perf_counter() - t0) / 60, heads_dir)
     return heads_dir
+
+
+def distill_plan(
+    cfg: TrainConfig, train_convs: list[dict], eval_convs: list[dict]
+) -> tuple[list[dict], list[dict], list[dict]]:
+    """Which conversations a self-distilling run regenerates and which it adds as written.
+
+    Returns:
+        ``(train to regenerate, held-out to regenerate, train as written)``: the first ``distill_conversations``
+        training conversations, the first ``max(8, distill_conversations // 10)`` held-out ones, and the next
+        ``original_conversations`` training ones.
+    """
+    n, start = max(8, cfg.distill_conversations // 10), cfg.distill_conversations
+    return train_convs[:start], eval_convs[:n], train_convs[start : start + cfg.original_conversations]
 
 
 def capture_for(cfg: TrainConfig, target: torch.nn.Module) -> CapturedStates | None:

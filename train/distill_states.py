@@ -202,14 +202,6 @@ class TailDone(StoppingCriteria):
         return self.forcer.done(input_ids.shape[1] - self.forcer.prompt_width, input_ids.device)
 
 
-def eos_ids_of(model: PreTrainedModel) -> list[int]:
-    """The ids ``generate`` stops at for ``model``: its generation config's ``eos_token_id`` (None, int or list)."""
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
-
-
 @contextmanager
 def recorded_features(model: PreTrainedModel, layers: Sequence[int] | None) -> Iterator[list[torch.Tensor]]:
     """Record the features of every forward of ``model`` while the context is open (forward hooks).

@@ -18,12 +18,12 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from selfspec.decode.kv import backbone
 from selfspec.decode.verifier import layer_states
+from selfspec.prompts import resolve_eos
 from selfspec.train.data import prompt_messages
 from selfspec.train.distill_states import (
     CapturedStates,
     TailDone,
     TailForcer,
-    eos_ids_of,
     recorded_features,
     template_tail,
 )
@@ -146,7 +146,7 @@ def _generate_capturing(
         ``[n]`` or ``[n + 1]``; the padding after it is left out, which decoding skips as a special token anyway).
     """
     width = enc["input_ids"].shape[1]
-    forcer = TailForcer(width, eos_ids_of(model), tails, max_new_tokens)
+    forcer = TailForcer(width, resolve_eos(model, None), tails, max_new_tokens)
     config = copy.deepcopy(model.generation_config)
     config.eos_token_id = []  # no EOS stop (None would mean "the model's"): the forcer ends answers where EOS would
     config.max_new_tokens = max_new_tokens + max(len(t) for t in tails) + 1
