@@ -4,7 +4,7 @@ Each row keeps its own drafter state, output, stopping rule and statistics, and 
 tokens per step; the rows share the target's forwards. A step:
 
 1. every active row drafts its tree (its own fork of the drafter; the tree sized for the current batch by
-   a :class:`~selfspec.decode.batch_rule.BatchTreeRule`, down to the root alone: plain decoding);
+   a :class:`~selfspec.decode.tuning.batch_rule.BatchTreeRule`, down to the root alone: plain decoding);
 2. the trees, padded to the largest, go through one target forward (:meth:`Verifier.forward_block`: per-row
    positions and tree masks over the row's own cache slots, :mod:`selfspec.decode.batch_cache`);
 3. each row's target distributions are processed and verified exactly as in
@@ -51,7 +51,7 @@ from selfspec.decode.verifier import Verifier, as_verifier
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from selfspec.decode.batch_rule import BatchTreeRule
+    from selfspec.decode.tuning.batch_rule import BatchTreeRule
 
 # Pack the cache (squeeze out the slots rejected drafts left empty) once this many are left.
 PACK_EMPTY_SLOTS = 32
@@ -245,7 +245,7 @@ class _BatchLoop:
         return [active[i] for i in keep]
 
     def _draft(self, row: _Row, cap) -> tuple[DraftTree, torch.Tensor]:
-        """Row's tree for this step, cut to ``cap`` (a :class:`~selfspec.decode.batch_rule.TreeCap`), to the
+        """Row's tree for this step, cut to ``cap`` (a :class:`~selfspec.decode.tuning.batch_rule.TreeCap`), to the
         tokens still allowed and to the target's context."""
         allowed = row.stopper.max_new_tokens - len(row.out) - 1
         if row.room is not None:

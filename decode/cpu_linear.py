@@ -18,7 +18,7 @@ plain steps, mostly in the linears. Two kernels avoid the per-call packing:
   125 ms with it, against 76 ms for one plain token.
 
 All three are the same products in other summation orders. Which one wins at which size depends on the
-BLAS, the CPU and the thread count; :mod:`selfspec.decode.costs` measures them and
+BLAS, the CPU and the thread count; :mod:`selfspec.decode.tuning.costs` measures them and
 :class:`selfspec.decode.verifier.Verifier` applies the winners by running a twin of the target's
 backbone in which every ``nn.Linear`` is a :class:`PackedLinear` or a :class:`WeightFirstLinear` (sharing
 the target's tensors): the model's own modules are never patched.

@@ -32,8 +32,8 @@ from selfspec.decode.kv import crop_cache
 from selfspec.decode.sampling import SamplingConfig
 
 if TYPE_CHECKING:
-    from selfspec.decode.budget import TreeBudget
-    from selfspec.decode.calibration import AcceptanceProfile
+    from selfspec.decode.tuning.budget import TreeBudget
+    from selfspec.decode.tuning.calibration import AcceptanceProfile
 
 # Sized for a 2-core CPU: verifying ~13 nodes costs about 1.5 single-token target steps (DESIGN.md 6).
 DEFAULT_DEPTH = 5
@@ -73,7 +73,7 @@ class EagleDrafter:
         top_k: candidates per expansion and nodes expanded per level; ``top_k=1`` drafts a chain.
         total_tokens: draft tokens kept after reranking (the root excluded), so a tree has at most
             ``total_tokens + 1`` nodes (EAGLE-2's ``total_token``). the public API's ``make_drafter`` can
-            size depth and total_tokens to the machine (:mod:`selfspec.decode.budget`).
+            size depth and total_tokens to the machine (:mod:`selfspec.decode.tuning.budget`).
 
     Raises:
         ValueError: non-positive sizes, or ``top_k`` larger than the draft vocabulary.
@@ -103,7 +103,7 @@ class EagleDrafter:
         # Diagnostics of the last propose(): every candidate (creation order) and which were kept.
         self.last_candidates: dict[str, torch.Tensor] | None = None
         # How depth / total_tokens were set: "given" (here), "default" or "auto" (by the public API's make_drafter,
-        # which then also sets ``budget``, a selfspec.decode.budget.TreeBudget with the expected gain).
+        # which then also sets ``budget``, a selfspec.decode.tuning.budget.TreeBudget with the expected gain).
         self.budget_source = "given"
         self.budget: TreeBudget | None = None
         # The acceptance profile the budget came from (set with it), read by the batch tree rule.

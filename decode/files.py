@@ -1,6 +1,6 @@
 """Measurement files on disk: the selfspec cache root, atomic JSON writes, strict dataclass loading.
 
-Every profile (:mod:`selfspec.decode.costs`, :mod:`selfspec.decode.calibration`) is a frozen dataclass
+Every profile (:mod:`selfspec.decode.tuning.costs`, :mod:`selfspec.decode.tuning.calibration`) is a frozen dataclass
 written as a JSON object with a ``format`` / ``version`` header; :func:`from_record` reads one back,
 refusing missing, unknown or mistyped keys (types come from the dataclass annotations).
 """

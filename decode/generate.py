@@ -210,7 +210,7 @@ def speculative_generate(
         step_callback: called after each verification with the step's draft tree and its
             :class:`~selfspec.decode.verify.VerifyResult`, before the drafter is told what was accepted
             (so drafter diagnostics such as ``last_candidates`` still describe this tree). For measurements
-            (:func:`selfspec.decode.calibration.calibrate_acceptance`); it must not modify its arguments.
+            (:func:`selfspec.decode.tuning.calibration.calibrate_acceptance`); it must not modify its arguments.
 
     Returns:
         :class:`GenerationOutput`.

@@ -20,7 +20,7 @@ of (head tree on/off or smaller, n-gram length L) the expected tokens
 
 (h_d: how often the head's path reached depth d; c_d: how often an n-gram chain of the current match
 length and source reached depth d; the two treated as independent) over the cost ``draft_ms + verify_ms(nodes)``
-(:meth:`~selfspec.decode.costs.CostProfile.verify_cost_ms`), and the best ratio is drafted. Nodes both
+(:meth:`~selfspec.decode.tuning.costs.CostProfile.verify_cost_ms`), and the best ratio is drafted. Nodes both
 sources propose are counted once.
 
 With a :class:`~selfspec.decode.suffix_index.SuffixIndex` of training answers, the chain of a step comes
@@ -41,8 +41,8 @@ from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import tree_depths
 
 if TYPE_CHECKING:
-    from selfspec.decode.costs import CostProfile
     from selfspec.decode.suffix_index import SuffixIndex
+    from selfspec.decode.tuning.costs import CostProfile
 
 
 def merge_chain(tree: DraftTree, chain: list[int]) -> tuple[DraftTree, list[int]]:

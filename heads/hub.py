@@ -42,7 +42,7 @@ __all__ = ["HEAD_TYPES", "HUB_FILES", "HubMixin", "hub_endpoint", "is_hub_id", "
 
 HEAD_TYPES = ("medusa", "eagle", "eagle3")
 # What a head repo holds that loading uses: the head, and the acceptance profile the EAGLE tree budget reads
-# (decode/calibration.py) and the training record the bench reads (train/record.py), when they were pushed.
+# (decode/tuning/calibration.py) and the training record the bench reads (train/record.py), when they were pushed.
 HUB_FILES = (CONFIG_NAME, WEIGHTS_NAME, DRAFT_VOCAB_NAME, "acceptance_profile.json", "training_record.json")
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 

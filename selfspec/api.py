@@ -10,12 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.decode import budget as tree_budget
-from selfspec.decode import costs
 from selfspec.decode.batch import speculative_generate_batch
-from selfspec.decode.batch_rule import BatchTreeRule, get_batch_cost_profile
-from selfspec.decode.calibration import load_acceptance_profile
-from selfspec.decode.draft_costs import get_draft_cost
 from selfspec.decode.drafters import DraftModelDrafter, MedusaDrafter, PromptLookupDrafter
 from selfspec.decode.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, EagleDrafter
 from selfspec.decode.generate import GenerationOutput, speculative_generate
@@ -25,6 +20,11 @@ from selfspec.decode.streaming import iterate_text
 from selfspec.decode.suffix_index import SuffixIndex
 from selfspec.decode.target_check import check_target
 from selfspec.decode.tree import greedy_tree_from_accuracy, static_tree
+from selfspec.decode.tuning import budget as tree_budget
+from selfspec.decode.tuning import costs
+from selfspec.decode.tuning.batch_rule import BatchTreeRule, get_batch_cost_profile
+from selfspec.decode.tuning.calibration import load_acceptance_profile
+from selfspec.decode.tuning.draft_costs import get_draft_cost
 from selfspec.decode.verifier import Verifier
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ class SpeculativeModel:
         return speculative_generate(self.verifier, self.drafter, self.encode(prompt), streamer=streamer, **common)
 
     def batch_tree_rule(self) -> BatchTreeRule:
-        """The rule that sizes each row's tree by batch size (:class:`~selfspec.decode.batch_rule.BatchTreeRule`),
+        """The rule that sizes each row's tree by batch size (:class:`~.tuning.batch_rule.BatchTreeRule`),
         from this target's verification cost by batch size here (measured once, about 30 s, then cached).
         An EAGLE head with an acceptance profile gets the EAGLE-2 budget per batch size; any other drafter a
         depth cap from the acceptance measured during the call. Built on first use; a new one per call
@@ -244,7 +244,7 @@ def make_verifier(target: PreTrainedModel, drafter, tune: str = "auto") -> Verif
     """The :class:`~selfspec.decode.verifier.Verifier` that decodes ``drafter``'s trees on ``target``.
 
     With ``tune="auto"``, a head drafter (Medusa, EAGLE) on a CPU gets the kernel plan of the target's
-    cost profile (:func:`selfspec.decode.costs.get_cost_profile`: measured once on first use, announced,
+    cost profile (:func:`selfspec.decode.tuning.costs.get_cost_profile`: measured once on first use, announced,
     then cached), which may pack a second copy of the linear weights (logged with its size). Otherwise,
     and with ``tune="off"``, the verifier uses plain kernels. The target is never modified.
 
@@ -298,7 +298,7 @@ def make_drafter(
     EAGLE heads take ``depth``, ``top_k`` and ``total_tokens`` as ``eagle_options``. ``depth`` and
     ``total_tokens`` default to ``"auto"``: when ``tune="auto"`` and the head carries an acceptance profile
     (``<head_dir>/acceptance_profile.json`` written by ``selfspec tune-tree``, or an ``acceptance_profile``
-    attribute on a head module) they are chosen for this machine by :func:`selfspec.decode.budget.tune_tree_budget`
+    attribute on a head module) they are chosen for this machine by :func:`~.tuning.budget.tune_tree_budget`
     (verification and drafting costs measured once and cached); otherwise they are the defaults of
     :mod:`selfspec.decode.eagle`. Integers always win; giving one of the two fixes it and chooses the other.
 
@@ -385,7 +385,7 @@ def _medusa_drafter(
     """A :class:`MedusaDrafter`. Its tree: ``tree`` if given; else Medusa's greedy tree from the heads'
     held-out accuracies with ``tree_nodes`` nodes, or, when ``tree_nodes`` is None and ``tune="auto"``,
     with the size that maximises expected tokens per second on this machine
-    (:func:`selfspec.decode.budget.choose_medusa_tree_nodes`, from the cached verification cost profile);
+    (:func:`selfspec.decode.tuning.budget.choose_medusa_tree_nodes`, from the cached verification cost profile);
     heads without accuracies (or ``tune="off"``) get ``DEFAULT_TREE_NODES`` nodes."""
     acc = heads.config.head_topk_accuracy
     if tree is None:

@@ -2,7 +2,7 @@
 
 1. Calibrate: decode a few prompts greedily with the largest budget (``--depth-max``,
    ``--total-tokens-max``) and derive the mean tokens per step of every smaller budget
-   (:func:`selfspec.decode.calibration.calibrate_acceptance`); written to ``<heads>/acceptance_profile.json``.
+   (:func:`selfspec.decode.tuning.calibration.calibrate_acceptance`); written to ``<heads>/acceptance_profile.json``.
 2. Measure (or read from the cache) the target's verification cost by tree size and the head's
    drafting cost by depth on this device / dtype / thread count.
 3. Print the budget with the highest expected tokens per second, and the tables it was chosen from.
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from selfspec.decode import budget as tree_budget
-from selfspec.decode import calibration, costs, draft_costs
 from selfspec.decode.eagle import DEFAULT_TOP_K, EagleDrafter
+from selfspec.decode.tuning import budget as tree_budget
+from selfspec.decode.tuning import calibration, costs, draft_costs
 from selfspec.heads import load_heads
 from selfspec.heads.config import HeadFormatError, read_json
 from selfspec.prompts import SHAREGPT_HELDOUT, encode_messages, load_prompts, resolve_eos

@@ -11,7 +11,7 @@ from selfspec import bench, tune
 from selfspec.bench import BenchPrompt, BenchReport, BenchSettings, build_methods, run_bench
 from selfspec.bench import cli as bench_cli
 from selfspec.cli import main as cli_main
-from selfspec.decode import calibration, costs
+from selfspec.decode.tuning import calibration, costs
 from tests.test_bench import QUESTIONS, CharTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.decode.calibration import calibrate_acceptance, save_acceptance_profile
 from selfspec.decode.eagle import EagleDrafter
+from selfspec.decode.tuning.calibration import calibrate_acceptance, save_acceptance_profile
 from selfspec.train.config import TrainConfig
 from selfspec.train.data import prompt_messages
 
@@ -30,7 +30,7 @@ def calibrate_head(
     cfg: TrainConfig, head, target: PreTrainedModel, tokenizer, eval_convs: list[dict], head_dir: Path
 ) -> dict[str, Any]:
     """Greedy acceptance profile of the saved head on the last ``cfg.calibrate_prompts`` held-out prompts
-    that fit (:func:`selfspec.decode.calibration.calibrate_acceptance`, one drafter of the largest budget
+    that fit (:func:`selfspec.decode.tuning.calibration.calibrate_acceptance`, one drafter of the largest budget
     ``CALIBRATION_DEPTH_MAX`` x ``CALIBRATION_TOTAL_TOKENS_MAX``), written to
     ``<head_dir>/acceptance_profile.json``.
 

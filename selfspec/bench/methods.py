@@ -15,13 +15,13 @@ import torch
 
 from selfspec.api import SpeculativeModel, make_drafter, make_verifier
 from selfspec.bench.report import TreeBudgetRecord
-from selfspec.decode.costs import get_cost_profile
 from selfspec.decode.drafters import PromptLookupDrafter
 from selfspec.decode.eagle import EagleDrafter
 from selfspec.decode.generate import GenerationStats
 from selfspec.decode.hybrid import HybridDrafter
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.suffix_index import SuffixIndex
+from selfspec.decode.tuning.costs import get_cost_profile
 from selfspec.prompts import resolve_eos
 
 if TYPE_CHECKING:

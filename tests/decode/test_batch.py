@@ -17,19 +17,19 @@ import selfspec
 from selfspec.decode import batch as batch_mod
 from selfspec.decode.batch import speculative_generate_batch
 from selfspec.decode.batch_cache import SlotTable
-from selfspec.decode.batch_rule import (
+from selfspec.decode.drafters import DraftModelDrafter, MedusaDrafter, PromptLookupDrafter
+from selfspec.decode.eagle import EagleDrafter
+from selfspec.decode.generate import speculative_generate
+from selfspec.decode.sampling import SamplingConfig
+from selfspec.decode.tree import static_tree
+from selfspec.decode.tuning.batch_rule import (
     BatchCostProfile,
     BatchTreeRule,
     TreeCap,
     get_batch_cost_profile,
     measure_batch_cost_profile,
 )
-from selfspec.decode.calibration import AcceptanceProfile
-from selfspec.decode.drafters import DraftModelDrafter, MedusaDrafter, PromptLookupDrafter
-from selfspec.decode.eagle import EagleDrafter
-from selfspec.decode.generate import speculative_generate
-from selfspec.decode.sampling import SamplingConfig
-from selfspec.decode.tree import static_tree
+from selfspec.decode.tuning.calibration import AcceptanceProfile
 from selfspec.decode.verifier import Verifier
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head
@@ -248,7 +248,7 @@ def test_batch_cost_profile_is_measured_cached_and_refused_when_corrupt(tmp_path
     with pytest.raises(ValueError, match="one finite positive ms"):
         BatchCostProfile(p.key, 16, (1, 4), (1, 4), ((1.0, float("nan")), (1.0, 2.0)))
     assert 0 < p.step_ms(2, 2) and p.per_row_profile(4).verify_ms[0] == pytest.approx(p.verify_ms[1][0] / 4)
-    monkeypatch.setattr("selfspec.decode.batch_rule.measure_batch_cost_profile", lambda target, verifier=None: p)
+    monkeypatch.setattr("selfspec.decode.tuning.batch_rule.measure_batch_cost_profile", lambda target, verifier=None: p)
     first = get_batch_cost_profile(t)
     path = next(tmp_path.rglob("batch-verify-*.json"))
     path.write_text("{broken")

@@ -1,4 +1,4 @@
-"""decode/budget.py, costs.py, calibration.py: the budget choice on hand-made profiles, acceptance calibration
+"""decode/tuning/budget.py, costs.py, calibration.py: the budget choice on hand-made profiles, acceptance calibration
 checked against real smaller-budget runs, cost/acceptance profile files and caching, and make_drafter's "auto"
 budget."""
 
@@ -11,14 +11,15 @@ import pytest
 import torch
 
 from selfspec.api import make_drafter, make_verifier
-from selfspec.decode import budget, calibration, costs, draft_costs, files
-from selfspec.decode.budget import choose_tree_budget
-from selfspec.decode.calibration import AcceptanceProfile
-from selfspec.decode.costs import CostProfile
+from selfspec.decode import files
 from selfspec.decode.eagle import DEFAULT_DEPTH, DEFAULT_TOTAL_TOKENS, EagleDrafter
 from selfspec.decode.generate import speculative_generate
 from selfspec.decode.kv import crop_cache, new_cache
 from selfspec.decode.sampling import SamplingConfig
+from selfspec.decode.tuning import budget, calibration, costs, draft_costs
+from selfspec.decode.tuning.budget import choose_tree_budget
+from selfspec.decode.tuning.calibration import AcceptanceProfile
+from selfspec.decode.tuning.costs import CostProfile
 from selfspec.decode.verifier import Verifier
 from selfspec.decode.verify import verify_greedy
 from selfspec.heads import load_heads
@@ -394,12 +395,12 @@ def test_cost_profile_is_cached_and_remeasured_on_mismatch_or_corruption(oracle,
     # a cached file measured elsewhere (here: another torch version) is never used
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "torch": "0.0.1"}))
-    with caplog.at_level(logging.WARNING, logger="selfspec.decode.costs"):
+    with caplog.at_level(logging.WARNING, logger="selfspec.decode.tuning.costs"):
         again = costs.get_cost_profile(t, node_counts=sizes, context_length=16)
     assert len(measured) == 1 and again.torch == torch.__version__ and "measuring it again" in caplog.text
     caplog.clear()
     path.write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="selfspec.decode.costs"):
+    with caplog.at_level(logging.WARNING, logger="selfspec.decode.tuning.costs"):
         costs.get_cost_profile(t, node_counts=sizes, context_length=16)
     assert len(measured) == 2 and "unreadable" in caplog.text
     assert costs.load_cost_profile(path).key == costs.cost_key(t)  # rewritten
@@ -469,7 +470,7 @@ def test_profile_of_other_weights_is_ignored(oracle, head_dir, caplog):
     head.save_pretrained(head_dir)  # same weights: same digest
     assert calibration.load_acceptance_profile(head_dir) is not None
     random_head(t).save_pretrained(head_dir)  # "retrained"
-    with caplog.at_level(logging.WARNING, logger="selfspec.decode.costs"):
+    with caplog.at_level(logging.WARNING, logger="selfspec.decode.tuning.costs"):
         assert calibration.load_acceptance_profile(head_dir) is None
     assert "other head weights" in caplog.text
     assert make_drafter(t, head_dir).budget_source == "default"

@@ -239,7 +239,7 @@ def test_an_eagle3_head_with_an_acceptance_profile_gets_a_machine_sized_budget(t
     then drafting and verification costs measured and cached for an EAGLE-3 head (its own cost file), and
     the chosen budget decodes exactly."""
     from selfspec.api import make_drafter
-    from selfspec.decode import calibration
+    from selfspec.decode.tuning import calibration
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     target, head = trained()

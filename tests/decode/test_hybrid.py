@@ -7,12 +7,12 @@ import torch
 
 import selfspec
 from selfspec.decode.batch import speculative_generate_batch
-from selfspec.decode.costs import CostProfile
 from selfspec.decode.drafters import DraftTree, MedusaDrafter, PromptLookupDrafter
 from selfspec.decode.eagle import EagleDrafter
 from selfspec.decode.generate import speculative_generate
 from selfspec.decode.hybrid import HybridDrafter, lookup_chain, merge_chain, new_nodes
 from selfspec.decode.tree import static_tree
+from selfspec.decode.tuning.costs import CostProfile
 from selfspec.decode.verify import verify_tree_sampling
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from tests.archs import tiny_target

@@ -161,7 +161,7 @@ def test_target_untouched_by_load_and_generate(target):
 
 def test_tune_off_skips_measuring_and_packing(target, monkeypatch, tmp_path):
     import selfspec
-    from selfspec.decode import costs
+    from selfspec.decode.tuning import costs
     from tests.decode.test_generate import random_heads
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
@@ -181,10 +181,10 @@ def test_tune_off_skips_measuring_and_packing(target, monkeypatch, tmp_path):
 def test_measurement_is_announced(target, monkeypatch, tmp_path, caplog):
     import logging
 
-    from selfspec.decode import costs
+    from selfspec.decode.tuning import costs
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
-    with caplog.at_level(logging.WARNING, logger="selfspec.decode.costs"):
+    with caplog.at_level(logging.WARNING, logger="selfspec.decode.tuning.costs"):
         costs.get_cost_profile(target, node_counts=(1, 2, 4))
     assert "measuring this target's verification cost once" in caplog.text and "about" in caplog.text
     assert "tune='off'" in caplog.text

@@ -7,8 +7,8 @@ Scalable, Robust, and Hardware-aware Speculative Decoding", arXiv:2402.12374): m
 
 over EAGLE-2's two knobs (Li et al. 2024, arXiv:2406.16858): the draft depth d and the number N of draft
 tokens kept after reranking (the verified tree has N + 1 nodes with the root). ``tau`` comes from the
-head's :class:`~selfspec.decode.calibration.AcceptanceProfile`, the costs from
-:mod:`selfspec.decode.costs` (:func:`tune_tree_budget` fetches them, measuring on first use).
+head's :class:`~selfspec.decode.tuning.calibration.AcceptanceProfile`, the costs from
+:mod:`selfspec.decode.tuning.costs` (:func:`tune_tree_budget` fetches them, measuring on first use).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from selfspec.decode.calibration import AcceptanceProfile, num_candidates
-from selfspec.decode.costs import DEFAULT_NODE_COUNTS, CostProfile, get_cost_profile
-from selfspec.decode.draft_costs import get_draft_cost
 from selfspec.decode.tree import greedy_tree_scores
+from selfspec.decode.tuning.calibration import AcceptanceProfile, num_candidates
+from selfspec.decode.tuning.costs import DEFAULT_NODE_COUNTS, CostProfile, get_cost_profile
+from selfspec.decode.tuning.draft_costs import get_draft_cost
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -156,7 +156,7 @@ def tune_tree_budget(
     drafting costs, then :func:`choose_tree_budget`. Changes neither the drafter nor the target.
 
     Args:
-        cost: the verification cost profile to use; None = :func:`~selfspec.decode.costs.get_cost_profile`.
+        cost: the verification cost profile to use; None = :func:`~selfspec.decode.tuning.costs.get_cost_profile`.
         Others: see :func:`choose_tree_budget`; ``refresh`` measures the costs again.
 
     Raises:

@@ -1,9 +1,9 @@
 """What drafting costs here: median ms of one EAGLE draft by depth, cached on disk.
 
-The tree budget (:func:`selfspec.decode.budget.tune_tree_budget`) weighs the verification cost of a tree
-(:mod:`selfspec.decode.costs`) against the cost of drafting it; for EAGLE that grows with the draft
+The tree budget (:func:`selfspec.decode.tuning.budget.tune_tree_budget`) weighs the verification cost of a tree
+(:mod:`selfspec.decode.tuning.costs`) against the cost of drafting it; for EAGLE that grows with the draft
 depth (one head forward per level). Measured like the verification cost (interleaved medians, same
-identity :func:`~selfspec.decode.costs.cost_key`) and cached as JSON beside it under
+identity :func:`~selfspec.decode.tuning.costs.cost_key`) and cached as JSON beside it under
 ``<cache root>/profiles``.
 """
 
@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.decode.costs import DEFAULT_CONTEXT_LENGTH, cost_key, interleaved_medians, profile_stem
 from selfspec.decode.eagle import EagleDrafter
 from selfspec.decode.files import from_record, now_utc, profiles_dir, read_json, write_json
 from selfspec.decode.sampling import SamplingConfig
+from selfspec.decode.tuning.costs import DEFAULT_CONTEXT_LENGTH, cost_key, interleaved_medians, profile_stem
 from selfspec.decode.verifier import Verifier
 
 if TYPE_CHECKING:

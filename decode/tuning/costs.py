@@ -2,7 +2,7 @@
 
 A bigger draft tree accepts more tokens per step but costs more to verify, and how much more depends on
 the device: on a 2-core CPU a 16-node verification costs ~1.7 single-token passes, on an H200 128 nodes
-cost ~1.2 (DESIGN.md section 6). The budget choice (:mod:`selfspec.decode.budget`, Sequoia-style, Chen et
+cost ~1.2 (DESIGN.md section 6). The budget choice (:mod:`selfspec.decode.tuning.budget`, Sequoia-style, Chen et
 al. 2024, arXiv:2402.12374) needs both costs measured on this machine:
 
 * :class:`CostProfile`: median wall ms of one verification (:meth:`Verifier.forward_tree` +
@@ -10,7 +10,7 @@ al. 2024, arXiv:2402.12374) needs both costs measured on this machine:
   CPU each size is measured with every kernel of :data:`~selfspec.decode.cpu_linear.LINEAR_KERNELS`; the
   fastest is kept per size and becomes the verifier's kernel plan (:func:`tuned_verifier`), so decoding
   runs the way the cost was measured.
-* the drafting cost by depth: :mod:`selfspec.decode.draft_costs`.
+* the drafting cost by depth: :mod:`selfspec.decode.tuning.draft_costs`.
 
 Both are cached as JSON under ``<cache root>/profiles`` (:func:`~selfspec.decode.files.profiles_dir`),
 keyed by :func:`cost_key`; the measurement helpers here (:func:`cost_key`, :func:`profile_stem`,

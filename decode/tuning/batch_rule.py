@@ -12,7 +12,7 @@ each batch size, the tree that maximises tokens per second per row, or no specul
 nothing beats plain decoding:
 
 * for an EAGLE head with an acceptance profile, the EAGLE-2 budget (depth, total_tokens) of
-  :func:`~selfspec.decode.budget.choose_tree_budget` on the per-row cost curve of batch B;
+  :func:`~selfspec.decode.tuning.budget.choose_tree_budget` on the per-row cost curve of batch B;
 * for any other drafter, a depth cap chosen from the acceptance by depth measured so far in the same
   call (how often the accepted path reached each depth) and the measured draft time.
 
@@ -30,16 +30,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.decode.budget import choose_tree_budget
-from selfspec.decode.costs import CostProfile, cost_key, interleaved_medians, profile_stem
 from selfspec.decode.eagle import EagleDrafter
 from selfspec.decode.files import now_utc, profiles_dir, read_json, write_json
+from selfspec.decode.tuning.budget import choose_tree_budget
+from selfspec.decode.tuning.costs import CostProfile, cost_key, interleaved_medians, profile_stem
 from selfspec.decode.verifier import Verifier
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from selfspec.decode.calibration import AcceptanceProfile
+    from selfspec.decode.tuning.calibration import AcceptanceProfile
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class BatchCostProfile:
     """Verification cost of one target here by batch size and tree size.
 
     Attributes:
-        key: the measurement's identity (:func:`~selfspec.decode.costs.cost_key`).
+        key: the measurement's identity (:func:`~selfspec.decode.tuning.costs.cost_key`).
         context_length: tokens cached per row before the tree.
         batch_sizes: B measured, strictly increasing.
         node_counts: N measured per row (root included), strictly increasing.
@@ -101,7 +101,7 @@ class BatchCostProfile:
 
     def per_row_profile(self, batch: int) -> CostProfile:
         """The cost curve of one row at batch ``batch`` (``step_ms(batch, N) / batch`` by N), in the
-        :class:`~selfspec.decode.costs.CostProfile` form the budget choice reads."""
+        :class:`~selfspec.decode.tuning.costs.CostProfile` form the budget choice reads."""
         return CostProfile(
             **dict(self.key),
             context_length=self.context_length,
