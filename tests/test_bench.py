@@ -21,8 +21,9 @@ from selfspec.bench import cli as bench_cli
 from selfspec.bench import methods as bench_methods
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.prompts import load_prompts
-from tests.archs import ARCHS, tiny_target
-from tests.conftest import tiny_llama
+from tests.helpers.archs import ARCHS, tiny_llama, tiny_target
+from tests.helpers.conversations import QUESTIONS
+from tests.helpers.tokenizers import CharTokenizer
 
 CORRUPT_AT = 3
 
@@ -35,37 +36,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-class CharTokenizer:
-    """Character-level stand-in for a chat tokenizer over the tiny model's 96 ids.
-
-    Ids 0, 1, 2 are pad, BOS and EOS; ids 3..95 are the printable characters ' '..'|', so ``decode`` then
-    re-encoding gives back the same ids (a later turn contains the earlier answer's ids verbatim).
-    """
-
-    eos_token_id = 2
-
-    def encode_text(self, text: str) -> list[int]:
-        return [ord(c) - 29 if 32 <= ord(c) <= 124 else ord("?") - 29 for c in text]
-
-    def apply_chat_template(self, messages, add_generation_prompt=False, return_dict=False):
-        ids = [1]
-        for m in messages:
-            ids += self.encode_text(f"<{m['role']}>") + self.encode_text(m["content"]) + [2]
-        if add_generation_prompt:
-            ids += self.encode_text("<assistant>")
-        return {"input_ids": ids} if return_dict else ids
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join(chr(i + 29) if i >= 3 else ("" if skip_special_tokens else f"[{i}]") for i in ids)
-
-
-QUESTIONS = [
-    {"question_id": 81, "category": "writing", "turns": ["Write a poem about tea.", "Now make it rhyme."]},
-    {"question_id": 82, "category": "writing", "turns": ["Describe a cat."]},
-    {"question_id": 101, "category": "math", "turns": ["What is 12 * 12?"]},
-]
 
 
 def corrupt_method(inner):
@@ -367,7 +337,8 @@ def test_cli_end_to_end(tmp_path, monkeypatch, capsys):
 def test_cli_sharegpt_heldout_reads_the_heads_training_record(tmp_path, monkeypatch):
     """``--prompts sharegpt-heldout --heads DIR`` measures the split DIR's training record holds out."""
     from selfspec.train import data
-    from tests.test_prompts import CONVS, write_record
+    from tests.helpers.conversations import CONVS
+    from tests.helpers.training import write_record
 
     target = tiny_llama()
     heads = MedusaHeads(

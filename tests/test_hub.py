@@ -24,8 +24,8 @@ from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head
 from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.hub import HubError, push_heads
-from tests.archs import tiny_target
-from tests.hub_server import FakeHub
+from tests.helpers.archs import tiny_target
+from tests.helpers.hub_server import FakeHub
 
 TARGET = "tests/tiny-llama"  # the target name the heads record: a Hub id, so the card's base_model
 D, V, S = 32, 96, 24

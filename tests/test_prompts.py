@@ -12,7 +12,9 @@ import torch
 
 from selfspec import prompts as P
 from selfspec.prompts import BenchPrompt, encode_messages, encode_prompt, load_prompts, resolve_eos
-from tests.test_bench import QUESTIONS, CharTokenizer
+from tests.helpers.conversations import CONVS, QUESTIONS
+from tests.helpers.tokenizers import CharTokenizer
+from tests.helpers.training import write_record
 
 
 class TextTokenizer(CharTokenizer):
@@ -95,7 +97,7 @@ def test_resolve_eos_extra_ids_come_after_without_repeats():
 
 
 def test_resolve_eos_on_a_real_generation_config():
-    from tests.conftest import tiny_llama
+    from tests.helpers.archs import tiny_llama
 
     target = tiny_llama()
     assert resolve_eos(target, CharTokenizer()) == [2]  # the tiny config names no EOS: the tokenizer's
@@ -132,19 +134,6 @@ def test_load_prompts_per_category(tmp_path):
 # The held-out ShareGPT split
 
 
-CONVS = [
-    {
-        "id": f"c{i}",
-        "messages": [
-            {"role": "system", "content": "be brief"},
-            {"role": "user", "content": f"q{i}"},
-            {"role": "assistant", "content": "a"},
-        ],
-    }
-    for i in range(200)
-]
-
-
 @pytest.fixture
 def fake_data(monkeypatch):
     """``load_conversations`` replaced by CONVS; returns the calls it got."""
@@ -158,27 +147,6 @@ def fake_data(monkeypatch):
 
     monkeypatch.setattr(data, "load_conversations", fake_load)
     return calls
-
-
-def write_record(head_dir, heldout_ids, **over):
-    head_dir.mkdir(parents=True, exist_ok=True)
-    record = {
-        "format": "selfspec-training-record",
-        "version": 1,
-        "head": "eagle",
-        "target": "tiny",
-        "target_fingerprint": "f" * 16,
-        "data": "my-chats.jsonl",
-        "max_conversations": 150,
-        "eval_fraction": 0.1,
-        "seed": 3,
-        "max_length": 256,
-        "heldout_ids": heldout_ids,
-        "calibration_ids": heldout_ids[-1:],
-    }
-    record.update(over)
-    (head_dir / "training_record.json").write_text(json.dumps(record))
-    return head_dir
 
 
 def test_sharegpt_heldout_without_a_record_uses_the_training_defaults(fake_data, tmp_path, caplog):

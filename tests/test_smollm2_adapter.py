@@ -11,7 +11,7 @@ import torch
 
 import selfspec
 from selfspec.heads.fingerprint import target_fingerprint
-from tests.test_smollm2 import PROMPTS, fresh_heads
+from tests.helpers.smollm2 import PROMPTS, fresh_heads
 
 pytestmark = pytest.mark.slow
 

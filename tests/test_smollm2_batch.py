@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import selfspec
-from tests.test_smollm2 import PROMPTS, fresh_heads, memorising_eagle_head
+from tests.helpers.smollm2 import PROMPTS, fresh_heads, memorising_eagle_head
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ import torch
 from selfspec.decode.drafters import DraftTree
 from selfspec.decode.generate import speculative_generate
 from selfspec.decode.sampling import SamplingConfig, probs_from_logits, process_logits
-from tests.stats import chi2_critical
+from tests.helpers.stats import chi2_critical
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,8 @@ from selfspec.bench import BenchPrompt, BenchReport, BenchSettings, build_method
 from selfspec.bench import cli as bench_cli
 from selfspec.cli import main as cli_main
 from selfspec.decode.tuning import calibration, costs
-from tests.test_bench import QUESTIONS, CharTokenizer
+from tests.helpers.conversations import QUESTIONS
+from tests.helpers.tokenizers import CharTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -27,13 +27,14 @@ from selfspec.decode.masks import (
     tree_allowed,
     tree_attention_masks,
 )
-from selfspec.decode.sampling import SamplingConfig, probs_from_logits, process_logits
 from selfspec.decode.target_check import UnsupportedTargetError, check_target
 from selfspec.decode.tree import static_tree, tree_position_ids
 from selfspec.decode.verifier import Verifier
-from tests.archs import ARCHS, CONFIGS, WINDOW, tiny_target
-from tests.decode.test_generate import OracleDrafter, random_heads
-from tests.stats import chi2_critical
+from tests.helpers.archs import ARCHS, CONFIGS, WINDOW, tiny_target
+from tests.helpers.drafters import OracleDrafter, TargetTopKDrafter
+from tests.helpers.heads import random_heads
+from tests.helpers.sampling import N_SAMPLES, SAMPLING, processed_probs
+from tests.helpers.stats import chi2_critical
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -260,35 +261,6 @@ def test_soft_capped_logits_are_the_models_own():
 
 
 # ------------------------------------------------------------------ sampling
-N_SAMPLES = 400
-SAMPLING = SamplingConfig(do_sample=True, temperature=0.7, top_k=6)
-
-
-def processed_probs(model, ids: torch.Tensor) -> torch.Tensor:
-    with torch.inference_mode():
-        logits = model(ids[None]).logits[0, -1:].float()
-    return probs_from_logits(process_logits(logits, ids[None], SAMPLING))[0]
-
-
-class TargetTopKDrafter:
-    """The target's own top candidates for the next two tokens (deterministic: one-hot q), in a tree of
-    three children under the root and two under the first."""
-
-    name = "target_topk"
-
-    def __init__(self, model) -> None:
-        self.model = model
-
-    def begin(self, prompt_ids, hidden):
-        pass
-
-    def accept(self, tokens, hidden):
-        pass
-
-    def propose(self, context, sampling, generator):
-        first = processed_probs(self.model, context).topk(3).indices
-        second = processed_probs(self.model, torch.cat([context, first[:1]])).topk(2).indices
-        return DraftTree(torch.cat([context[-1:], first, second]), torch.tensor([-1, 0, 0, 0, 1, 1]))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -33,10 +33,11 @@ from selfspec.decode.tuning.calibration import AcceptanceProfile
 from selfspec.decode.verifier import Verifier
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head
-from tests.archs import ARCHS, tiny_target
-from tests.decode.test_architectures import TargetTopKDrafter, processed_probs
-from tests.decode.test_generate import OracleDrafter, random_heads
-from tests.stats import chi2_critical
+from tests.helpers.archs import ARCHS, tiny_target
+from tests.helpers.drafters import OracleDrafter, TargetTopKDrafter
+from tests.helpers.heads import random_heads
+from tests.helpers.sampling import processed_probs
+from tests.helpers.stats import chi2_critical
 
 V = 96
 LENGTHS = (5, 13, 9, 20, 3)  # ragged: shorter and longer than the sliding window (tests.archs.WINDOW = 8)

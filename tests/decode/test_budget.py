@@ -24,7 +24,8 @@ from selfspec.decode.verifier import Verifier
 from selfspec.decode.verify import verify_greedy
 from selfspec.heads import load_heads
 from selfspec.heads.config import HeadFormatError
-from tests.decode.test_eagle_decode import SecondBestHead, prompts, random_head, reference
+from tests.helpers.decoding import prompts, reference
+from tests.helpers.heads import SecondBestHead, random_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -528,8 +529,8 @@ def test_make_drafter_overrides_and_fallbacks(oracle, head_dir):
 
 def test_make_drafter_medusa_installs_the_measured_linears(monkeypatch):
     """Medusa heads on a CPU target verify with the linears the (cached) cost profile found faster."""
-    from tests.conftest import tiny_llama
-    from tests.decode.test_generate import random_heads
+    from tests.helpers.archs import tiny_llama
+    from tests.helpers.heads import random_heads
 
     t = tiny_llama(seed=9)
     made = cost(
@@ -583,8 +584,8 @@ def test_medusa_tree_size_follows_the_cost_curve():
 
 
 def test_make_drafter_sizes_the_medusa_tree_unless_told(monkeypatch):
-    from tests.conftest import tiny_llama
-    from tests.decode.test_generate import random_heads
+    from tests.helpers.archs import tiny_llama
+    from tests.helpers.heads import random_heads
 
     t = tiny_llama(seed=11)
     heads = random_heads(t, num_heads=2)

@@ -22,7 +22,7 @@ from selfspec.decode.drafters import DraftModelDrafter, DraftTree, PromptLookupD
 from selfspec.decode.generate import speculative_generate, target_distributions
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import tree_depths
-from tests.conftest import tiny_llama
+from tests.helpers.archs import tiny_llama
 
 V = 96
 

@@ -16,10 +16,11 @@ from selfspec.decode.verifier import Verifier
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head
 from selfspec.train.config import Eagle3Options
 from selfspec.train.eagle3 import UnrolledEagle3, eagle3_step_loss
-from selfspec.train.eagle_data import PairStore, collate, pack_rows
-from selfspec.train.features import hidden_features
-from tests.archs import tiny_target
-from tests.decode.test_architectures import N_SAMPLES, SAMPLING, chi2_critical, processed_probs
+from selfspec.train.eagle_data import collate, pack_rows
+from tests.helpers.archs import tiny_target
+from tests.helpers.sampling import N_SAMPLES, SAMPLING, processed_probs
+from tests.helpers.stats import chi2_critical
+from tests.helpers.training import distilled_store
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,19 +35,6 @@ def make_head(target, draft_ids: torch.Tensor | None = None, seed: int = 1, **in
         hidden_size=D, vocab_size=V, draft_vocab_size=S, num_target_layers=target.config.num_hidden_layers
     )
     return Eagle3Head(cfg, target.config, draft_ids=draft_ids, target=target, **init).eval()
-
-
-def distilled_store(target, layers, n: int, seed: int) -> PairStore:
-    """The target's own greedy answers to random prompts, with ``[layers, last]`` features."""
-    g = torch.Generator().manual_seed(seed)
-    examples = []
-    for _ in range(n):
-        prompt = torch.randint(3, V, (6,), generator=g)
-        ids = target.generate(prompt[None], do_sample=False, max_new_tokens=18, min_new_tokens=18, pad_token_id=0)[0]
-        mask = torch.zeros(ids.numel(), dtype=torch.bool)
-        mask[6:] = True
-        examples.append({"input_ids": ids, "loss_mask": mask})
-    return PairStore.from_examples(examples, hidden_features(target, examples, True, layers=layers), 4 * D)
 
 
 @functools.cache

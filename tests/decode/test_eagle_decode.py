@@ -11,8 +11,9 @@ from selfspec.decode.kv import new_cache
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import validate_parents
 from selfspec.decode.verifier import Verifier
-from selfspec.heads.eagle import EagleConfig, EagleHead
-from tests.conftest import tiny_llama
+from tests.helpers.archs import tiny_llama
+from tests.helpers.decoding import prompts, reference
+from tests.helpers.heads import SecondBestHead, random_head
 
 D, V = 32, 96
 SETTINGS = [(1, 1, 1), (4, 1, 4), (5, 4, 12), (3, 2, 6), (6, 8, 30)]  # (depth, top_k, total_tokens)
@@ -21,60 +22,9 @@ SETTINGS = [(1, 1, 1), (4, 1, 4), (5, 4, 12), (3, 2, 6), (6, 8, 30)]  # (depth, 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def random_head(target, seed: int = 1) -> EagleHead:
-    torch.manual_seed(seed)
-    return EagleHead(EagleConfig(hidden_size=D, vocab_size=V), target.config, target=target).eval()
-
-
 @pytest.fixture(scope="module")
 def target():
     return tiny_llama()
-
-
-def build_oracle():
-    """A one-layer target whose embeddings all have RMS 1, and a head that nearly reproduces it.
-
-    ``input_layernorm(e) = e * w`` for every embedding row e, so ``fc = [diag(w), 0]`` followed by a
-    copy of the target's layer (without input norm) computes the target's pre-norm hidden state of token
-    ``x_{t+1}`` from the pairs (RoPE is relative: the head's one-position shift cancels); only the first
-    prompt token x_0 is missing from its context. With unit final-norm weights its argmax is (nearly always)
-    the target's greedy token, so acceptance is high and accepted paths run through non-first branches
-    (node indices 1, k+1, ...).
-    """
-    t = tiny_llama(layers=1, seed=3)
-    with torch.no_grad():
-        emb = t.get_input_embeddings().weight
-        emb[0] = torch.randn(D)  # the zero padding row cannot be rescaled
-        emb.div_(emb.pow(2).mean(-1, keepdim=True).sqrt())  # RMS 1: soft enough logits to sample from
-    head = EagleHead(EagleConfig(hidden_size=D, vocab_size=V), t.config, target=t).eval()
-    with torch.no_grad():
-        head.fc.weight.zero_()
-        head.fc.bias.zero_()
-        head.fc.weight[:, :D] = torch.diag(t.model.layers[0].input_layernorm.weight)
-        layer = {k: v for k, v in t.model.layers[0].state_dict().items() if not k.startswith("input_layernorm.")}
-        head.layers[0].load_state_dict(layer)
-    return t, head
-
-
-class SecondBestHead(EagleHead):
-    """Rigged: the oracle's best token is demoted to rank 2, so the right path is never the first branch."""
-
-    def draft_logits(self, predicted):
-        logits = super().draft_logits(predicted).clone()
-        top2 = logits.topk(2, dim=-1)
-        best = top2.indices[..., :1]
-        logits.scatter_(-1, best, top2.values[..., 1:] - 1e-3)
-        return logits
-
-
-def prompts(n: int, length: int = 8, seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, V, (length,), generator=g) for _ in range(n)]
-
-
-def reference(target, ids: torch.Tensor, n: int) -> list[int]:
-    out = target.generate(ids.unsqueeze(0), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
-    return out[0, ids.numel() :].tolist()
 
 
 class Recorder:

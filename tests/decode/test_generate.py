@@ -7,71 +7,16 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, NoBadWordsLogitsProcessor
 
-from selfspec.decode.drafters import DraftModelDrafter, DraftTree, MedusaDrafter, PromptLookupDrafter
+from selfspec.decode.drafters import DraftModelDrafter, MedusaDrafter, PromptLookupDrafter
 from selfspec.decode.generate import speculative_generate
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import static_tree
-from selfspec.heads.medusa import MedusaConfig, MedusaHeads
-from tests.conftest import tiny_llama
+from tests.helpers.archs import tiny_llama
+from tests.helpers.decoding import TREES, plain_greedy
+from tests.helpers.drafters import OracleDrafter
+from tests.helpers.heads import random_heads
 
 V = 96
-
-
-def plain_greedy(model, ids, n, **kw):
-    out = model.generate(ids[None], max_new_tokens=n, do_sample=False, pad_token_id=0, top_k=None, **kw)
-    return out[0, ids.numel() :].tolist()
-
-
-class OracleDrafter:
-    """Random trees that contain the true greedy continuation at random branches (and junk elsewhere),
-    so long, non-contiguous accepted paths exercise the KV compaction."""
-
-    name = "oracle"
-
-    def __init__(self, prompt_len: int, reference: list[int], seed: int, nodes: int = 12, hit_rate: float = 0.8):
-        self.prompt_len, self.ref, self.nodes, self.hit = prompt_len, reference, nodes, hit_rate
-        self.g = torch.Generator().manual_seed(seed)
-
-    def begin(self, prompt_ids, hidden):
-        pass
-
-    def accept(self, tokens, hidden):
-        pass
-
-    def propose(self, context, sampling, generator):
-        pos = context.numel() - self.prompt_len  # index in ref of the next token
-        parents, tokens, on_path = [-1], [int(context[-1])], {0: pos}
-        for i in range(1, self.nodes):
-            parent = int(torch.randint(0, i, (1,), generator=self.g))
-            parents.append(parent)
-            want = on_path.get(parent)
-            right = want is not None and want < len(self.ref) and float(torch.rand(1, generator=self.g)) < self.hit
-            if right and self.ref[want] not in [tokens[j] for j in range(1, i) if parents[j] == parent]:
-                tokens.append(self.ref[want])
-                on_path[i] = want + 1
-            else:
-                tokens.append(int(torch.randint(3, V, (1,), generator=self.g)))
-        return DraftTree(torch.tensor(tokens), torch.tensor(parents))
-
-
-def random_heads(model, num_heads=4, seed=0, draft_vocab=None):
-    torch.manual_seed(seed)
-    cfg = MedusaConfig(
-        hidden_size=model.config.hidden_size, vocab_size=V, num_heads=num_heads, draft_vocab_size=draft_vocab
-    )
-    ids = torch.randperm(V)[:draft_vocab].sort().values if draft_vocab else None
-    heads = MedusaHeads(cfg, target_lm_head=model.lm_head.weight, draft_ids=ids)
-    for p in heads.blocks.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    return heads
-
-
-TREES = [
-    [(0,)],
-    [(0,), (0, 0), (0, 0, 0)],
-    [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)],
-    [(1,), (0,), (1, 1), (1, 0), (1, 1, 2), (1, 1, 0), (1, 1, 1)],
-]
 
 
 @pytest.mark.parametrize("tree_paths", TREES)

@@ -17,9 +17,11 @@ from selfspec.decode.sampling import sample
 from selfspec.decode.tree import static_tree, tree_depths
 from selfspec.decode.verifier import Verifier
 from selfspec.decode.verify import VerifyResult, verify_greedy, verify_tree_sampling, verify_typical
-from tests.conftest import tiny_llama
-from tests.decode.test_generate import TREES, OracleDrafter, plain_greedy, random_heads
-from tests.decode.test_kv import hand_built_cache, positions
+from tests.helpers.archs import tiny_llama
+from tests.helpers.caches import hand_built_cache, positions
+from tests.helpers.decoding import TREES, plain_greedy
+from tests.helpers.drafters import OracleDrafter
+from tests.helpers.heads import random_heads
 
 PARENTS = [-1, 0, 0, 1, 1, 2, 3, 3]
 

@@ -12,30 +12,16 @@ from selfspec.decode.eagle import EagleDrafter
 from selfspec.decode.generate import speculative_generate
 from selfspec.decode.hybrid import HybridDrafter, lookup_chain, merge_chain, new_nodes
 from selfspec.decode.tree import static_tree
-from selfspec.decode.tuning.costs import CostProfile
 from selfspec.decode.verify import verify_tree_sampling
 from selfspec.heads.eagle import EagleConfig, EagleHead
-from tests.archs import tiny_target
-from tests.decode.test_architectures import SAMPLING, TargetTopKDrafter, processed_probs
-from tests.decode.test_generate import random_heads
-from tests.decode.test_verify import _assert_lossless, _enumerate, _tree_case
-from tests.stats import chi2_critical
+from tests.helpers.archs import tiny_target
+from tests.helpers.drafters import Rigged, TargetTopKDrafter, cost, eagle_hybrid
+from tests.helpers.heads import random_heads
+from tests.helpers.lossless import assert_lossless, enumerate_law, tree_case
+from tests.helpers.sampling import SAMPLING, processed_probs
+from tests.helpers.stats import chi2_critical
 
 V = 96
-
-
-def cost(per_node: float = 0.05) -> CostProfile:
-    sizes = (1, 2, 4, 8, 16, 32, 64)
-    return CostProfile(
-        target_fingerprint="x",
-        device="cpu",
-        dtype="float32",
-        threads=2,
-        torch="2",
-        context_length=128,
-        node_counts=sizes,
-        verify_ms=tuple(10.0 * (1 + per_node * (n - 1)) for n in sizes),
-    )
 
 
 def test_merge_shares_the_nodes_the_tree_has_and_appends_the_rest():
@@ -88,7 +74,7 @@ def test_exact_sampling_through_a_tree_from_two_sources_with_duplicates():
     chain that repeats the head's first child and its child (shared, not duplicated) and then leaves the
     tree; every accept / reject / residual / bonus draw enumerated, V = 6: the emitted law is exactly
     prod p over every 4-token sequence."""
-    from tests.decode.test_verify import target
+    from tests.helpers.lossless import target
 
     v, prefix0 = 6, (3,)
     p0 = target(prefix0, v)
@@ -100,19 +86,13 @@ def test_exact_sampling_through_a_tree_from_two_sources_with_duplicates():
     merged, path = merge_chain(head, [a, c, e])
     assert merged.tokens.numel() == 6 and path == [1, 3, 5]  # a and c shared, e new
     tokens, parents = merged.tokens.tolist(), merged.parents.tolist()
-    _, p, _ = _tree_case(parents, tokens, prefix0, v, None)
+    _, p, _ = tree_case(parents, tokens, prefix0, v, None)
 
     def run(source):
         result = verify_tree_sampling(p, merged.tokens, merged.parents, None, source)
         return tuple(tokens[j] for j in result.accepted_nodes[1:].tolist()) + (result.next_token,)
 
-    _assert_lossless(_enumerate(run), prefix0, v, 4, expect_longest=4)
-
-
-def eagle_hybrid(t, per_node=0.05):
-    torch.manual_seed(1)
-    head = EagleHead(EagleConfig(hidden_size=t.config.hidden_size, vocab_size=V), t.config, target=t).eval()
-    return HybridDrafter(EagleDrafter(head, t, depth=3, top_k=2, total_tokens=5), cost(per_node))
+    assert_lossless(enumerate_law(run), prefix0, v, 4, expect_longest=4)
 
 
 def repetitive(length: int, seed: int) -> torch.Tensor:
@@ -142,21 +122,6 @@ def test_batch_rows_equal_their_own_hybrid_output():
     alone = [speculative_generate(t, eagle_hybrid(t), p, max_new_tokens=16).tokens for p in prompts]
     rows = speculative_generate_batch(t, eagle_hybrid(t), prompts, max_new_tokens=16)
     assert [r.tokens for r in rows] == alone
-
-
-class Rigged:
-    """A head drafter with a fixed 5-node tree of junk tokens (never accepted)."""
-
-    name = "rigged"
-
-    def begin(self, prompt_ids, hidden):
-        pass
-
-    def accept(self, tokens, hidden):
-        pass
-
-    def propose(self, context, sampling, generator):
-        return DraftTree(torch.cat([context[-1:], torch.tensor([1, 1, 2, 2])]), torch.tensor([-1, 0, 1, 0, 3]))
 
 
 def test_split_follows_measured_acceptance_and_cost():

@@ -9,9 +9,10 @@ import torch
 import selfspec
 from selfspec.decode.drafters import DraftModelDrafter, DraftTree, PromptLookupDrafter
 from selfspec.decode.generate import NonFiniteLogitsError, speculative_generate
-from tests.conftest import tiny_llama
-from tests.decode.test_generate import TREES, random_heads
-from tests.decode.test_streaming import byte_level_tokenizer
+from tests.helpers.archs import tiny_llama
+from tests.helpers.decoding import TREES
+from tests.helpers.heads import random_heads
+from tests.helpers.tokenizers import byte_level_tokenizer
 
 PROMPT = [5, 17, 23, 42, 8, 61]
 

@@ -17,8 +17,8 @@ from selfspec.decode.generate import speculative_generate
 from selfspec.decode.tree import static_tree
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
-from tests.archs import WINDOW
-from tests.decode.test_generate import OracleDrafter
+from tests.helpers.archs import WINDOW
+from tests.helpers.drafters import OracleDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

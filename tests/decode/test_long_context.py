@@ -10,8 +10,9 @@ from selfspec.decode.drafters import DraftModelDrafter, MedusaDrafter, PromptLoo
 from selfspec.decode.generate import speculative_generate
 from selfspec.decode.tree import static_tree, tree_depths
 from selfspec.decode.verifier import Verifier
-from tests.conftest import tiny_llama
-from tests.decode.test_generate import TREES, random_heads
+from tests.helpers.archs import tiny_llama
+from tests.helpers.decoding import TREES
+from tests.helpers.heads import random_heads
 
 CONTEXT = 64
 
@@ -86,7 +87,7 @@ def test_sampling_near_the_context_limit_completes(short_target):
 @pytest.mark.parametrize("prompt_len", [CONTEXT - 3, CONTEXT - 24])
 def test_eagle_trees_shrink_at_the_context_limit_and_stay_exact(prompt_len):
     from selfspec.decode.eagle import EagleDrafter
-    from tests.decode.test_eagle_decode import build_oracle
+    from tests.helpers.heads import build_oracle
 
     target, head = build_oracle()  # a head that nearly reproduces its target: deep accepted paths
     target.config.max_position_embeddings = CONTEXT
@@ -117,7 +118,7 @@ def test_smollm2_at_a_declared_context_limit_equals_plain_decoding(smollm2, meth
     """The real SmolLM2 weights with their context declared as 512 positions (restored afterwards): a prompt
     of 509 tokens completes with the 3 tokens plain decoding gives."""
     import selfspec
-    from tests.test_smollm2 import fresh_heads
+    from tests.helpers.smollm2 import fresh_heads
 
     model, tok = smollm2
     text = "The capital of France is Paris. The capital of Italy is Rome. " * 60

@@ -13,24 +13,10 @@ from transformers import TextIteratorStreamer, TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
 import selfspec
-from tests.conftest import tiny_llama
+from tests.helpers.archs import tiny_llama
+from tests.helpers.tokenizers import byte_level_tokenizer
 
 TEXT = "héllo €uro 日本語, the cat sat on the mat"
-
-
-def byte_level_tokenizer():
-    """A byte-level BPE tokenizer (GPT-2 style) trained on a line of ASCII: non-ASCII characters stay bytes."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<pad>", "<s>", "</s>"]
-    )
-    tok.train_from_iterator(["hello world, the cat sat on the mat, euro"] * 3, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
 @pytest.fixture(scope="module")

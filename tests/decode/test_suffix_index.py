@@ -17,11 +17,12 @@ from selfspec.decode.hybrid import HybridDrafter, merge_chain
 from selfspec.decode.suffix_index import SuffixIndex, ngram_hashes
 from selfspec.decode.verify import verify_tree_sampling
 from selfspec.heads.eagle import EagleConfig, EagleHead
-from tests.archs import tiny_target
-from tests.decode.test_architectures import SAMPLING, TargetTopKDrafter, processed_probs
-from tests.decode.test_hybrid import Rigged, V, cost, eagle_hybrid
-from tests.decode.test_verify import _assert_lossless, _enumerate, _tree_case
-from tests.stats import chi2_critical
+from tests.helpers.archs import tiny_target
+from tests.helpers.decoding import V
+from tests.helpers.drafters import Rigged, TargetTopKDrafter, cost, eagle_hybrid
+from tests.helpers.lossless import assert_lossless, enumerate_law, tree_case
+from tests.helpers.sampling import SAMPLING, processed_probs
+from tests.helpers.stats import chi2_critical
 
 CORPUS = [
     [1, 2, 3, 4, 5, 6],
@@ -218,7 +219,7 @@ def test_greedy_equals_generate_with_an_index(arch):
 def test_exact_sampling_through_a_tree_with_an_index_chain():
     """Enumerated as tests/decode/test_hybrid.py: a head tree merged with the index's chain (the majority
     continuation of the root token), V = 6: the emitted law is exactly prod p over every 4-token sequence."""
-    from tests.decode.test_verify import target
+    from tests.helpers.lossless import target
 
     v, prefix0 = 6, (3,)
     a, b = torch.topk(target(prefix0, v), 2).indices.tolist()
@@ -230,13 +231,13 @@ def test_exact_sampling_through_a_tree_with_an_index_chain():
     assert (chain, n) == ([a, c, e], 1)
     merged, path = merge_chain(head, chain)
     tokens, parents = merged.tokens.tolist(), merged.parents.tolist()
-    _, p, _ = _tree_case(parents, tokens, prefix0, v, None)
+    _, p, _ = tree_case(parents, tokens, prefix0, v, None)
 
     def run(source):
         result = verify_tree_sampling(p, merged.tokens, merged.parents, None, source)
         return tuple(tokens[j] for j in result.accepted_nodes[1:].tolist()) + (result.next_token,)
 
-    _assert_lossless(_enumerate(run), prefix0, v, 4, expect_longest=4)
+    assert_lossless(enumerate_law(run), prefix0, v, 4, expect_longest=4)
 
 
 def test_sampling_keeps_the_target_distribution_with_an_index():
@@ -304,7 +305,7 @@ def test_bench_adds_hybrid_suffix_beside_hybrid(tmp_path, monkeypatch):
     from selfspec.bench import BenchPrompt, BenchSettings, build_methods, run_bench
     from selfspec.bench import cli as bench_cli
     from selfspec.bench import methods as bench_methods
-    from tests.test_bench import CharTokenizer
+    from tests.helpers.tokenizers import CharTokenizer
 
     monkeypatch.setattr(bench_methods, "get_cost_profile", lambda target: cost())
     monkeypatch.setattr(bench_methods, "make_verifier", lambda target, drafter: make_verifier(target, drafter, "off"))

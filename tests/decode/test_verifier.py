@@ -1,4 +1,4 @@
-"""decode/verifier.py and decode/cpu_linear.py: the CPU linear kernels (W @ x^T, oneDNN on packed weights)
+"""decode/verifier.py and heads/cpu_linear.py: the CPU linear kernels (W @ x^T, oneDNN on packed weights)
 compute the same products, a plan applies only at its sizes, the target is never modified, and greedy
 decoding stays identical to the target's with each kernel."""
 
@@ -8,14 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from selfspec.decode import cpu_linear
+from selfspec.heads import cpu_linear
 from selfspec.decode.drafters import MedusaDrafter
 from selfspec.decode.eagle import EagleDrafter
 from selfspec.decode.generate import speculative_generate
 from selfspec.decode.tree import static_tree
 from selfspec.decode.verifier import Verifier
-from tests.conftest import tiny_llama
-from tests.decode.test_eagle_decode import prompts, reference
+from tests.helpers.archs import tiny_llama
+from tests.helpers.decoding import prompts, reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -148,7 +148,7 @@ def test_target_untouched_by_load_and_generate(target):
     """selfspec stores nothing on the target: after load (with tuning) and generate, every module's
     ``__dict__`` holds the same objects and no module has a forward of its own."""
     import selfspec
-    from tests.decode.test_generate import random_heads
+    from tests.helpers.heads import random_heads
 
     heads = random_heads(target)
     before = snapshot(target)
@@ -162,7 +162,7 @@ def test_target_untouched_by_load_and_generate(target):
 def test_tune_off_skips_measuring_and_packing(target, monkeypatch, tmp_path):
     import selfspec
     from selfspec.decode.tuning import costs
-    from tests.decode.test_generate import random_heads
+    from tests.helpers.heads import random_heads
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     measured = []
@@ -195,8 +195,7 @@ def test_greedy_exact_with_each_kernel_at_every_size(target, oracle, kernel):
     """Medusa static trees of 4 and 8 nodes and EAGLE-2 dynamic trees (random heads, and the oracle head
     whose long paths are accepted), with every tree size verified by one kernel (or plain linear):
     output identical to the target's greedy generate."""
-    from tests.decode.test_eagle_decode import random_head
-    from tests.decode.test_generate import random_heads
+    from tests.helpers.heads import random_head, random_heads
 
     plan = {} if kernel is None else {n: kernel for n in ALL_SIZES}
     trees = [[(0,), (1,), (0, 0)], [(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0), (0, 1)]]
@@ -268,7 +267,7 @@ def test_twin_of_every_family_verifies_like_the_target(kernel):
     shares every parameter's storage with the target, and a tree verified with the planned kernel gives
     plain linear's logits (fp32, 1e-5: another summation order)."""
     from selfspec.decode.kv import backbone, crop_cache
-    from tests.archs import ARCHS, tiny_target
+    from tests.helpers.archs import ARCHS, tiny_target
 
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, 5, 3])
     for arch in ARCHS:

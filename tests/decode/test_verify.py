@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import functools
-import itertools
 import math
 from collections import defaultdict
-from collections.abc import Callable, Hashable
 
 import pytest
 import torch
@@ -24,6 +21,7 @@ from selfspec.decode.verify import (
     verify_tree_sampling,
     verify_typical,
 )
+from tests.helpers.lossless import assert_lossless, draft, enumerate_law, lossless_error, target, tree_case, tree_paths
 
 F64 = torch.float64
 
@@ -160,156 +158,7 @@ def test_monte_carlo_tree_sampling_with_generator():
 
 
 # ------------------------------------------------------------------------------------------------
-# Exact losslessness by enumeration.
-#
-# The verifiers take their randomness from a RandomSource. `_Replay` is one that follows a scripted
-# sequence of choices and multiplies up the exact probability of each choice it makes (accept: prob,
-# reject: 1 - prob, a token: its normalised probability). `_enumerate` runs the production function
-# again and again with every possible script (depth-first: when the script runs out, the source
-# raises `_Branch` listing the options, and each extension is queued). So every accept/reject outcome
-# and every residual/bonus draw of the real code is visited once, with its exact probability; the draft
-# draws (x ~ q) are enumerated outside, over q's support. Everything is float64.
-
-
-class _Branch(Exception):
-    def __init__(self, count: int) -> None:
-        self.count = count
-
-
-class _Replay:
-    def __init__(self, script: tuple[int, ...]) -> None:
-        self.script, self.pos, self.weight = script, 0, 1.0
-
-    def _choose(self, options: list[tuple[object, float]]):
-        options = [(value, w) for value, w in options if w > 0]
-        if self.pos == len(self.script):
-            raise _Branch(len(options))
-        value, w = options[self.script[self.pos]]
-        self.pos += 1
-        self.weight *= w
-        return value
-
-    def accept(self, node: int, probability: float) -> bool:
-        return self._choose([(True, probability), (False, 1.0 - probability)])
-
-    def categorical(self, probs: torch.Tensor) -> int:
-        probs = probs.to(F64) / probs.to(F64).sum()
-        return self._choose(list(enumerate(probs.tolist())))
-
-
-def _enumerate(run: Callable[[RandomSource], Hashable]) -> dict[Hashable, float]:
-    dist: dict[Hashable, float] = defaultdict(float)
-    stack: list[tuple[int, ...]] = [()]
-    while stack:
-        script = stack.pop()
-        source = _Replay(script)
-        assert isinstance(source, RandomSource)
-        try:
-            outcome = run(source)
-        except _Branch as branch:
-            stack.extend(script + (k,) for k in range(branch.count))
-            continue
-        dist[outcome] += source.weight
-    return dist
-
-
-def _seeded_dist(prefix: tuple[int, ...], v: int, salt: int, zeros: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(hash((salt,) + prefix) % (2**31))
-    d = torch.rand(v, generator=g, dtype=F64) ** 2 + 0.01
-    if zeros:
-        d[torch.randperm(v, generator=g)[:zeros]] = 0.0
-    return d / d.sum()
-
-
-@functools.cache
-def target(prefix: tuple[int, ...], v: int) -> torch.Tensor:
-    """Context-dependent target p(. | prefix), with one forbidden token per context (cached: do not modify)."""
-    return _seeded_dist(prefix, v, salt=1, zeros=1)
-
-
-@functools.cache
-def draft(prefix: tuple[int, ...], v: int, kind: str) -> torch.Tensor:
-    """Adversarial drafts q(. | prefix)."""
-    p = target(prefix, v)
-    if kind == "mixed":  # a different adversary per context
-        kind = ("far", "zeros", "onehot")[hash(prefix) % 3]
-    if kind == "far":  # mass where p has little
-        q = (p.max() - p) + 1e-3
-    elif kind == "zeros":  # no mass on the target's two likeliest tokens
-        q = _seeded_dist(prefix, v, salt=2, zeros=0)
-        q[torch.topk(p, 2).indices] = 0.0
-    elif kind == "onehot_bad":  # always the token the target forbids
-        q = (p == 0).to(F64)
-    elif kind == "onehot":
-        q = torch.zeros(v, dtype=F64)
-        q[int(torch.argmax(p))] = 1.0
-    else:
-        raise ValueError(kind)
-    return q / q.sum()
-
-
-def _paths(parents: list[int]) -> list[list[int]]:
-    paths = [[0]]
-    for i in range(1, len(parents)):
-        paths.append(paths[parents[i]] + [i])
-    return paths
-
-
-def _completed(dist: dict[tuple[int, ...], float], prefix0: tuple[int, ...], v: int, length: int):
-    """Complete each emitted sequence to `length` tokens with the target: the law of the first `length` tokens."""
-    completed: dict[tuple[int, ...], float] = defaultdict(float)
-    for seq, prob in dist.items():
-        assert 1 <= len(seq) <= length
-        stack = [(seq, prob)]
-        while stack:
-            s, w = stack.pop()
-            if len(s) == length:
-                completed[s] += w
-                continue
-            for x, px in enumerate(target(prefix0 + s, v).tolist()):
-                if px > 0:
-                    stack.append((s + (x,), w * px))
-    return completed
-
-
-def _expected(seq: tuple[int, ...], prefix0: tuple[int, ...], v: int) -> float:
-    expected = 1.0
-    for t in range(len(seq)):
-        expected *= float(target(prefix0 + seq[:t], v)[seq[t]])
-    return expected
-
-
-def _lossless_error(dist: dict[tuple[int, ...], float], prefix0: tuple[int, ...], v: int, length: int) -> float:
-    """The largest deviation of the completed law from prod p over all V^length sequences, or of the total
-    mass from 1."""
-    completed = _completed(dist, prefix0, v, length)
-    sequences = itertools.product(range(v), repeat=length)
-    errors = [abs(completed.get(seq, 0.0) - _expected(seq, prefix0, v)) for seq in sequences]
-    return max([abs(sum(dist.values()) - 1.0), *errors])
-
-
-def _assert_lossless(
-    dist: dict[tuple[int, ...], float], prefix0: tuple[int, ...], v: int, length: int, expect_longest: int
-) -> None:
-    """Complete each emitted sequence to `length` tokens with the target; compare to prod p exactly.
-
-    `expect_longest` guards against a vacuous pass: the longest emitted sequence (length when some
-    draw accepts every draft on a deepest path; 1 when drafts can never be accepted)."""
-    assert abs(sum(dist.values()) - 1.0) < 1e-12
-    completed = _completed(dist, prefix0, v, length)
-    for seq in itertools.product(range(v), repeat=length):
-        expected = _expected(seq, prefix0, v)
-        assert abs(completed.get(seq, 0.0) - expected) < 1e-9, (seq, completed.get(seq, 0.0), expected)
-    longest = max(len(s) for s in dist)
-    assert longest == expect_longest, f"longest emitted sequence {longest}, expected {expect_longest}"
-
-
-def _tree_case(parents: list[int], tokens: list[int], prefix0: tuple[int, ...], v: int, kind: str | None):
-    """p (and q) for a tree whose draft tokens are `tokens` (tokens[0] = root, part of prefix0)."""
-    contexts = [prefix0 + tuple(tokens[j] for j in path[1:]) for path in _paths(parents)]
-    p = torch.stack([target(c, v) for c in contexts])
-    q = None if kind is None else torch.stack([draft(c, v, kind) for c in contexts])
-    return contexts, p, q
+# Exact losslessness by enumeration (the enumeration itself: tests/helpers/lossless.py).
 
 
 CHAIN_V, CHAIN_K, CHAIN_PREFIX = 5, 3, (2,)
@@ -317,7 +166,7 @@ CHAIN_V, CHAIN_K, CHAIN_PREFIX = 5, 3, (2,)
 
 def _chain_dist(kind: str) -> dict[tuple[int, ...], float]:
     """The exact law of one step of verify_chain_sampling, K = 3, V = 5: every draft chain x ~ q
-    enumerated with its probability, every accept/reject and residual/bonus draw by _enumerate."""
+    enumerated with its probability, every accept/reject and residual/bonus draw by enumerate_law."""
     v, k, prefix0 = CHAIN_V, CHAIN_K, CHAIN_PREFIX
     dist: dict[tuple[int, ...], float] = defaultdict(float)
 
@@ -337,7 +186,7 @@ def _chain_dist(kind: str) -> dict[tuple[int, ...], float]:
             num_accepted, next_token = verify_chain_sampling(p, q, draft_tokens, source)
             return drafts[:num_accepted] + (next_token,)
 
-        for seq, w in _enumerate(run).items():
+        for seq, w in enumerate_law(run).items():
             dist[seq] += weight * w
 
     expand((), 1.0)
@@ -347,7 +196,7 @@ def _chain_dist(kind: str) -> dict[tuple[int, ...], float]:
 @pytest.mark.parametrize("kind", ["far", "zeros", "onehot_bad", "onehot", "mixed"])
 def test_exact_chain_sampling_is_lossless(kind):
     """verify_chain_sampling, K = 3, V = 5: the law of the emitted tokens is exactly prod p."""
-    _assert_lossless(
+    assert_lossless(
         _chain_dist(kind), CHAIN_PREFIX, CHAIN_V, CHAIN_K + 1, expect_longest=1 if kind == "onehot_bad" else CHAIN_K + 1
     )
 
@@ -361,7 +210,7 @@ TREE_V, TREE_PREFIX = 4, (1,)
 def _tree_dist(kind: str) -> dict[tuple[int, ...], float]:
     """The exact law of one step of verify_tree_sampling on TREE, children drawn i.i.d. from q (with
     replacement), V = 4: every assignment of draft tokens enumerated with probability
-    prod q(x_i | context of parent), every accept/reject and residual/bonus draw by _enumerate."""
+    prod q(x_i | context of parent), every accept/reject and residual/bonus draw by enumerate_law."""
     v, prefix0 = TREE_V, TREE_PREFIX
     parents = torch.tensor(TREE)
     dist: dict[tuple[int, ...], float] = defaultdict(float)
@@ -369,17 +218,17 @@ def _tree_dist(kind: str) -> dict[tuple[int, ...], float]:
     def expand(tokens: list[int], weight: float) -> None:
         i = len(tokens)
         if i == len(TREE):
-            _, p, q = _tree_case(TREE, tokens, prefix0, v, kind)
+            _, p, q = tree_case(TREE, tokens, prefix0, v, kind)
             tree_tokens = torch.tensor(tokens)
 
             def run(source):
                 result = verify_tree_sampling(p, tree_tokens, parents, q, source)
                 return tuple(tokens[j] for j in result.accepted_nodes[1:].tolist()) + (result.next_token,)
 
-            for seq, w in _enumerate(run).items():
+            for seq, w in enumerate_law(run).items():
                 dist[seq] += weight * w
             return
-        path = _paths(TREE)[TREE[i]]
+        path = tree_paths(TREE)[TREE[i]]
         context = prefix0 + tuple(tokens[j] for j in path[1:])
         for x, qx in enumerate(draft(context, v, kind).tolist()):
             if qx > 0:
@@ -395,7 +244,7 @@ def test_exact_tree_sampling_is_lossless(kind):
 
     Every assignment of draft tokens is enumerated with probability prod q(x_i | context of parent);
     the targets differ per node (they depend on the path's tokens)."""
-    _assert_lossless(_tree_dist(kind), TREE_PREFIX, TREE_V, 4, expect_longest=4)
+    assert_lossless(_tree_dist(kind), TREE_PREFIX, TREE_V, 4, expect_longest=4)
 
 
 @pytest.mark.parametrize("pick", ["top", "worst", "duplicates"])
@@ -423,14 +272,14 @@ def test_exact_tree_sampling_deterministic_candidates(pick):
                 next_frontier.append((len(parents) - 1, suffix + (x,)))
         frontier = next_frontier
     assert len(parents) == 40
-    _, p, _ = _tree_case(parents, tokens, prefix0, v, None)
+    _, p, _ = tree_case(parents, tokens, prefix0, v, None)
     parents_t, tokens_t = torch.tensor(parents), torch.tensor(tokens)
 
     def run(source):
         result = verify_tree_sampling(p, tokens_t, parents_t, None, source)
         return tuple(tokens[j] for j in result.accepted_nodes[1:].tolist()) + (result.next_token,)
 
-    _assert_lossless(_enumerate(run), prefix0, v, 4, expect_longest=4)
+    assert_lossless(enumerate_law(run), prefix0, v, 4, expect_longest=4)
 
 
 def _bonus_from_p(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -472,15 +321,15 @@ def test_exact_check_fails_for_a_broken_verifier(monkeypatch, case):
     enumerate_case = {"chain": _chain_dist, "tree": _tree_dist}[case]
     prefix0, v, length = (CHAIN_PREFIX, CHAIN_V, CHAIN_K + 1) if case == "chain" else (TREE_PREFIX, TREE_V, 4)
     real = enumerate_case("far")
-    _assert_lossless(real, prefix0, v, length, expect_longest=length)
-    assert _lossless_error(real, prefix0, v, length) < 1e-9
+    assert_lossless(real, prefix0, v, length, expect_longest=length)
+    assert lossless_error(real, prefix0, v, length) < 1e-9
     for mutant, (name, broken) in MUTANTS.items():
         with monkeypatch.context() as patch:
             patch.setattr(verify_module, name, broken)
             wrong = enumerate_case("far")
         with pytest.raises(AssertionError):
-            _assert_lossless(wrong, prefix0, v, length, expect_longest=length)
-        assert _lossless_error(wrong, prefix0, v, length) > 1e-3, mutant
+            assert_lossless(wrong, prefix0, v, length, expect_longest=length)
+        assert lossless_error(wrong, prefix0, v, length) > 1e-3, mutant
 
 
 # ------------------------------------------------------------------------------------------------
@@ -519,7 +368,7 @@ def test_greedy_exact_tie_takes_lower_index_like_argmax():
 
 def _brute_force_greedy(logits: torch.Tensor, tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
     best: list[int] = [0]
-    for path in _paths(parents):
+    for path in tree_paths(parents):
         if all(tokens[b] == int(torch.argmax(logits[a])) for a, b in zip(path, path[1:], strict=False)) and len(
             path
         ) > len(best):

@@ -17,8 +17,8 @@ from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.eagle3 import Eagle3Config
 from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.io import read_config
-from tests.archs import tiny_target
-from tests.export.conftest import make_eagle, make_eagle3, make_medusa
+from tests.helpers.archs import tiny_target
+from tests.helpers.heads import make_eagle, make_eagle3, make_medusa
 
 EXPORT = re.compile(r"selfspec export (\S+) --format (\S+) --target (\S+) --out (\S+)")
 

@@ -13,8 +13,8 @@ from selfspec.cli import main
 from selfspec.export.cli import export_heads
 from selfspec.export.importer import import_heads
 from selfspec.heads import Eagle3Head, EagleHead, HeadFormatError, MedusaHeads, load_heads
-from tests.archs import tiny_target
-from tests.export.conftest import draft_logits, make_eagle, make_eagle3, make_medusa, medusa_logits
+from tests.helpers.archs import tiny_target
+from tests.helpers.heads import draft_logits, make_eagle, make_eagle3, make_medusa, medusa_logits
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from selfspec.export.gguf import GGUF_TENSORS, check_gguf, export_gguf
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head
 from selfspec.heads.fingerprint import target_fingerprint
-from tests.conftest import tiny_llama
+from tests.helpers.archs import tiny_llama
 
 D, V = 32, 96
 IDS = torch.tensor([0, 1, 2, 5, 8, 13, 21, 34, 55, 89])
@@ -162,7 +162,7 @@ def test_llamacpp_runs_our_eagle3_head_exactly(smollm2, smollm2_gguf, llamacpp, 
     converted head whose tensors, layers or vocabulary map were wrong would get almost none."""
     from selfspec.llamacpp import completion, speculative_simple
     from selfspec.target import resolve_target
-    from tests.test_smollm2_eagle3 import memorising_eagle3_head
+    from tests.helpers.smollm2 import memorising_eagle3_head
 
     model, tok = smollm2
     texts = [

@@ -27,7 +27,7 @@ from selfspec.export.cli import export_heads
 from selfspec.export.importer import read_foreign_head
 from selfspec.export.medusa_vllm import export_vllm_medusa
 from selfspec.heads import HeadFormatError, MedusaHeads
-from tests.export.conftest import inputs, make_eagle, make_medusa, medusa_logits
+from tests.helpers.heads import inputs, make_eagle, make_medusa, medusa_logits
 
 D, V, S, K, L = 32, 96, 40, 3, 2
 

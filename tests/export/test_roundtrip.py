@@ -23,8 +23,8 @@ from selfspec.export.cli import export_heads
 from selfspec.export.importer import import_heads, read_foreign_head
 from selfspec.heads import HeadFormatError
 from selfspec.heads.eagle import EagleConfig, EagleHead
-from tests.archs import tiny_target
-from tests.export.conftest import draft_logits, inputs, make_eagle, make_eagle3, make_medusa
+from tests.helpers.archs import tiny_target
+from tests.helpers.heads import draft_logits, inputs, make_eagle, make_eagle3, make_medusa
 
 D, V, S, F, KV = 32, 96, 40, 64, 16  # hidden, vocab, draft vocab, intermediate, kv heads * head_dim
 LAYER = {

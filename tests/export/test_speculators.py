@@ -15,7 +15,7 @@ import torch
 
 from selfspec.export.cli import export_heads
 from selfspec.export.speculators_env import build_env
-from tests.export.conftest import draft_logits, inputs, make_eagle3
+from tests.helpers.heads import draft_logits, inputs, make_eagle3
 
 SCRIPT = r"""
 import sys, torch

@@ -12,7 +12,7 @@ from selfspec.heads import load_heads
 from selfspec.heads.config import HeadFormatError
 from selfspec.heads.eagle import DRAFT_VOCAB_NAME, WEIGHTS_NAME, EagleConfig, EagleHead
 from selfspec.heads.fingerprint import target_fingerprint
-from tests.conftest import tiny_llama
+from tests.helpers.archs import tiny_llama
 
 D, V = 32, 96
 
@@ -185,7 +185,7 @@ def test_other_target_is_refused(target, tmp_path):
 def test_head_saved_with_a_sliding_layer_loads_with_full_attention(tmp_path):
     """A head directory whose config still names the target's sliding first layer (as heads were saved before
     the head's own attention was made full-context) loads as a full-attention layer."""
-    from tests.archs import WINDOW, tiny_target
+    from tests.helpers.archs import WINDOW, tiny_target
 
     target = tiny_target("gemma2")
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ from selfspec.heads import load_heads
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head, default_target_layers, vocab_maps
 from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.io import WEIGHTS_NAME, HeadFormatError
-from tests.conftest import tiny_llama
+from tests.helpers.archs import tiny_llama
 
 D, V = 32, 96
 IDS = torch.tensor([0, 1, 2, 5, 8, 13, 21, 34, 55, 89])

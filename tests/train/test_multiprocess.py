@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import tiny_llama
+from tests.helpers.archs import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 

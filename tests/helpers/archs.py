@@ -114,3 +114,28 @@ def tiny_target(arch: str, seed: int = 0) -> PreTrainedModel:
     model = AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
     model.requires_grad_(False)
     return model
+
+
+def tiny_llama(vocab_size: int = 96, hidden_size: int = 32, layers: int = 2, seed: int = 0):
+    """A randomly initialised LlamaForCausalLM small enough for exhaustive tests (fp32, eval, frozen)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=None,  # no implicit stop: tests pass EOS ids explicitly
+        pad_token_id=0,
+    )
+    # Untied and a wide init: varied, non-repeating greedy paths with few near-ties.
+    model = LlamaForCausalLM(cfg).eval()
+    model.requires_grad_(False)
+    return model
