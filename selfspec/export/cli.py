@@ -11,6 +11,7 @@ tokenizer, to check the heads belong to it; it is written into the export's conf
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -74,44 +75,53 @@ def load_frozen_target(name: str) -> tuple[PreTrainedModel, str]:
     return model, where
 
 
-def _parser(prog: str, src: str, formats: tuple[str, ...]) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog)
+def _run(
+    argv: list[str],
+    command: str,
+    src: str,
+    formats: tuple[str, ...],
+    act: Callable[[argparse.Namespace, PreTrainedModel, str], str],
+    tool_errors: tuple[type[Exception], ...] = (),
+) -> int:
+    """Parse ``selfspec COMMAND SRC --format F --out DIR --target T``, check the format, load the target, then
+    ``act(args, target, where)``, whose line is printed. Returns 0; 2 on bad input (the reason printed); 1 when
+    one of ``tool_errors`` (an outside tool's failure) was raised."""
+    p = argparse.ArgumentParser(prog=f"selfspec {command}")
     p.add_argument(src)
     p.add_argument("--format", required=True, help=f"one of {', '.join(formats)}")
     p.add_argument("--out", required=True, help="directory to write (a previous export is replaced as a whole)")
     p.add_argument("--target", required=True, help="the target model: directory, Hub id or smollm2-135m-instruct")
-    return p
+    args = p.parse_args(argv)
+    try:
+        if args.format not in formats:
+            raise HeadFormatError(f"unknown {command} format {args.format!r}; choose one of {list(formats)}")
+        target, where = load_frozen_target(args.target)
+        done = act(args, target, where)
+    except HeadFormatError as err:
+        print(f"selfspec {command}: {err}")
+        return 2
+    except tool_errors as err:
+        print(f"selfspec {command}: {err}")
+        return 1
+    print(done)
+    return 0
 
 
 def export_main(argv: list[str]) -> int:
     """``selfspec export``: returns 0 on success, 2 on bad input (the reason printed), 1 when llama.cpp failed."""
-    args = _parser("selfspec export", "heads", EXPORT_FORMATS).parse_args(argv)
-    try:
-        if args.format not in EXPORT_FORMATS:
-            raise HeadFormatError(f"unknown export format {args.format!r}; choose one of {list(EXPORT_FORMATS)}")
-        target, where = load_frozen_target(args.target)
-        head = load_heads(args.heads, target)
-        out = export_heads(head, args.format, args.out, target_name_or_path=where)
-    except HeadFormatError as err:
-        print(f"selfspec export: {err}")
-        return 2
-    except RuntimeError as err:  # gguf: llama.cpp's converter or build
-        print(f"selfspec export: {err}")
-        return 1
-    print(f"exported {args.heads} as {args.format} to {out}")
-    return 0
+
+    def act(args: argparse.Namespace, target: PreTrainedModel, where: str) -> str:
+        out = export_heads(load_heads(args.heads, target), args.format, args.out, target_name_or_path=where)
+        return f"exported {args.heads} as {args.format} to {out}"
+
+    return _run(argv, "export", "heads", EXPORT_FORMATS, act, tool_errors=(RuntimeError,))  # gguf: llama.cpp
 
 
 def import_main(argv: list[str]) -> int:
     """``selfspec import``: returns 0 on success, 2 on bad input (the reason printed)."""
-    args = _parser("selfspec import", "src", IMPORT_FORMATS).parse_args(argv)
-    try:
-        if args.format not in IMPORT_FORMATS:
-            raise HeadFormatError(f"unknown import format {args.format!r}; choose one of {list(IMPORT_FORMATS)}")
-        target, _ = load_frozen_target(args.target)
+
+    def act(args: argparse.Namespace, target: PreTrainedModel, where: str) -> str:
         out = import_heads(args.src, args.format, args.out, target)
-    except HeadFormatError as err:
-        print(f"selfspec import: {err}")
-        return 2
-    print(f"imported {args.src} ({args.format}) into {out}")
-    return 0
+        return f"imported {args.src} ({args.format}) into {out}"
+
+    return _run(argv, "import", "src", IMPORT_FORMATS, act)

@@ -144,20 +144,24 @@ def target_embedding(head: EagleHead | Eagle3Head) -> torch.Tensor:
     return attached[0].weight.detach()
 
 
-def rename_exact(state: Mapping[str, torch.Tensor], names: Mapping[str, str], fmt: str) -> dict[str, torch.Tensor]:
-    """Rename every tensor of ``state`` through ``names``; a tensor the layout does not name is an error.
+def rename_exact(
+    state: Mapping[str, torch.Tensor],
+    names: Mapping[str, str],
+    fmt: str,
+    fix: str = "the head's architecture does not fit it (export heads of a plain Llama layer, or keep this head in "
+    "selfspec's own format)",
+) -> dict[str, torch.Tensor]:
+    """Rename every tensor of ``state`` through ``names``; a tensor the layout does not name is an error. Serves
+    exports (selfspec names -> the format's) and imports (the format's names -> selfspec's) alike.
 
     Raises:
         ExportError: tensors with a trainer prefix (:func:`check_trainer_prefix`), or listing the tensors the format
-            has no name for (never silently dropped).
+            has no name for (never silently dropped), followed by ``fix``.
     """
     check_trainer_prefix(state, names, fmt)
     unknown = sorted(set(state) - set(names))
     if unknown:
-        raise ExportError(
-            f"the {fmt} layout has no name for tensors {unknown}: the head's architecture does not fit it "
-            "(export heads of a plain Llama layer, or keep this head in selfspec's own format)"
-        )
+        raise ExportError(f"unexpected tensors {unknown}: the {fmt} layout has no name for them; {fix}")
     return {names[k]: v.detach() for k, v in state.items()}
 
 

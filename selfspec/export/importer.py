@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoConfig
 
-from selfspec.export.common import TOKEN_MAP_NAME, Head, check_trainer_prefix
+from selfspec.export.common import TOKEN_MAP_NAME, Head, rename_exact
 from selfspec.export.medusa_vllm import MEDUSA_ARCHITECTURE, read_vllm_medusa
 from selfspec.export.sglang import EAGLE3_ARCHITECTURE, EAGLE_ARCHITECTURE, eagle3_names, eagle_names
 from selfspec.heads.eagle import EagleConfig, EagleHead
@@ -76,16 +76,10 @@ def _check_target(arch: Any, target: PreTrainedModel, fingerprint: str, where: s
         )
 
 
-def _renamed(state: dict[str, torch.Tensor], names: dict[str, str], where: str) -> dict[str, torch.Tensor]:
-    inverse = {v: k for k, v in names.items()}
-    check_trainer_prefix(state, inverse, where)
-    unknown = sorted(set(state) - set(inverse))
-    if unknown:
-        raise HeadFormatError(
-            f"{where}: unexpected tensors {unknown} (not in the layout); pass the directory the trainer exported for "
-            "serving, or the right --format"
-        )
-    return {inverse[k]: v for k, v in state.items()}
+def _renamed(state: dict[str, torch.Tensor], names: dict[str, str], fmt: str, d: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a ``fmt`` layout under selfspec's module names (``names`` inverted: layout -> selfspec)."""
+    fix = f"pass the directory the trainer exported for serving ({d / WEIGHTS_NAME}), or the right --format"
+    return rename_exact(state, {v: k for k, v in names.items()}, fmt, fix=fix)
 
 
 def _embed_consumed(state: dict[str, torch.Tensor], target: PreTrainedModel, where: str) -> None:
@@ -123,7 +117,7 @@ def _eagle3(d: Path, raw: dict[str, Any], fmt: str, target: PreTrainedModel) -> 
     S = int(raw.get("draft_vocab_size") or arch.vocab_size)
     state = read_safetensors(d / WEIGHTS_NAME)
     _embed_consumed(state, target, str(d / WEIGHTS_NAME))
-    state = _renamed(state, eagle3_names(prefix), str(d / WEIGHTS_NAME))
+    state = _renamed(state, eagle3_names(prefix), fmt, d)
     if S == arch.vocab_size and "d2t" not in state and "t2d" not in state:
         state["d2t"], state["t2d"] = torch.zeros(S, dtype=torch.long), torch.ones(S, dtype=torch.bool)
     if "d2t" in state and "t2d" in state:
@@ -175,7 +169,7 @@ def _eagle(d: Path, raw: dict[str, Any], target: PreTrainedModel) -> EagleHead:
     arch = _arch(raw, where)
     _check_target(arch, target, raw.get("selfspec_target_fingerprint", ""), where)
     draft_ids = _token_map(d, raw, arch.vocab_size)
-    state = _renamed(read_safetensors(d / WEIGHTS_NAME), eagle_names("layers.0."), str(d / WEIGHTS_NAME))
+    state = _renamed(read_safetensors(d / WEIGHTS_NAME), eagle_names("layers.0."), "sglang", d)
     config = EagleConfig(
         hidden_size=arch.hidden_size,
         vocab_size=arch.vocab_size,

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.export.common import ExportError, Head, check_trainer_prefix, family_name, write_export
+from selfspec.export.common import ExportError, Head, check_trainer_prefix, family_name, rename_exact, write_export
 from selfspec.heads.config import config_from_dict
 from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.io import (
@@ -101,12 +101,7 @@ def export_vllm_medusa(head: Head, out_dir: str | Path, *, target_name_or_path: 
     cfg: MedusaConfig = head.config
     K, L, D, V, S = cfg.num_heads, cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.n_draft
     names = medusa_names(K, L, cfg.own_lm_head)
-    state = head.state_dict()
-    check_trainer_prefix(state, names, FORMAT)
-    unknown = sorted(set(state) - set(names))
-    if unknown:
-        raise ExportError(f"vLLM's MedusaModel layout has no name for tensors {unknown}; keep these heads in selfspec")
-    tensors = {names[k]: v.detach() for k, v in state.items()}
+    tensors = rename_exact(head.state_dict(), names, FORMAT, fix="keep these heads in selfspec's own format")
     if S == V:
         if not torch.equal(head.draft_ids.cpu(), torch.arange(V)):
             raise ExportError(

@@ -64,6 +64,7 @@ __all__ = [
     "eagle3_names",
     "eagle_names",
     "export_sglang",
+    "layer_tensors",
     "sglang_aux_layer_ids",
     "token_map_bytes",
 ]
@@ -107,6 +108,17 @@ def eagle_names(layer_prefix: str = "layers.0.") -> dict[str, str]:
     return names
 
 
+def layer_tensors(head: EagleHead | Eagle3Head, names: dict[str, str], fmt: str) -> dict[str, torch.Tensor]:
+    """The tensors of an EAGLE-1 / EAGLE-3 head under a layout's names (:func:`eagle_names`,
+    :func:`eagle3_names`), for the Llama-layer layouts of SGLang and speculators.
+
+    Raises:
+        ExportError: the head's decoder layer is not Llama's, a trainer prefix, or a tensor the layout does not name.
+    """
+    require_llama(head, fmt)
+    return rename_exact(head.state_dict(), names, fmt)
+
+
 def sglang_aux_layer_ids(target_layers: tuple[int, ...], num_layers: int) -> list[int] | None:
     """SGLang's ``eagle_aux_hidden_state_layer_ids`` for selfspec ``target_layers`` (layer inputs): ``i - 1`` each
     (SGLang captures layer outputs), or None when the set is SGLang's default ``{2, L // 2, L - 3}`` of inputs.
@@ -126,8 +138,7 @@ def sglang_aux_layer_ids(target_layers: tuple[int, ...], num_layers: int) -> lis
 
 
 def _eagle3(head: Eagle3Head, target_name_or_path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    require_llama(head, FORMAT)
-    tensors = rename_exact(head.state_dict(), eagle3_names("midlayer."), FORMAT)
+    tensors = layer_tensors(head, eagle3_names("midlayer."), FORMAT)
     cfg = llama_config_dict(head)
     cfg.update(
         {
@@ -155,13 +166,12 @@ def token_map_bytes(draft_ids: torch.Tensor) -> bytes:
 
 
 def _eagle(head: EagleHead, target_name_or_path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict]:
-    require_llama(head, FORMAT)
+    tensors = layer_tensors(head, eagle_names("layers.0."), FORMAT)
     if not head.config.fc_bias:
         raise ExportError(
             "SGLang's LlamaForCausalLMEagle has fc.bias; this EAGLE-1 head was trained without one. "
             "Train it with fc_bias=True to export to sglang."
         )
-    tensors = rename_exact(head.state_dict(), eagle_names("layers.0."), FORMAT)
     cfg = llama_config_dict(head)
     cfg.update(
         {

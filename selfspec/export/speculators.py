@@ -36,17 +36,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from selfspec.export.common import (
-    ExportError,
-    Head,
-    family_name,
-    llama_config_dict,
-    rename_exact,
-    require_llama,
-    target_embedding,
-    write_export,
-)
-from selfspec.export.sglang import eagle3_names
+from selfspec.export.common import ExportError, Head, family_name, llama_config_dict, target_embedding, write_export
+from selfspec.export.sglang import eagle3_names, layer_tensors
 from selfspec.heads.eagle3 import Eagle3Head
 
 __all__ = ["SPECULATORS_VERSION", "export_speculators"]
@@ -97,7 +88,6 @@ def export_speculators(
         raise ExportError(
             f"the speculators format ({SPECULATORS_VERSION}) holds EAGLE-3 heads, not {family}; export with {fix}"
         )
-    require_llama(head, FORMAT)
     if speculative_tokens < 1:
         raise ExportError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
     layers = list(head.config.target_layers)
@@ -106,7 +96,7 @@ def export_speculators(
             f"target_layers {layers} repeat a layer; speculators requires distinct eagle_aux_hidden_state_layer_ids "
             "(a target of at least 3 layers gives distinct defaults)"
         )
-    tensors = rename_exact(head.state_dict(), eagle3_names("layers.0."), FORMAT)
+    tensors = layer_tensors(head, eagle3_names("layers.0."), FORMAT)
     if head.config.draft_vocab_size == head.config.vocab_size:
         del tensors["d2t"], tensors["t2d"]
     tensors["embed_tokens.weight"] = target_embedding(head).to(head.fc.weight.dtype)
