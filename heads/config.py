@@ -5,10 +5,11 @@ File reading and writing: :mod:`selfspec.heads.io`.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, TypeVar
 
 import torch
+
+from selfspec.heads.files import read_dataclass
 
 # Re-exported: callers import the error and the readers from here as well as from selfspec.heads.io.
 from selfspec.heads.io import HeadFormatError, read_json, read_safetensors
@@ -19,16 +20,17 @@ C = TypeVar("C")
 
 
 def config_from_dict(cls: type[C], data: dict[str, Any], where: str = "config") -> C:
-    """Build a frozen dataclass config from a dict, refusing unknown keys.
+    """Build a frozen dataclass head config from a dict strictly (:func:`selfspec.heads.files.read_dataclass`:
+    fields with a default may be missing, so configs written before a field existed still load).
 
     Raises:
-        HeadFormatError: a key is not a field of ``cls`` (the message lists the valid fields).
+        HeadFormatError: an unknown key (the message lists the valid ones), a missing required key, a value of
+            the wrong type, or a value the config refuses; the message names ``where`` and the key.
     """
-    fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - fields)
-    if unknown:
-        raise HeadFormatError(f"unknown keys {unknown} in {where}; valid keys are {sorted(fields)}.")
-    return cls(**data)  # type: ignore[call-arg]
+    try:
+        return read_dataclass(cls, data, where, defaults=True)
+    except (TypeError, ValueError) as err:
+        raise HeadFormatError(str(err)) from err
 
 
 def draft_vocab_from_counts(counts: torch.Tensor, size: int) -> torch.Tensor:

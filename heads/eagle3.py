@@ -1,5 +1,5 @@
 """EAGLE-3 draft head (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
-Training-Time Test", arXiv:2503.01840), drafted as EAGLE-2 dynamic trees by :class:`selfspec.decode.eagle.EagleDrafter`.
+Training-Time Test", arXiv:2503.01840), drafted as EAGLE-2 dynamic trees by :class:`selfspec.decode.drafters.eagle.EagleDrafter`.
 
 The head fuses three of the target's layers instead of its last feature. At head position t the input is the
 pair ``(g_t, x_{t+1})``, where ``g_t`` is either the target's hidden states at position t entering layers
@@ -43,8 +43,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from selfspec.decode.cpu_linear import project
 from selfspec.heads.config import config_from_dict
+from selfspec.heads.cpu_linear import project
 from selfspec.heads.eagle import (
     decoder_layer_class,
     logit_softcap,
@@ -224,6 +224,10 @@ class Eagle3Head(nn.Module, HubMixin):
     Raises:
         HeadFormatError: the architecture disagrees with ``config``, or the vocabulary maps are invalid.
     """
+
+    # An acceptance profile to size the decoding tree with when the head is passed as a module rather than a
+    # directory (selfspec.load reads <head_dir>/acceptance_profile.json otherwise); None: none.
+    acceptance_profile = None
 
     def __init__(
         self,

@@ -9,10 +9,9 @@ A head directory holds the head alone, never target weights::
     training_record.json        optional, written by training beside the head
 
 Writing (:func:`write_head_dir`) builds the whole directory in a temporary sibling, fsyncs every file and
-the directory, then renames it into place; an existing directory is swapped with the new one only once
-the new one is complete (one atomic ``renameat2(RENAME_EXCHANGE)`` on Linux; elsewhere two renames, with
-the complete old directory kept aside in between), so the path always holds a whole head. Files of the old directory
-that are not head files (:data:`HEAD_FILES`; e.g. the acceptance profile and the training record) are
+the directory, then puts it in place with :func:`selfspec.heads.files.replace_dir`: an existing directory is
+swapped with the new one only once the new one is complete, so the path always holds a whole head. Files of the
+old directory that are not head files (:data:`HEAD_FILES`; e.g. the acceptance profile and the training record) are
 carried over unchanged. Every safetensors file carries a SHA-256 of its tensors in its metadata
 (``selfspec_sha256``), so flipped bytes that keep the file well formed are refused too; files written
 before the checksum existed load without that check.
@@ -24,14 +23,11 @@ trained on another target (:func:`check_fingerprint`).
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import hashlib
 import json
 import logging
 import os
 import shutil
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +36,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_bytes
 
+from selfspec.heads import files
+from selfspec.heads.files import fsync_dir, replace_dir, staging_dir
 from selfspec.heads.fingerprint import mismatch_hint
 
 logger = logging.getLogger(__name__)
@@ -64,8 +62,8 @@ def read_json(path: str | Path) -> dict[str, Any]:
         HeadFormatError: the file is missing, is not JSON, or holds something other than an object.
     """
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        data = files.read_json(path)
+    except (OSError, ValueError) as err:
         raise HeadFormatError(f"cannot read {path}: {err}; {FIX}") from err
     if not isinstance(data, dict):
         raise HeadFormatError(f"{path} must hold a JSON object, holds {type(data).__name__}; {FIX}")
@@ -208,36 +206,6 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two existing paths atomically (Linux ``renameat2`` with ``RENAME_EXCHANGE``).
-
-    Returns:
-        False where the C library or the file system does not offer the exchange (nothing was changed).
-
-    Raises:
-        OSError: the exchange was refused for another reason.
-    """
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
 def write_head_dir(
     directory: str | Path,
     config: Mapping[str, Any],
@@ -269,7 +237,7 @@ def write_head_dir(
     if any(Path(n).name != n or n in ("", ".", "..") for n in names) or len(set(names)) != len(names):
         raise HeadFormatError(f"head file names must be distinct plain names, got {names}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = staging_dir(out)
     try:
         tmp.mkdir()
         for name, tensors in tensor_files.items():
@@ -288,21 +256,8 @@ def write_head_dir(
         for entry in tmp.iterdir():
             if entry.is_file() and not entry.is_symlink():
                 _fsync_file(entry)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out.is_dir():
-        if _exchange(tmp, out):
-            shutil.rmtree(tmp, ignore_errors=True)  # now the old head
-        else:
-            # POSIX cannot rename onto a non-empty directory: move the old one aside first. A crash between
-            # the two renames leaves the complete old head at .<name>.old-*, never a half-written one.
-            old = out.with_name(f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
-    _fsync_dir(out.parent)
-    return out
+    return replace_dir(tmp, out)

@@ -35,9 +35,9 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from selfspec.decode.files import now_utc
 from selfspec.export.gguf import export_gguf
 from selfspec.heads import load_heads
+from selfspec.heads.files import now_utc
 from selfspec.llamacpp import Generation, alias_gguf, build_info, completion, ensure_llamacpp, speculative_simple
 from selfspec.prompts import encode_messages, load_prompts
 from selfspec.target import SMOLLM2_ALIAS, resolve_target

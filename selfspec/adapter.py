@@ -3,7 +3,7 @@
 Why merge (``peft``'s ``merge_and_unload``, ``W + scale * B @ A`` written into each adapted linear layer of a
 model selfspec owns) instead of decoding through the ``PeftModel``: the verifier runs the target's own
 backbone and lm_head (``decode/verifier.py``), and on a CPU swaps its ``nn.Linear`` layers for twins holding
-packed kernels (``decode/cpu_linear.py``); a LoRA layer is not an ``nn.Linear`` and its two extra matmuls
+packed kernels (``heads/cpu_linear.py``); a LoRA layer is not an ``nn.Linear`` and its two extra matmuls
 would be skipped or need their own path. The merged model is a plain ``PreTrainedModel``: every verifier
 path, the target check and the feature capture see the same forward, so speculative decoding is exactly the
 merged model's own greedy ``generate``. The merged weights differ from the unmerged adapter's two-matmul

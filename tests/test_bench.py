@@ -228,11 +228,11 @@ def test_strict_reading_rejects_broken_reports(bench_run, bench_result, tmp_path
         BenchReport.from_dict(broken)
     broken = copy.deepcopy(report)
     broken["summary"]["baseline"]["overall"]["speedup"] = "fast"
-    with pytest.raises(ValueError, match=r"summary\.baseline\.overall\.speedup: expected float or null"):
+    with pytest.raises(ValueError, match=r"summary\.baseline\.overall\.speedup must be a number or null, got 'fast'"):
         BenchReport.from_dict(broken)
     broken = copy.deepcopy(report)
     broken["settings"]["surprise"] = 1
-    with pytest.raises(ValueError, match="unexpected key 'surprise'"):
+    with pytest.raises(ValueError, match=r"unknown keys \['report\.settings\.surprise'\]"):
         BenchReport.from_dict(broken)
     broken = copy.deepcopy(report)
     broken["samples"][1]["results"].pop("corrupt")
@@ -244,11 +244,11 @@ def test_strict_reading_rejects_broken_reports(bench_run, bench_result, tmp_path
         BenchReport.from_dict(broken)
     broken = copy.deepcopy(report)
     broken["methods"]["baseline"]["kind"] = "magic"
-    with pytest.raises(ValueError, match=r"methods\.baseline\.kind: 'magic' not in"):
+    with pytest.raises(ValueError, match=r"methods\.baseline\.kind must be one of \[.*\], got 'magic'"):
         BenchReport.from_dict(broken)
     broken = copy.deepcopy(report)
     broken["samples"][0]["turn"] = True  # a bool is not an int
-    with pytest.raises(ValueError, match=r"samples\[0\]\.turn: expected int"):
+    with pytest.raises(ValueError, match=r"samples\[0\]\.turn must be an integer, got True"):
         BenchReport.from_dict(broken)
     # writing refuses what would not read back, before any file is written
     obj = bench_result[0]

@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from selfspec.heads.files import read_dataclass
+
 
 @dataclass(frozen=True)
 class EagleOptions:
@@ -257,7 +259,7 @@ class TrainConfig:
         for name, cls in _NESTED.items():
             value = getattr(self, name)
             if isinstance(value, Mapping):
-                object.__setattr__(self, name, _build(cls, value, prefix=f"{name}."))
+                object.__setattr__(self, name, _read(cls, value, root=name))
             elif not isinstance(value, cls):
                 raise ValueError(f"{name} must be a mapping of {cls.__name__} fields, got {value!r}")
         if self.head == "medusa" and self.medusa.joint and self.target_adapter:
@@ -270,6 +272,26 @@ class TrainConfig:
 _NESTED: dict[str, type] = {"eagle": EagleOptions, "eagle3": Eagle3Options, "medusa": MedusaOptions}
 
 
+# Flat names of nested options, refused with their new place in the message ("eagle_ttt_steps is now eagle.ttt_steps").
+_MOVED = [
+    (old, f"{s}.{f.name}")
+    for s, c in _NESTED.items()
+    for f in dataclasses.fields(c)
+    for old in (f"{s}_{f.name}", f.name)
+]
+_RENAMED = {old: " or ".join(new for o, new in _MOVED if o == old) for old, _ in _MOVED}
+
+
+def _read(cls: type, data: Mapping[str, Any], where: str = "", root: str = "") -> Any:
+    """``cls`` from a mapping of YAML values, by the one strict reader (:func:`selfspec.heads.files.read_dataclass`):
+    unknown keys (nested ones too) are refused with the valid ones, missing ones take their defaults, and every
+    value is checked against its field's type; numbers written either way are read for number fields (YAML
+    reads ``3e-4``, with no dot, as a string)."""
+    return read_dataclass(
+        cls, data, where, root=root, label="config", defaults=True, lenient_numbers=True, renamed=_RENAMED
+    )
+
+
 def _parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
         raise ValueError(f"override {item!r} must look like key=value")
@@ -279,8 +301,7 @@ def _parse_override(item: str) -> tuple[str, Any]:
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
     """Read a YAML config and apply ``key=value`` overrides (``eagle.ttt_steps=2`` for a nested field);
-    every value is checked against its field's type (numbers are coerced for float fields, see
-    :func:`_coerce`).
+    every value is checked against its field's type (:func:`_read`).
 
     Raises:
         ValueError: unknown keys, top-level or nested (the message lists the valid keys), malformed
@@ -304,63 +325,4 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
             data[section] = {**data.get(section, {}), name: value}
         else:
             data[key] = value
-    return _build(TrainConfig, data)
-
-
-def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
-    """``cls(**data)`` after refusing unknown keys and checking each value's type (nested sections too)."""
-    fields = {f.name: f.type for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        hint = [f"{k} is now {s}.{k[len(s) + 1 :]}" for k in unknown for s in _NESTED if k.startswith(s + "_")]
-        hint += [f"{k} is now {s}.{k}" for k in unknown for s, c in _NESTED.items() if k in _field_names(c)]
-        raise ValueError(
-            f"unknown config keys {[prefix + k for k in unknown]}; valid keys: {sorted(prefix + k for k in fields)}"
-            + (f" ({'; '.join(hint)})" if hint else "")
-        )
-    values = {}
-    for key, value in data.items():
-        if not prefix and key in _NESTED:
-            if not isinstance(value, Mapping):
-                raise ValueError(f"{key} must be a mapping of {_NESTED[key].__name__} fields, got {value!r}")
-            values[key] = _build(_NESTED[key], value, prefix=f"{key}.")
-        else:
-            values[key] = _coerce(prefix + key, str(fields[key]), value)
-    return cls(**values)
-
-
-def _field_names(cls: type) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)}
-
-
-def _coerce(key: str, kind: str, value: Any) -> Any:
-    """``value`` checked against the declared type ``kind`` (as written in the dataclass) of field ``key``.
-
-    YAML reads ``3e-4`` (no dot) as a string and ``1`` as an int: numbers written either way are accepted
-    for float fields and converted; anything else of the wrong kind raises.
-
-    Raises:
-        ValueError: the value cannot be the field's type (the message names the key and the type).
-    """
-    optional = "None" in kind
-    if value is None:
-        if optional:
-            return None
-        raise ValueError(f"{key} cannot be empty (expected {kind})")
-    base = kind.replace(" | None", "")
-    if base == "float":
-        if isinstance(value, bool):
-            raise ValueError(f"{key} must be a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{key} must be a number, got {value!r}") from None
-    if base == "int":
-        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
-            raise ValueError(f"{key} must be an integer, got {value!r}")
-        return int(value)
-    if base == "bool" and not isinstance(value, bool):
-        raise ValueError(f"{key} must be true or false, got {value!r}")
-    if base == "str" and not isinstance(value, str):
-        raise ValueError(f"{key} must be a string, got {value!r}")
-    return value
+    return _read(TrainConfig, data, str(path) if path is not None else "")

@@ -1,7 +1,8 @@
 """The bench report (``report.json``) as typed dataclasses.
 
-A report is written with :func:`dataclasses.asdict` and read back with :func:`read_dataclass`, which
-rebuilds the dataclasses from their type hints and refuses what they do not describe: a missing or
+A report is written with :func:`dataclasses.asdict` and read back with
+:func:`selfspec.heads.files.read_dataclass` (the one strict reader of every selfspec file), which rebuilds the
+dataclasses from their type hints and refuses what they do not describe: a missing or
 unexpected key, a value of the wrong type (``bool`` is not a number; numbers are finite), a string
 outside a ``Literal``. :meth:`BenchReport.check` adds the cross-references (every sample and summary has
 every method, the reference is a method, categories agree).
@@ -10,18 +11,13 @@ every method, the reference is a method, categories agree).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
-import math
-import types
-import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, Literal
+
+from selfspec.heads.files import read_dataclass, read_json
 
 SCHEMA_VERSION = 2  # 2: methods[name].tree_budget
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -252,13 +248,14 @@ class BenchReport:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Any) -> BenchReport:
-        """Rebuild a report from its JSON layout (:func:`read_dataclass`, then :meth:`check`).
+    def from_dict(cls, data: Any, where: str = "") -> BenchReport:
+        """Rebuild a report from its JSON layout (:func:`~selfspec.heads.files.read_dataclass`, then
+        :meth:`check`); ``where`` (the file) heads the message.
 
         Raises:
             ValueError: listing every problem found, each with its path (``report.samples[0].results...``).
         """
-        report = read_dataclass(cls, data, "report")
+        report = read_dataclass(cls, data, where, root="report")
         report.check()
         return report
 
@@ -289,94 +286,4 @@ def read_report(path: str | Path) -> BenchReport:
     Raises:
         ValueError: not JSON, or not a report of this layout (every problem listed).
     """
-    return BenchReport.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
-
-
-# --------------------------------------------------------------------------------------------------
-# Strict reading
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _describe(kind: Any) -> str:
-    if kind is type(None):
-        return "null"
-    if typing.get_origin(kind) is Literal:
-        return " or ".join(repr(a) for a in typing.get_args(kind))
-    return getattr(kind, "__name__", str(kind))
-
-
-def read_dataclass(cls: type[T], data: Any, path: str = "value") -> T:
-    """Build dataclass ``cls`` from JSON-like ``data`` (dicts, lists, numbers, strings, bools, None),
-    following its field type hints: nested dataclasses, ``list[X]``, ``dict[str, X]``, ``X | None``,
-    ``Literal[...]``, ``int``, ``float`` (an int is accepted), ``str``, ``bool``.
-
-    Raises:
-        ValueError: every missing or unexpected key, every wrong type, every non-finite number and every
-            value outside a ``Literal``, one line each, with its path.
-    """
-    errors: list[str] = []
-    value = _read(cls, data, path, errors)
-    if errors:
-        raise ValueError(f"invalid {cls.__name__}:\n  " + "\n  ".join(errors))
-    return value
-
-
-def _read(kind: Any, value: Any, path: str, errors: list[str]) -> Any:
-    origin = typing.get_origin(kind)
-    if dataclasses.is_dataclass(kind):
-        if not isinstance(value, dict):
-            errors.append(f"{path}: expected an object ({kind.__name__}), got {type(value).__name__}")
-            return None
-        names = [f.name for f in dataclasses.fields(kind)]
-        before = len(errors)
-        errors += [f"{path}: missing key {n!r}" for n in names if n not in value]
-        errors += [f"{path}: unexpected key {k!r}" for k in value if k not in names]
-        hints = _hints(kind)
-        fields = {n: _read(hints[n], value[n], f"{path}.{n}", errors) for n in names if n in value}
-        return kind(**fields) if len(errors) == before else None
-    if origin in (Union, types.UnionType):
-        for option in typing.get_args(kind):
-            trial: list[str] = []
-            out = _read(option, value, path, trial)
-            if not trial:
-                return out
-        wanted = " or ".join(_describe(a) for a in typing.get_args(kind))
-        errors.append(f"{path}: expected {wanted}, got {type(value).__name__} {value!r:.60}")
-        return None
-    if origin is list:
-        if not isinstance(value, list):
-            errors.append(f"{path}: expected a list, got {type(value).__name__}")
-            return None
-        (item,) = typing.get_args(kind)
-        return [_read(item, v, f"{path}[{i}]", errors) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            errors.append(f"{path}: expected an object, got {type(value).__name__}")
-            return None
-        _, item = typing.get_args(kind)
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                errors.append(f"{path}: key {k!r} is not a string")
-            out[k] = _read(item, v, f"{path}.{k}", errors)
-        return out
-    if origin is Literal:
-        if value not in typing.get_args(kind):
-            errors.append(f"{path}: {value!r} not in {list(typing.get_args(kind))}")
-        return value
-    ok = {
-        type(None): value is None,
-        bool: isinstance(value, bool),
-        int: isinstance(value, int) and not isinstance(value, bool),
-        float: isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
-        str: isinstance(value, str),
-    }.get(kind)
-    if ok is None:
-        raise TypeError(f"read_dataclass cannot read type {kind!r} (at {path})")
-    if not ok:
-        errors.append(f"{path}: expected {_describe(kind)}, got {type(value).__name__} {value!r:.60}")
-    return value
+    return BenchReport.from_dict(read_json(path), str(path))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from selfspec.heads import io, load_heads
+from selfspec.heads import files, io, load_heads
 from selfspec.heads.eagle import DRAFT_VOCAB_NAME, EagleConfig, EagleHead
 from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.io import CONFIG_NAME, WEIGHTS_NAME, HeadFormatError
@@ -127,7 +127,7 @@ def test_eagle_head_saved_by_release_0_1_loads_and_layout_is_unchanged(target, t
 @pytest.mark.parametrize("exchange", ["renameat2", "two renames"])
 def test_rewrite_keeps_side_files_and_drops_stale_head_files(target, tmp_path, monkeypatch, exchange):
     if exchange == "two renames":  # systems without an atomic exchange of two directories
-        monkeypatch.setattr(io, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(files, "_exchange", lambda a, b: False)
     d = tmp_path / "heads"
     eagle(target, draft=24).save_pretrained(d)
     (d / "acceptance_profile.json").write_text('{"x": 1}')

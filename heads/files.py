@@ -1,0 +1,367 @@
+"""Files on disk, for every format selfspec writes: the cache root, atomic writes, one strict reader.
+
+* :func:`write_json` writes a JSON file and :func:`replace_dir` puts a fully written directory in place, both
+  atomically: a killed process never leaves half a file or half a directory, and an existing directory is
+  swapped only once the new one is complete.
+* :func:`read_dataclass` builds a dataclass from parsed JSON (or YAML) strictly, from its type hints: a missing,
+  unknown or mistyped key is refused, and every problem is listed at once with its path and the fix. Profiles
+  (:mod:`selfspec.decode.tuning`), bench reports (:mod:`selfspec.bench.report`), head configs
+  (:mod:`selfspec.heads.config`) and training configs (:mod:`selfspec.train.config`) are all read by it.
+
+This module is in the bottom layer: it imports nothing of selfspec.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import datetime
+import errno
+import functools
+import json
+import math
+import os
+import shutil
+import types
+import typing
+import uuid
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+T = TypeVar("T")
+
+__all__ = [
+    "cache_root",
+    "now_utc",
+    "profiles_dir",
+    "read_dataclass",
+    "read_json",
+    "replace_dir",
+    "staging_dir",
+    "write_json",
+]
+
+
+def cache_root() -> Path:
+    """Root directory of selfspec's caches (converted targets, cost profiles): ``$SELFSPEC_CACHE``, else
+    ``$XDG_CACHE_HOME/selfspec``, else ``~/.cache/selfspec``."""
+    root = os.environ.get("SELFSPEC_CACHE")
+    if root:
+        return Path(root).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "selfspec"
+
+
+def profiles_dir() -> Path:
+    """Cache directory of cost profiles: ``<cache root>/profiles``."""
+    return cache_root() / "profiles"
+
+
+def now_utc() -> str:
+    """The current time, ISO 8601 in UTC, to the second."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+# ---------------------------------------------------------------------------------------------- writing
+def write_json(path: Path, data: dict) -> Path:
+    """Write ``data`` atomically (temporary file + rename), so a killed process never leaves half a file.
+
+    Raises:
+        OSError: the directory cannot be created or written.
+        ValueError: ``data`` holds a NaN or an infinity.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, allow_nan=False))
+    os.replace(tmp, path)
+    return path
+
+
+def staging_dir(out: Path, what: str = "tmp") -> Path:
+    """A fresh sibling path of ``out`` to build a directory in before :func:`replace_dir` (hidden, unique per
+    process and call: ``.<name>.<what>-<pid>-<random>``)."""
+    return out.with_name(f".{out.name}.{what}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries to disk (the renames into it survive a power loss)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths atomically (Linux ``renameat2`` with ``RENAME_EXCHANGE``).
+
+    Returns:
+        False where the C library or the file system does not offer the exchange (nothing was changed).
+
+    Raises:
+        OSError: the exchange was refused for another reason.
+    """
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def replace_dir(staged: Path, out: Path) -> Path:
+    """Put the complete directory ``staged`` at ``out`` atomically, replacing a directory there as a whole.
+
+    An existing ``out`` is swapped with ``staged`` in one ``renameat2(RENAME_EXCHANGE)`` on Linux and then
+    removed; elsewhere it is first moved aside (a crash between the two renames leaves the complete old
+    directory at ``.<name>.old-*``, never a half-written one). The parent directory is fsynced after.
+
+    Args:
+        staged: a fully written directory on the same file system (e.g. at :func:`staging_dir` of ``out``).
+        out: where it goes.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        OSError: a rename was refused; ``out`` is then as it was.
+    """
+    if out.is_dir():
+        if _exchange(staged, out):
+            shutil.rmtree(staged, ignore_errors=True)  # now the old directory
+        else:  # POSIX cannot rename onto a non-empty directory: move the old one aside first
+            old = staging_dir(out, "old")
+            os.replace(out, old)
+            os.replace(staged, out)
+            shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staged, out)
+    fsync_dir(out.parent)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- reading
+def read_json(path: str | Path) -> Any:
+    """Parse a JSON file.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not JSON (or not UTF-8); the message names the file.
+    """
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not JSON: {err}") from err
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _describe(kind: Any) -> str:
+    """What a value of type ``kind`` is, in words (for messages)."""
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(kind))
+    if origin is Literal:
+        return f"one of {list(typing.get_args(kind))}"
+    if origin in (tuple, list):
+        return "a list"
+    if origin in (dict, Mapping):
+        return "an object"
+    if dataclasses.is_dataclass(kind):
+        return f"a mapping of {kind.__name__} fields"
+    words = {type(None): "null", bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return words.get(kind, getattr(kind, "__name__", str(kind)))
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+@dataclass(frozen=True)
+class _Rules:
+    label: str
+    defaults: bool
+    lenient_numbers: bool
+    renamed: Mapping[str, str]
+
+
+def _number(value: Any, kind: type, rules: _Rules) -> Any:
+    if isinstance(value, bool):
+        return None
+    if kind is int:
+        if isinstance(value, int):
+            return value
+        if rules.lenient_numbers and isinstance(value, float) and value.is_integer():
+            return int(value)
+        return None
+    if isinstance(value, (int, float)):
+        number = float(value) if rules.lenient_numbers else value
+    elif rules.lenient_numbers and isinstance(value, str):  # YAML reads "3e-4" (no dot) as a string
+        try:
+            number = float(value)
+        except ValueError:
+            return None
+    else:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _read(kind: Any, value: Any, path: str, rules: _Rules, errors: list[str]) -> Any:
+    """``value`` as type ``kind``; what does not fit goes to ``errors`` (one line each, with its path)."""
+    origin = typing.get_origin(kind)
+    if kind is Any:
+        return value
+    if dataclasses.is_dataclass(kind):
+        return _read_fields(kind, value, path, rules, errors)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(kind)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            trial: list[str] = []
+            out = _read(option, value, path, rules, trial)
+            if not trial:
+                return out
+        if len(options) == 2 and type(None) in options:  # X | None: say what X needs (nested paths included)
+            (option,) = (o for o in options if o is not type(None))
+            return _read(option, value, path, rules, errors)
+        errors.append(f"{path} must be {_describe(kind)}, got {value!r:.60}")
+        return None
+    if value is None and kind is not type(None):
+        errors.append(f"{path} cannot be empty (expected {_describe(kind)})")
+        return None
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            errors.append(f"{path} must be a list, got {value!r:.60}")
+            return None
+        args = typing.get_args(kind)
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            if len(value) != len(args):
+                errors.append(f"{path} must be a list of {len(args)}, got {value!r:.60}")
+                return None
+            items = list(args)
+        else:
+            items = [args[0] if args else Any] * len(value)
+        pairs = enumerate(zip(items, value, strict=True))
+        out = [_read(item, v, f"{path}[{i}]", rules, errors) for i, (item, v) in pairs]
+        return tuple(out) if origin is tuple else out
+    if origin in (dict, Mapping):
+        if not isinstance(value, dict):
+            errors.append(f"{path} must be an object, got {value!r:.60}")
+            return None
+        key_kind, item = typing.get_args(kind) or (str, Any)
+        return {
+            _read(key_kind, k, f"{path} key", rules, errors): _read(item, v, _join(path, str(k)), rules, errors)
+            for k, v in value.items()
+        }
+    if origin is Literal:
+        if value not in typing.get_args(kind):
+            errors.append(f"{path} must be {_describe(kind)}, got {value!r:.60}")
+        return value
+    if kind in (int, float):
+        number = _number(value, kind, rules)
+        if number is None:
+            errors.append(f"{path} must be {_describe(kind)}, got {value!r:.60}")
+        return number
+    fits = {type(None): value is None, bool: isinstance(value, bool), str: isinstance(value, str)}.get(kind)
+    if fits is None:
+        raise TypeError(f"read_dataclass cannot read {path}: type {kind!r}")
+    if not fits:
+        errors.append(f"{path} must be {_describe(kind)}, got {value!r:.60}")
+    return value
+
+
+def _read_fields(cls: type, value: Any, path: str, rules: _Rules, errors: list[str]) -> Any:
+    if not isinstance(value, Mapping):
+        errors.append(f"{path or 'the file'} must be {_describe(cls)}, got {value!r:.60}")
+        return None
+    fields = dataclasses.fields(cls)
+    names = [f.name for f in fields]
+    before = len(errors)
+    unknown = [k for k in value if k not in names]
+    if unknown:
+        where = f"{rules.label} " if rules.label else ""
+        moved = [f"{k} is now {rules.renamed[_join(path, k)]}" for k in unknown if _join(path, k) in rules.renamed]
+        valid = sorted(_join(path, n) for n in names)
+        errors.append(
+            f"unknown {where}keys {[_join(path, k) for k in unknown]}; valid keys: {valid}"
+            + (f" ({'; '.join(moved)})" if moved else "")
+        )
+    has_default = {f.name for f in fields if f.default is not dataclasses.MISSING}
+    has_default |= {f.name for f in fields if f.default_factory is not dataclasses.MISSING}
+    missing = [n for n in names if n not in value and not (rules.defaults and n in has_default)]
+    errors += [f"{path + ': ' if path else ''}missing key {n!r}" for n in missing]
+    hints = _hints(cls)
+    kept = {n: _read(hints[n], value[n], _join(path, n), rules, errors) for n in names if n in value}
+    return cls(**kept) if len(errors) == before else None
+
+
+def read_dataclass(
+    cls: type[T],
+    data: Any,
+    where: str = "",
+    *,
+    root: str = "",
+    label: str = "",
+    header: Mapping[str, Any] | None = None,
+    derived: Collection[str] = (),
+    defaults: bool = False,
+    lenient_numbers: bool = False,
+    renamed: Mapping[str, str] | None = None,
+) -> T:
+    """Build the dataclass ``cls`` from parsed JSON or YAML, strictly, following its type hints.
+
+    Types read: nested dataclasses, ``int``, ``float`` (an int is accepted; numbers are finite), ``bool``,
+    ``str``, ``None``, ``X | Y``, ``Literal[...]``, ``tuple[X, ...]`` / ``tuple[X, Y]`` (from a list),
+    ``list[X]``, ``dict[K, X]`` / ``Mapping[K, X]`` and ``Any``.
+
+    Args:
+        cls: the dataclass; its ``__post_init__`` checks what the types cannot (its errors pass through).
+        data: the parsed value (an object for ``cls``).
+        where: what is read, for the message (a file path, ``"report"``).
+        root: the path of ``data`` inside a larger value (``"eagle"``: keys are named ``eagle.ttt_steps``).
+        label: a word for unknown keys (``"config"``: ``unknown config keys [...]``).
+        header: keys of the top object that must hold exactly these values (``format``, ``version``); not fields.
+        derived: top-level keys written for readers but recomputed from the fields: required, then ignored.
+        defaults: a field with a default may be missing (configs); otherwise every field is required.
+        lenient_numbers: YAML and command-line values: a number written as text (``"3e-4"``) is read for a
+            float field, an integral float (``10.0``) for an int field, and float fields hold floats.
+        renamed: ``{old key path: new key path}`` for keys that moved; an unknown old key says where it went.
+
+    Returns:
+        ``cls(**fields)``.
+
+    Raises:
+        ValueError: a header value that differs (``not a version-3 ... file``), or every missing, unknown or
+            mistyped key at once (one line each, with its path and what it must be), prefixed by ``where``.
+        TypeError: ``cls`` uses a type this reader does not know (a programming error).
+    """
+    prefix = f"{where}: " if where else ""
+    errors: list[str] = []
+    if header or derived:
+        if not isinstance(data, dict):
+            raise ValueError(f"{prefix}a {cls.__name__} file holds a JSON object")
+        wrong = [key for key, want in (header or {}).items() if data.get(key) != want]
+        if wrong:
+            what = " ".join(f"{k}={v!r}" for k, v in (header or {}).items())
+            if {"format", "version"} <= set(header or {}):
+                what = f"version-{header['version']} {header['format']}"
+            raise ValueError(f"{prefix}not a {what} file ({', '.join(f'{k}={data.get(k)!r}' for k in wrong)})")
+        errors += [f"missing key {k!r}" for k in derived if k not in data]
+        data = {k: v for k, v in data.items() if k not in set(header or {}) | set(derived)}
+    rules = _Rules(label, defaults, lenient_numbers, dict(renamed or {}))
+    value = _read_fields(cls, data, root, rules, errors)
+    if errors:
+        if len(errors) == 1:
+            raise ValueError(prefix + errors[0])
+        raise ValueError(f"{prefix}{len(errors)} problems:\n  " + "\n  ".join(errors))
+    return value
