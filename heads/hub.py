@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from huggingface_hub import constants, snapshot_download
 from huggingface_hub.errors import (
@@ -35,10 +36,7 @@ from huggingface_hub.errors import (
 
 from selfspec.heads.io import CONFIG_NAME, DRAFT_VOCAB_NAME, WEIGHTS_NAME, HeadFormatError, read_json
 
-if TYPE_CHECKING:
-    from selfspec.hub import HubPush
-
-__all__ = ["HEAD_TYPES", "HUB_FILES", "HubMixin", "hub_endpoint", "is_hub_id", "resolve_head_dir"]
+__all__ = ["HEAD_TYPES", "HUB_FILES", "HubMixin", "hub_endpoint", "is_hub_id", "register_push", "resolve_head_dir"]
 
 HEAD_TYPES = ("medusa", "eagle", "eagle3")
 # What a head repo holds that loading uses: the head, and the acceptance profile the EAGLE tree budget reads
@@ -136,9 +134,41 @@ def resolve_head_dir(
     return _download(repo_id, snapshot.name, token, list(HUB_FILES))
 
 
+# What ``push_to_hub`` calls: the upload builds a model card and reads bench reports, which belong to the API layer
+# above heads/; :mod:`selfspec.hub` registers its ``push_heads`` here when it is imported, and ``import selfspec``
+# (which runs before any ``selfspec.heads`` module) imports it, so heads/ imports nothing above it.
+_PUSH: list[Callable[..., Any]] = []
+
+
+def register_push(push: Callable[..., Any]) -> None:
+    """Make ``push`` (``push(head, repo_id, **options)``, :func:`selfspec.hub.push_heads`) the upload of every
+    head family's ``push_to_hub``."""
+    _PUSH[:] = [push]
+
+
 class HubMixin:
     """``push_to_hub`` for a head module that has ``save_pretrained(directory)`` and a ``config`` with a
-    ``head_type`` (every selfspec head family). The upload itself is :func:`selfspec.hub.push_heads`."""
+    ``head_type`` (every selfspec head family). The upload itself is :func:`selfspec.hub.push_heads`
+    (:func:`register_push`). Also ``from_pretrained`` for a family whose ``from_directory(directory, ...)`` loads
+    a local head directory strictly."""
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | os.PathLike,
+        *args: Any,
+        revision: str | None = None,
+        token: str | bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Load heads saved by ``save_pretrained`` from a head directory or a Hub repo id (:func:`resolve_head_dir`,
+        with ``revision`` and ``token``): the family's ``from_directory(directory, *args, **kwargs)``, which refuses
+        anything that does not match exactly (see it for the other arguments).
+
+        Raises:
+            HeadFormatError: what :func:`resolve_head_dir` and the family's ``from_directory`` raise.
+        """
+        return cls.from_directory(resolve_head_dir(directory, revision=revision, token=token), *args, **kwargs)
 
     def push_to_hub(
         self,
@@ -152,7 +182,7 @@ class HubMixin:
         bench_method: str | None = None,
         bench_command: str | None = None,
         dry_run: bool = False,
-    ) -> HubPush:
+    ) -> Any:
         """Upload the head to the Hub repo ``repo_id`` (created if missing): the files of
         ``save_pretrained`` and a ``README.md`` model card (:func:`selfspec.card.head_card`).
 
@@ -174,11 +204,9 @@ class HubMixin:
         Raises:
             selfspec.hub.HubError: see :func:`selfspec.hub.push_heads`.
         """
-        # selfspec.hub builds the card and reads bench reports (the layer above heads/) and imports
-        # selfspec.heads itself: imported here, at call time, so heads/ imports nothing above it.
-        from selfspec.hub import push_heads
-
-        return push_heads(
+        if not _PUSH:  # only when selfspec/__init__.py did not run (it imports selfspec.hub)
+            raise RuntimeError("push_to_hub needs selfspec.hub: `import selfspec.hub` first")
+        return _PUSH[0](
             self,
             repo_id,
             private=private,

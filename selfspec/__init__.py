@@ -12,6 +12,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+import selfspec.hub  # noqa: F401 (registers the upload of every head family's push_to_hub)
 from selfspec.api import SpeculativeModel, from_pretrained, load, make_drafter
 
 __all__ = ["SpeculativeModel", "from_pretrained", "load", "make_drafter", "__version__"]

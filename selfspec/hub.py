@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -28,11 +29,10 @@ from typing import TYPE_CHECKING
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, ModelCard, constants
 from huggingface_hub.errors import HfHubHTTPError
 
-from selfspec import __version__
 from selfspec.bench.report import read_report
 from selfspec.card import FAMILIES, BenchFigures, head_card
 from selfspec.heads import load_heads
-from selfspec.heads.hub import HUB_FILES, hub_endpoint, resolve_head_dir
+from selfspec.heads.hub import HUB_FILES, hub_endpoint, register_push, resolve_head_dir
 from selfspec.heads.io import HeadFormatError, read_config
 from selfspec.target import ALIASES, SMOLLM2_ALIAS
 
@@ -269,7 +269,8 @@ def push_heads(
         card = head_card(config, repo_id=repo_id, base_model=base, bench=bench, target_note=_target_note(config))
         card.save(staged / CARD_NAME)
         family = FAMILIES[config["head_type"]].title
-        message = commit_message or f"Upload {family} heads for {base} (selfspec {__version__})"
+        version = importlib.metadata.version("selfspec")
+        message = commit_message or f"Upload {family} heads for {base} (selfspec {version})"
         files = {p.name: p.stat().st_size for p in sorted(staged.iterdir()) if p.is_file()}
         if dry_run:
             return HubPush(repo_id, files, [], card, private, message, None)
@@ -329,3 +330,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(push.describe())
     return 0
+
+
+register_push(push_heads)  # every head family's push_to_hub (selfspec.heads.hub.HubMixin)
