@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from selfspec.decode.kv import _full_layers
+from selfspec.decode.kv import full_layers
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -83,7 +83,7 @@ class SlotTable:
             idx[row, n:] = s  # a filler copy; the slot is marked empty
             new_pos[row, :n] = block_positions[row, acc]
         contiguous = bool((idx == torch.arange(s, s + a_max)).all())
-        for layer in _full_layers(cache):
+        for layer in full_layers(cache):
             if layer.keys is None or not layer.keys.numel():
                 continue
             if not contiguous:
@@ -95,7 +95,7 @@ class SlotTable:
     def select_rows(self, cache: DynamicCache, rows: Sequence[int]) -> None:
         """Keep only batch rows ``rows`` (in that order) of the cache and the table."""
         index = torch.tensor(list(rows), dtype=torch.long)
-        for layer in _full_layers(cache):
+        for layer in full_layers(cache):
             if layer.keys is None or not layer.keys.numel():
                 continue
             layer.keys = layer.keys.index_select(0, index.to(layer.keys.device))
@@ -115,7 +115,7 @@ class SlotTable:
         order = torch.sort(torch.where(self.positions >= 0, self.positions, self.positions.new_tensor(1 << 62)), dim=1)
         idx = order.indices[:, :width]
         positions = self.positions.gather(1, idx)
-        for layer in _full_layers(cache):
+        for layer in full_layers(cache):
             if layer.keys is None or not layer.keys.numel():
                 continue
             layer.keys = _gather_slots(layer.keys, idx).contiguous()

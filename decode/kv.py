@@ -66,7 +66,7 @@ def call_with_cache(module: torch.nn.Module, cache: DynamicCache, **kwargs):
     return module(use_cache=True, **kwargs)
 
 
-def _full_layers(cache: DynamicCache) -> list:
+def full_layers(cache: DynamicCache) -> list:
     """The cache's layers, each checked to keep every key (a plain ``DynamicLayer``, as :func:`new_cache` makes)."""
     from transformers.cache_utils import DynamicLayer  # heavy import, only when a cache is edited
 
@@ -108,7 +108,7 @@ def compact_cache(
     keep = past_length + a
     src = None if contiguous else (accepted_nodes + past_length)
     moved: dict[torch.device, torch.Tensor] = {}  # src on each device the layers live on, moved once
-    for layer in _full_layers(cache):
+    for layer in full_layers(cache):
         if layer.keys is None or not layer.keys.numel():
             continue
         if src is not None:

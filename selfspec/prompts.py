@@ -5,7 +5,8 @@ Every path that turns a prompt into target token ids goes through here, so the a
 calibration render a conversation the same way and stop on the same ids:
 
 * :func:`encode_prompt` / :func:`encode_messages`: token ids, a string or chat messages -> LongTensor ``[T]``.
-* :func:`resolve_eos`: the stop ids of a target (generation config, else tokenizer), plus any extra ones.
+* :func:`resolve_eos`: the stop ids of a target (generation config, else tokenizer), plus any extra ones
+  (:func:`selfspec.train.target.resolve_eos`, the one reader, used by training too).
 * :func:`load_prompts`: benchmark questions from an MT-bench / Spec-Bench JSONL file, or the held-out
   ShareGPT split (:func:`heldout_prompts`) of the run that trained the heads, read from
   ``<heads>/training_record.json``.
@@ -23,8 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from selfspec.train.target import resolve_eos
+
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +35,8 @@ SHAREGPT_HELDOUT = "sharegpt-heldout"
 TRAINING_RECORD = "training_record.json"
 TRAINING_RECORD_FORMAT = "selfspec-training-record"
 TRAINING_RECORD_VERSION = 1
+
+__all__ = ["BenchPrompt", "HeldoutSplit", "encode_messages", "encode_prompt", "load_prompts", "resolve_eos"]
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 
@@ -87,30 +92,6 @@ def encode_prompt(tokenizer: Any | None, prompt: Any) -> torch.Tensor:
         ids = torch.tensor(list(prompt), dtype=torch.long)
     if ids.numel() == 0:
         raise ValueError("the prompt is empty")
-    return ids
-
-
-def resolve_eos(target: PreTrainedModel, tokenizer: Any | None, extra: int | Sequence[int] | None = None) -> list[int]:
-    """The ids that end generation: the target's ``generation_config.eos_token_id`` (one id or several),
-    else the tokenizer's ``eos_token_id``, then every id of ``extra`` not already there.
-
-    Args:
-        target: the causal LM (its ``generation_config`` is read; a model without one counts as no ids).
-        tokenizer: its tokenizer, or None.
-        extra: more stop ids (one or several), e.g. a chat template's end-of-turn token.
-
-    Returns:
-        The stop ids in that order, without repeats; empty when nothing names one.
-    """
-    eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = getattr(tokenizer, "eos_token_id", None)
-    found = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    more = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
-    ids: list[int] = []
-    for i in (*found, *more):
-        if int(i) not in ids:
-            ids.append(int(i))
     return ids
 
 

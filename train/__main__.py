@@ -14,8 +14,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 
-from selfspec.adapter import read_adapter_config
-from selfspec.target import load_target
+from selfspec.train.adapter import read_adapter_config
 from selfspec.train.config import TrainConfig, load_config
 from selfspec.train.data import load_conversations, split_conversations
 from selfspec.train.distill_states import CapturedStates
@@ -24,6 +23,7 @@ from selfspec.train.eagle3 import head_layers, train_eagle3
 from selfspec.train.features import self_distill
 from selfspec.train.medusa import train_medusa
 from selfspec.train.medusa2 import train_medusa2
+from selfspec.train.target import load_target
 
 logger = logging.getLogger("selfspec.train")
 

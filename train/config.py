@@ -150,7 +150,7 @@ class TrainConfig:
         head: head family, ``"medusa"``, ``"eagle"`` or ``"eagle3"``.
         target: target name (local dir, Hub id or alias, see :func:`selfspec.target.resolve_target`).
         target_adapter: a PEFT adapter directory (``PeftModel.save_pretrained``) merged into ``target``
-            (:mod:`selfspec.adapter`); the heads are trained on, and fingerprinted as, the adapted target.
+            (:mod:`selfspec.train.adapter`); the heads are trained on, and fingerprinted as, the adapted target.
         data: ``"sharegpt"`` (packaged), a local .json/.jsonl path, or a Hub dataset id.
         max_conversations: conversations read from ``data`` (before the split).
         eval_fraction: held-out share, split by a hash of the conversation id.

@@ -18,7 +18,6 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from selfspec.decode.kv import backbone
 from selfspec.decode.verifier import layer_states
-from selfspec.prompts import resolve_eos
 from selfspec.train.data import prompt_messages
 from selfspec.train.distill_states import (
     CapturedStates,
@@ -27,6 +26,7 @@ from selfspec.train.distill_states import (
     recorded_features,
     template_tail,
 )
+from selfspec.train.target import resolve_eos
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
