@@ -1,5 +1,5 @@
 """EAGLE-1 draft head (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
-Uncertainty", arXiv:2401.15077), drafted as EAGLE-2 dynamic trees by :mod:`selfspec.decode.eagle`.
+Uncertainty", arXiv:2401.15077), drafted as EAGLE-2 dynamic trees by :mod:`selfspec.decode.drafters.eagle`.
 
 The head autoregresses on the target's *features*: ``f_t`` is the target's last hidden state at
 position t AFTER the final norm (what :meth:`selfspec.decode.verifier.Verifier.prefill` returns, and what the
@@ -39,18 +39,19 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from selfspec.decode.cpu_linear import project
 from selfspec.heads.config import config_from_dict
-from selfspec.heads.hub import HubMixin, resolve_head_dir
+from selfspec.heads.cpu_linear import project
+from selfspec.heads.hub import HubMixin
 from selfspec.heads.io import (
     CONFIG_NAME,
     DRAFT_VOCAB_NAME,
@@ -75,10 +76,17 @@ __all__ = [
     "EagleConfig",
     "EagleHead",
     "decoder_layer_class",
+    "head_layer_config",
     "logit_softcap",
+    "read_layer_head",
     "rotary_layer_type",
+    "run_layer",
     "softcap",
+    "target_rotary",
+    "write_layer_head",
 ]
+
+C = TypeVar("C")
 
 
 @dataclass(frozen=True)
@@ -187,6 +195,132 @@ def decoder_layer_class(arch_config: PretrainedConfig, target: PreTrainedModel |
     return layers[0].__class__
 
 
+# ------------------------------------------------------------ what the one-layer heads (EAGLE-1, EAGLE-3) share
+def head_layer_config(arch_config: PretrainedConfig, hidden_size: int, vocab_size: int) -> PretrainedConfig:
+    """:func:`one_layer_config` of ``arch_config``, checked against the head's own sizes.
+
+    Raises:
+        HeadFormatError: the architecture's hidden or vocabulary size is not the head config's.
+    """
+    cfg = one_layer_config(arch_config)
+    if (cfg.hidden_size, cfg.vocab_size) != (hidden_size, vocab_size):
+        raise HeadFormatError(
+            f"architecture config (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) "
+            f"disagrees with the head config (hidden {hidden_size}, vocab {vocab_size})"
+        )
+    return cfg
+
+
+def target_rotary(target: PreTrainedModel, arch_config: PretrainedConfig, family: str) -> tuple[nn.Module, dict]:
+    """The target's rotary embedding and the keyword arguments a head of ``arch_config``'s type calls it with
+    (``{"layer_type": ...}`` for per-layer-type frequencies, :func:`rotary_layer_type`; else ``{}``).
+
+    Raises:
+        HeadFormatError: the target is of another model type than the head's layer, or has no rotary embedding.
+    """
+    if target.config.model_type != arch_config.model_type:
+        raise HeadFormatError(
+            f"target is a {target.config.model_type!r} model, the head a {arch_config.model_type!r} layer"
+        )
+    rotary = getattr(target.base_model, "rotary_emb", None)
+    if rotary is None:
+        raise HeadFormatError(f"the target has no model.rotary_emb module; {family} heads need RoPE positions")
+    layer_type = rotary_layer_type(rotary)
+    return rotary, {} if layer_type is None else {"layer_type": layer_type}
+
+
+def run_layer(
+    layer: nn.Module,
+    hidden: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache: Any,
+    rotary: nn.Module,
+    rotary_kwargs: dict,
+) -> torch.Tensor:
+    """One call of a head's decoder layer through its public ``forward``: ``hidden [B, T, D]`` at ``position_ids``
+    (RoPE from the target's ``rotary``), the additive ``attention_mask`` and, when given, the head's one-layer
+    ``cache`` (extended by T entries). Returns the layer's output ``[B, T, D]``."""
+    position_embeddings = rotary(hidden, position_ids, **rotary_kwargs)
+    kwargs: dict[str, Any] = {"cache": cache, "use_cache": True} if cache is not None else {}
+    out = layer(
+        hidden,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
+    return out[0] if isinstance(out, tuple) else out
+
+
+def write_layer_head(
+    directory: str | Path, arch_config: PretrainedConfig, head_type: str, fields: dict, files: dict
+) -> Path:
+    """Write a one-layer head directory: ``config.json`` = the layer's transformers config with
+    ``num_hidden_layers: 1``, ``head_type`` and the family's ``fields`` (its ``selfspec`` object and the serving
+    layouts' keys), and ``files`` ({name: tensors}), atomically (:func:`selfspec.heads.io.write_head_dir`).
+    Returns the directory."""
+    config = arch_config.to_dict()
+    config.update({"num_hidden_layers": 1, "head_type": head_type, **fields})
+    config.pop("_attn_implementation_autoset", None)
+    write_head_dir(directory, config, files, metadata={"head_type": head_type})
+    return Path(directory)
+
+
+def read_layer_head(
+    directory: Path,
+    head_type: str,
+    family: str,
+    config_cls: type[C],
+    target: PreTrainedModel | None,
+    target_fingerprint: str | None,
+    pop_fields: Callable[[dict[str, Any], C], None] | None = None,
+) -> tuple[C, PretrainedConfig]:
+    """Read a one-layer head's ``config.json`` strictly: its ``selfspec`` object as ``config_cls`` and the rest as
+    the layer's transformers config.
+
+    Args:
+        directory: the local head directory.
+        head_type, family: the ``head_type`` it must name, and the family's name for messages.
+        config_cls: the family's frozen config dataclass.
+        target: when given, its model type must be the layer's.
+        target_fingerprint: when given, must equal the stored fingerprint.
+        pop_fields: removes (and checks) the family's own top-level keys before the rest is read as a
+            transformers config.
+
+    Returns:
+        ``(config, arch_config)``.
+
+    Raises:
+        HeadFormatError: another ``head_type``, no or an invalid ``selfspec`` object, another target, not one
+            layer, not a transformers config, or a layer of another model type than the target's.
+    """
+    where = directory / CONFIG_NAME
+    raw = read_config(directory)
+    if raw.pop("head_type", None) != head_type:
+        raise HeadFormatError(f"{where} is not an {family} head (head_type must be {head_type!r})")
+    ours = raw.pop("selfspec", None)
+    if not isinstance(ours, dict):
+        raise HeadFormatError(f"{where} lacks its 'selfspec' object; re-export with save_pretrained")
+    try:
+        config = config_from_dict(config_cls, ours, where=f"{where} ['selfspec']")
+    except (TypeError, ValueError) as err:
+        raise HeadFormatError(f"{where} ['selfspec']: {err}") from err
+    check_fingerprint(directory, config.target_fingerprint, target_fingerprint, config.target)
+    if pop_fields is not None:
+        pop_fields(raw, config)
+    if raw.get("num_hidden_layers") != 1:
+        raise HeadFormatError(f"{where}: an {family} head has num_hidden_layers 1")
+    model_type = raw.pop("model_type", None)
+    try:
+        arch = AutoConfig.for_model(model_type, **raw)
+    except (ValueError, KeyError, TypeError) as err:
+        raise HeadFormatError(f"{where}: not a transformers config ({err})") from err
+    if target is not None and target.config.model_type != arch.model_type:
+        raise HeadFormatError(f"head is a {arch.model_type!r} layer, the target a {target.config.model_type!r} model")
+    return config, arch
+
+
 class EagleHead(nn.Module, HubMixin):
     """EAGLE-1 feature head: ``fc`` + one decoder layer of the target's kind (see the module docstring).
 
@@ -216,12 +350,7 @@ class EagleHead(nn.Module, HubMixin):
     ) -> None:
         super().__init__()
         self.config = config
-        self.arch_config = one_layer_config(arch_config)
-        if self.arch_config.hidden_size != config.hidden_size or self.arch_config.vocab_size != config.vocab_size:
-            raise HeadFormatError(
-                f"architecture config (hidden {self.arch_config.hidden_size}, vocab {self.arch_config.vocab_size}) "
-                f"disagrees with the head config (hidden {config.hidden_size}, vocab {config.vocab_size})"
-            )
+        self.arch_config = head_layer_config(arch_config, config.hidden_size, config.vocab_size)
         D, S = config.hidden_size, config.n_draft
         if draft_ids is None:
             draft_ids = torch.arange(config.vocab_size)
@@ -260,20 +389,12 @@ class EagleHead(nn.Module, HubMixin):
                 f"target has hidden {cfg.hidden_size} / vocab {cfg.vocab_size}, the EAGLE head expects "
                 f"{self.config.hidden_size} / {self.config.vocab_size}: it belongs to another target."
             )
-        if cfg.model_type != self.arch_config.model_type:
-            raise HeadFormatError(
-                f"target is a {cfg.model_type!r} model, the head a {self.arch_config.model_type!r} layer"
-            )
-        rotary = getattr(target.base_model, "rotary_emb", None)
-        if rotary is None:
-            raise HeadFormatError("the target has no model.rotary_emb module; EAGLE heads need RoPE positions")
+        rotary, self._rotary_kwargs = target_rotary(target, self.arch_config, "EAGLE")
         lm = target.get_output_embeddings().weight.detach()
         ids = self.draft_ids.to(lm.device)
         lm = lm if ids.numel() == lm.shape[0] else lm[ids]
         self._target = (target.get_input_embeddings(), rotary, lm)
         self._lm_cast = {}
-        layer_type = rotary_layer_type(rotary)
-        self._rotary_kwargs = {} if layer_type is None else {"layer_type": layer_type}
         self.logit_softcap = logit_softcap(cfg)
 
     def _require_target(self) -> tuple[Any, ...]:
@@ -317,22 +438,11 @@ class EagleHead(nn.Module, HubMixin):
         with torch.no_grad():
             emb = embed(input_ids).to(dtype)
         x = self.fc(torch.cat([emb, features.to(dtype)], dim=-1))
-        position_embeddings = rotary(x, position_ids, **self._rotary_kwargs)
-        kwargs: dict[str, Any] = {}
-        if cache is not None:
-            kwargs = {"cache": cache, "use_cache": True}
-        out = self.layers[0](
-            x,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
-        return out[0] if isinstance(out, tuple) else out
+        return run_layer(self.layers[0], x, position_ids, attention_mask, cache, rotary, self._rotary_kwargs)
 
     def draft_logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """``[..., D]`` predicted features -> ``[..., S]`` logits over the draft vocabulary (row i scores
-        target token ``draft_ids[i]``), in the features' dtype (:func:`selfspec.decode.cpu_linear.project`:
+        target token ``draft_ids[i]``), in the features' dtype (:func:`selfspec.heads.cpu_linear.project`:
         ``W @ h^T`` for 2..32 rows on a CPU), soft-capped as the target's own logits are (Gemma-2's
         ``final_logit_softcapping``), so the draft distribution is the target's lm_head applied to the
         predicted feature."""
@@ -348,56 +458,29 @@ class EagleHead(nn.Module, HubMixin):
         files = {WEIGHTS_NAME: self.state_dict()}
         if self.config.draft_vocab_size is not None:
             files[DRAFT_VOCAB_NAME] = {"draft_ids": self.draft_ids}
-        arch = self.arch_config.to_dict()
-        arch.update({"num_hidden_layers": 1, "head_type": "eagle", "selfspec": dataclasses.asdict(self.config)})
-        arch.pop("_attn_implementation_autoset", None)
-        write_head_dir(directory, arch, files, metadata={"head_type": "eagle"})
-        return Path(directory)
+        return write_layer_head(
+            directory, self.arch_config, "eagle", {"selfspec": dataclasses.asdict(self.config)}, files
+        )
 
     @classmethod
-    def from_pretrained(
-        cls,
-        directory: str | Path,
-        target: PreTrainedModel | None = None,
-        target_fingerprint: str | None = None,
-        *,
-        revision: str | None = None,
-        token: str | bool | None = None,
+    def from_directory(
+        cls, directory: str | Path, target: PreTrainedModel | None = None, target_fingerprint: str | None = None
     ) -> EagleHead:
-        """Load a head saved by :meth:`save_pretrained`, refusing anything that does not match exactly.
+        """Load a head saved by :meth:`save_pretrained` from a local directory, refusing anything that does not
+        match exactly (``from_pretrained`` also takes a Hub repo id: :class:`~selfspec.heads.hub.HubMixin`).
 
         Args:
-            directory: the head directory, or a Hub repo id (:func:`selfspec.heads.hub.resolve_head_dir`).
+            directory: the head directory.
             target: the frozen target, attached after loading (its decoder layer class is used).
             target_fingerprint: if given, must equal the fingerprint stored with the head.
-            revision, token: Hub revision and token, for a Hub repo id.
 
         Raises:
             HeadFormatError: missing/corrupt files, unknown ``selfspec`` keys, an architecture that is not
                 one layer, missing or unexpected tensors, wrong shapes or dtypes of ``draft_ids``, or a head
-                trained on another target; a Hub id that does not exist or holds no selfspec heads. Nothing
-                is half-loaded.
+                trained on another target. Nothing is half-loaded.
         """
-        d = resolve_head_dir(directory, revision=revision, token=token)
-        raw = read_config(d)
-        if raw.pop("head_type", None) != "eagle":
-            raise HeadFormatError(f"{d / CONFIG_NAME} is not an EAGLE head (head_type must be 'eagle')")
-        ours = raw.pop("selfspec", None)
-        if not isinstance(ours, dict):
-            raise HeadFormatError(f"{d / CONFIG_NAME} lacks its 'selfspec' object; re-export with save_pretrained")
-        config = config_from_dict(EagleConfig, ours, where=f"{d / CONFIG_NAME} ['selfspec']")
-        check_fingerprint(d, config.target_fingerprint, target_fingerprint, config.target)
-        if raw.get("num_hidden_layers") != 1:
-            raise HeadFormatError(f"{d / CONFIG_NAME}: an EAGLE-1 head has num_hidden_layers 1")
-        model_type = raw.pop("model_type", None)
-        try:
-            arch = AutoConfig.for_model(model_type, **raw)
-        except (ValueError, KeyError, TypeError) as err:
-            raise HeadFormatError(f"{d / CONFIG_NAME}: not a transformers config ({err})") from err
-        if target is not None and target.config.model_type != arch.model_type:
-            raise HeadFormatError(
-                f"head is a {arch.model_type!r} layer, the target a {target.config.model_type!r} model"
-            )
+        d = Path(directory)
+        config, arch = read_layer_head(d, "eagle", "EAGLE-1", EagleConfig, target, target_fingerprint)
         state = read_safetensors(d / WEIGHTS_NAME)
         draft_ids = None
         if config.draft_vocab_size is not None:

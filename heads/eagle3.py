@@ -1,5 +1,6 @@
 """EAGLE-3 draft head (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
-Training-Time Test", arXiv:2503.01840), drafted as EAGLE-2 dynamic trees by :class:`selfspec.decode.drafters.eagle.EagleDrafter`.
+Training-Time Test", arXiv:2503.01840), drafted as EAGLE-2 dynamic trees by
+:class:`selfspec.decode.drafters.eagle.EagleDrafter`.
 
 The head fuses three of the target's layers instead of its last feature. At head position t the input is the
 pair ``(g_t, x_{t+1})``, where ``g_t`` is either the target's hidden states at position t entering layers
@@ -41,28 +42,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig
 
-from selfspec.heads.config import config_from_dict
 from selfspec.heads.cpu_linear import project
 from selfspec.heads.eagle import (
     decoder_layer_class,
+    head_layer_config,
     logit_softcap,
-    one_layer_config,
-    rotary_layer_type,
+    read_layer_head,
+    run_layer,
     softcap,
+    target_rotary,
+    write_layer_head,
 )
-from selfspec.heads.hub import HubMixin, resolve_head_dir
-from selfspec.heads.io import (
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    HeadFormatError,
-    check_fingerprint,
-    load_state,
-    read_config,
-    read_safetensors,
-    write_head_dir,
-)
+from selfspec.heads.hub import HubMixin
+from selfspec.heads.io import CONFIG_NAME, WEIGHTS_NAME, HeadFormatError, load_state, read_safetensors
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -240,13 +233,8 @@ class Eagle3Head(nn.Module, HubMixin):
     ) -> None:
         super().__init__()
         self.config = config
-        self.arch_config = one_layer_config(arch_config)
         D, S, V = config.hidden_size, config.draft_vocab_size, config.vocab_size
-        if (self.arch_config.hidden_size, self.arch_config.vocab_size) != (D, V):
-            raise HeadFormatError(
-                f"architecture config (hidden {self.arch_config.hidden_size}, vocab {self.arch_config.vocab_size}) "
-                f"disagrees with the head config (hidden {D}, vocab {V})"
-            )
+        self.arch_config = head_layer_config(arch_config, D, V)
         d2t, t2d = vocab_maps(torch.arange(S) if draft_ids is None else draft_ids, V)
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
@@ -309,16 +297,8 @@ class Eagle3Head(nn.Module, HubMixin):
                 f"target has hidden {cfg.hidden_size} / vocab {cfg.vocab_size} / {cfg.num_hidden_layers} layers, "
                 f"the EAGLE-3 head expects {want[0]} / {want[1]} / {want[2]}: it belongs to another target."
             )
-        if cfg.model_type != self.arch_config.model_type:
-            raise HeadFormatError(
-                f"target is a {cfg.model_type!r} model, the head a {self.arch_config.model_type!r} layer"
-            )
-        rotary = getattr(target.base_model, "rotary_emb", None)
-        if rotary is None:
-            raise HeadFormatError("the target has no model.rotary_emb module; EAGLE-3 heads need RoPE positions")
+        rotary, self._rotary_kwargs = target_rotary(target, self.arch_config, "EAGLE-3")
         self._target = (target.get_input_embeddings(), rotary)
-        layer_type = rotary_layer_type(rotary)
-        self._rotary_kwargs = {} if layer_type is None else {"layer_type": layer_type}
         self.logit_softcap = logit_softcap(cfg)
 
     # ---------------------------------------------------------------- compute
@@ -358,21 +338,12 @@ class Eagle3Head(nn.Module, HubMixin):
         with torch.no_grad():
             emb = embed(input_ids).to(dtype)
         h = self.fc(features.to(dtype)) if width == 3 * D else features.to(dtype)
-        position_embeddings = rotary(h, position_ids, **self._rotary_kwargs)
-        kwargs: dict[str, Any] = {"cache": cache, "use_cache": True} if cache is not None else {}
         layer = self.layers[0]
         layer.input_layernorm.embeds = emb
         try:
-            out = layer(
-                h,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                position_embeddings=position_embeddings,
-                **kwargs,
-            )
+            return run_layer(layer, h, position_ids, attention_mask, cache, rotary, self._rotary_kwargs)
         finally:
             layer.input_layernorm.embeds = None
-        return out[0] if isinstance(out, tuple) else out
 
     def draft_logits(self, output: torch.Tensor) -> torch.Tensor:
         """``[..., D]`` head outputs -> ``[..., S]`` logits over the draft vocabulary (row i scores target id
@@ -384,69 +355,37 @@ class Eagle3Head(nn.Module, HubMixin):
         """Write ``config.json`` and ``model.safetensors`` (published tensor names, ``d2t`` and ``t2d`` included)
         atomically (:func:`selfspec.heads.io.write_head_dir`). Never the target's embeddings. Returns the directory."""
         state = {_FILE_NAMES.get(k, k): v for k, v in self.state_dict().items()}
-        arch = self.arch_config.to_dict()
-        arch.update(
-            {
-                "num_hidden_layers": 1,
-                "head_type": "eagle3",
-                "draft_vocab_size": self.config.draft_vocab_size,
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.config.target_layers)},
-                "selfspec": dataclasses.asdict(self.config),
-            }
-        )
-        arch.pop("_attn_implementation_autoset", None)
-        write_head_dir(directory, arch, {WEIGHTS_NAME: state}, metadata={"head_type": "eagle3"})
-        return Path(directory)
+        fields = {
+            "draft_vocab_size": self.config.draft_vocab_size,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.config.target_layers)},
+            "selfspec": dataclasses.asdict(self.config),
+        }
+        return write_layer_head(directory, self.arch_config, "eagle3", fields, {WEIGHTS_NAME: state})
 
     @classmethod
-    def from_pretrained(
-        cls,
-        directory: str | Path,
-        target: PreTrainedModel | None = None,
-        target_fingerprint: str | None = None,
-        *,
-        revision: str | None = None,
-        token: str | bool | None = None,
+    def from_directory(
+        cls, directory: str | Path, target: PreTrainedModel | None = None, target_fingerprint: str | None = None
     ) -> Eagle3Head:
-        """Load a head saved by :meth:`save_pretrained`, refusing anything that does not match exactly.
-
-        ``directory`` is a head directory or a Hub repo id (:func:`selfspec.heads.hub.resolve_head_dir`, with
-        ``revision`` and ``token``).
+        """Load a head saved by :meth:`save_pretrained` from a local directory, refusing anything that does not
+        match exactly; ``target`` is attached after loading, ``target_fingerprint`` (if given) must be the stored
+        one (``from_pretrained`` also takes a Hub repo id: :class:`~selfspec.heads.hub.HubMixin`).
 
         Raises:
             HeadFormatError: missing/corrupt files, unknown ``selfspec`` keys, config fields that disagree with
                 it, an architecture that is not one layer, missing / unexpected / wrong-shape tensors, invalid
-                ``d2t`` / ``t2d`` maps, or a head trained on another target; a Hub id that does not exist or
-                holds no selfspec heads. Nothing is half-loaded.
+                ``d2t`` / ``t2d`` maps, or a head trained on another target. Nothing is half-loaded.
         """
-        d = resolve_head_dir(directory, revision=revision, token=token)
-        raw = read_config(d)
-        if raw.pop("head_type", None) != "eagle3":
-            raise HeadFormatError(f"{d / CONFIG_NAME} is not an EAGLE-3 head (head_type must be 'eagle3')")
-        ours = raw.pop("selfspec", None)
-        if not isinstance(ours, dict):
-            raise HeadFormatError(f"{d / CONFIG_NAME} lacks its 'selfspec' object; re-export with save_pretrained")
-        try:
-            config = config_from_dict(Eagle3Config, ours, where=f"{d / CONFIG_NAME} ['selfspec']")
-        except (TypeError, ValueError) as err:
-            raise HeadFormatError(f"{d / CONFIG_NAME} ['selfspec']: {err}") from err
-        check_fingerprint(d, config.target_fingerprint, target_fingerprint, config.target)
-        aux = (raw.pop("eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
-        if raw.pop("draft_vocab_size", None) != config.draft_vocab_size or list(aux or []) != list(
-            config.target_layers
-        ):
-            raise HeadFormatError(f"{d / CONFIG_NAME}: draft_vocab_size / eagle_config disagree with its 'selfspec'")
-        if raw.get("num_hidden_layers") != 1:
-            raise HeadFormatError(f"{d / CONFIG_NAME}: an EAGLE-3 head has num_hidden_layers 1")
-        model_type = raw.pop("model_type", None)
-        try:
-            arch = AutoConfig.for_model(model_type, **raw)
-        except (ValueError, KeyError, TypeError) as err:
-            raise HeadFormatError(f"{d / CONFIG_NAME}: not a transformers config ({err})") from err
-        if target is not None and target.config.model_type != arch.model_type:
-            raise HeadFormatError(
-                f"head is a {arch.model_type!r} layer, the target a {target.config.model_type!r} model"
-            )
+        d = Path(directory)
+
+        def pop_layout_fields(raw: dict[str, Any], config: Eagle3Config) -> None:
+            aux = (raw.pop("eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
+            draft = raw.pop("draft_vocab_size", None)
+            if draft != config.draft_vocab_size or list(aux or []) != list(config.target_layers):
+                raise HeadFormatError(f"{d / CONFIG_NAME}: draft_vocab_size / eagle_config disagree with 'selfspec'")
+
+        config, arch = read_layer_head(
+            d, "eagle3", "EAGLE-3", Eagle3Config, target, target_fingerprint, pop_fields=pop_layout_fields
+        )
         inverse = {v: k for k, v in _FILE_NAMES.items()}
         state = {inverse.get(k, k): v for k, v in read_safetensors(d / WEIGHTS_NAME).items()}
         if "d2t" in state and "t2d" in state:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from selfspec.heads.config import config_from_dict
-from selfspec.heads.hub import HubMixin, resolve_head_dir
+from selfspec.heads.hub import HubMixin
 from selfspec.heads.io import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -201,30 +201,23 @@ class MedusaHeads(nn.Module, HubMixin):
         return Path(directory)
 
     @classmethod
-    def from_pretrained(
-        cls,
-        directory: str | Path,
-        target_lm_head: torch.Tensor | None = None,
-        target_fingerprint: str | None = None,
-        *,
-        revision: str | None = None,
-        token: str | bool | None = None,
+    def from_directory(
+        cls, directory: str | Path, target_lm_head: torch.Tensor | None = None, target_fingerprint: str | None = None
     ) -> MedusaHeads:
-        """Load heads saved by :meth:`save_pretrained`, refusing anything that does not match exactly.
+        """Load heads saved by :meth:`save_pretrained` from a local directory, refusing anything that does not
+        match exactly (``from_pretrained`` also takes a Hub repo id: :class:`~selfspec.heads.hub.HubMixin`).
 
         Args:
-            directory: the head directory, or a Hub repo id (:func:`selfspec.heads.hub.resolve_head_dir`).
+            directory: the head directory.
             target_lm_head: ``[V, D]`` target lm_head, attached after loading.
             target_fingerprint: if given, must equal the fingerprint stored with the heads.
-            revision, token: Hub revision and token, for a Hub repo id.
 
         Raises:
             HeadFormatError: missing/corrupt files, unknown config keys, missing or unexpected tensors,
                 wrong shapes, invalid ``draft_ids``, or heads trained on another target. Nothing is
-                half-loaded: the module is only returned when every tensor matched. A Hub id that does not
-                exist or holds no selfspec heads (see :func:`~selfspec.heads.hub.resolve_head_dir`).
+                half-loaded: the module is only returned when every tensor matched.
         """
-        d = resolve_head_dir(directory, revision=revision, token=token)
+        d = Path(directory)
         raw = read_config(d)
         raw.pop("model_type", None)
         raw.pop("num_hidden_layers", None)
