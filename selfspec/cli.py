@@ -11,7 +11,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "train": "train heads on a frozen target (same as: accelerate launch -m selfspec.train CONFIG [k=v ...])",
         "bench": "speedup and tau against plain transformers generate, in one run",
-        "tune-tree": "size an EAGLE head's tree budget to this machine (writes <heads>/acceptance_profile.json)",
+        "tune-tree": "size a head's draft tree to this machine (EAGLE: writes <heads>/acceptance_profile.json)",
         "quickstart": "the embedded default: SmolLM2 target, ShareGPT data, train heads, then bench",
         "export": "write heads in a serving engine's format (speculators for vLLM, sglang, gguf for llama.cpp)",
         "import": "read heads of the speculators or SGLang layouts into a selfspec head directory",

@@ -1,4 +1,7 @@
-"""``selfspec tune-tree``: size an EAGLE head's dynamic tree to this machine.
+"""``selfspec tune-tree``: size a head's draft tree to this machine.
+
+EAGLE-1/2 and EAGLE-3 heads (both drafted as EAGLE-2 dynamic trees by
+:class:`~selfspec.decode.drafters.eagle.EagleDrafter`):
 
 1. Calibrate: decode a few prompts greedily with the largest budget (``--depth-max``,
    ``--total-tokens-max``) and derive the mean tokens per step of every smaller budget
@@ -7,12 +10,18 @@
    drafting cost by depth on this device / dtype / thread count.
 3. Print the budget with the highest expected tokens per second, and the tables it was chosen from.
 
+Medusa heads have no acceptance profile: their static tree is sized from the verification cost profile and the
+heads' held-out top-k accuracies (``head_topk_accuracy`` in their ``config.json``, written by training;
+:func:`selfspec.decode.tuning.budget.choose_medusa_tree_nodes`). For them the command measures (or reads) the
+cost profile and prints the node count that ``selfspec.load`` will then choose, with its table; no prompt is
+decoded and nothing is written beside the heads.
+
 Afterwards ``selfspec.load(target, heads)`` and ``selfspec bench --heads DIR`` use the chosen budget on
-their own (``depth`` / ``total_tokens`` default to ``"auto"``); explicit values still win.
+their own (``depth`` / ``total_tokens`` / ``tree_nodes`` default to ``"auto"`` / None); explicit values still win.
 
 Usage::
 
-    selfspec tune-tree --target smollm2-135m-instruct --heads runs/eagle-smollm2/heads --threads 2
+    selfspec tune-tree --target smollm2-135m-instruct --heads runs/eagle3-smollm2/heads --threads 2
 """
 
 from __future__ import annotations
@@ -25,11 +34,12 @@ from pathlib import Path
 
 import torch
 
-from selfspec.decode.eagle import DEFAULT_TOP_K, EagleDrafter
+from selfspec.decode.drafters.eagle import DEFAULT_TOP_K, EagleDrafter
 from selfspec.decode.tuning import budget as tree_budget
 from selfspec.decode.tuning import calibration, costs, draft_costs
 from selfspec.heads import load_heads
 from selfspec.heads.config import HeadFormatError, read_json
+from selfspec.heads.hub import HEAD_TYPES
 from selfspec.prompts import SHAREGPT_HELDOUT, encode_messages, load_prompts, resolve_eos
 from selfspec.target import load_target
 
@@ -40,11 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``selfspec tune-tree`` argument parser."""
     p = argparse.ArgumentParser(
         prog="selfspec tune-tree",
-        description="Measure an EAGLE head's acceptance for every tree budget and this machine's verification "
-        "cost, write <heads>/acceptance_profile.json and print the fastest budget.",
+        description="Measure an EAGLE or EAGLE-3 head's acceptance for every tree budget and this machine's "
+        "verification cost, write <heads>/acceptance_profile.json and print the fastest budget; for Medusa heads, "
+        "print the tree size chosen from the verification cost and the heads' held-out accuracies.",
     )
     p.add_argument("--target", default="smollm2-135m-instruct", help="target name, directory or Hub id")
-    p.add_argument("--heads", required=True, metavar="DIR", help="EAGLE head directory (save_pretrained output)")
+    p.add_argument("--heads", required=True, metavar="DIR", help="head directory (save_pretrained output)")
     p.add_argument(
         "--prompts",
         default=SHAREGPT_HELDOUT,
@@ -56,8 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip-prompts", type=int, default=0, help="skip the first N prompts (e.g. those a later bench measures)"
     )
     p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt")
-    p.add_argument("--depth-max", type=int, default=6, help="largest draft depth in the table")
-    p.add_argument("--total-tokens-max", type=int, default=48, help="largest total_tokens in the table")
+    p.add_argument(
+        "--depth-max", type=int, default=calibration.CALIBRATION_DEPTH_MAX, help="largest draft depth in the table"
+    )
+    p.add_argument(
+        "--total-tokens-max",
+        type=int,
+        default=calibration.CALIBRATION_TOTAL_TOKENS_MAX,
+        help="largest total_tokens in the table",
+    )
     p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="EAGLE-2 expansions per node (profiled as given)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -80,10 +98,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         head_type = read_json(heads_dir / "config.json").get("head_type")
     except HeadFormatError as err:
         parser.error(str(err))
-    if head_type != "eagle":
-        parser.error(f"{heads_dir} holds {head_type!r} heads; tune-tree sizes EAGLE dynamic trees")
+    if head_type not in HEAD_TYPES:
+        parser.error(f"{heads_dir} holds {head_type!r} heads; tune-tree sizes the trees of {list(HEAD_TYPES)} heads")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if head_type == "medusa":
+        return _medusa(parser, args, heads_dir)
     prompts = load_prompts(args.prompts, head_dirs=[heads_dir])[args.skip_prompts : args.skip_prompts + args.n_prompts]
     if not prompts:
         parser.error(f"no prompts left in {args.prompts} after skipping {args.skip_prompts}")
@@ -120,23 +140,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     inexact = sum(map(sum, profile.inexact_steps))
     if inexact:
         print(f"  {inexact} (budget, step) cells are lower bounds: their trees keep candidates the big tree dropped")
+    chosen = (
+        f"chosen: depth {budget.depth}, total_tokens {budget.total_tokens}, top_k {budget.top_k}: expected tau "
+        f"{budget.expected_tau:.2f}, {budget.expected_cycle_ms:.1f} ms a step vs {budget.plain_step_ms:.1f} ms a "
+        f"plain step, expected speedup {budget.expected_speedup:.2f}x"
+    )
+    draft_line = "draft cost by depth (ms): " + ", ".join(f"{d}: {v:.1f}" for d, v in sorted(draft.items()))
+    _print_choice(cost, target, draft_line, tree_budget.budget_table_text(budget), chosen, budget.expected_speedup)
+    return 0
+
+
+def _medusa(parser: argparse.ArgumentParser, args: argparse.Namespace, heads_dir: Path) -> int:
+    """The Medusa tree size ``selfspec.load`` chooses here (:func:`~.tuning.budget.choose_medusa_tree_nodes` over
+    the cached or measured verification cost), printed with its table. Exits 2 for heads without accuracies."""
+    target, _ = load_target(args.target, dtype=args.dtype, device=args.device)
+    heads = load_heads(heads_dir, target=target)
+    accuracy = heads.config.head_topk_accuracy
+    if not accuracy:
+        parser.error(
+            f"{heads_dir}: Medusa trees are sized from the heads' held-out top-k accuracies (head_topk_accuracy in "
+            "config.json, measured by `selfspec train` on its held-out split) and this machine's verification cost; "
+            "these heads have none (made or imported elsewhere?), so decoding uses the default tree. Pass "
+            "tree_nodes=N or tree=[...] to selfspec.load, or train the heads with `selfspec train`"
+        )
+    cost = costs.get_cost_profile(target, refresh=args.refresh_cost)
+    size = tree_budget.choose_medusa_tree_nodes(cost, accuracy)
+    chosen = (
+        f"chosen: Medusa tree of {size.num_nodes} nodes: expected tau {size.expected_tau:.2f}, "
+        f"{size.expected_cycle_ms:.1f} ms a step vs {cost.plain_step_ms:.1f} ms a plain step, expected speedup "
+        f"{size.expected_speedup:.2f}x (selfspec.load and selfspec bench size the tree this way by themselves)"
+    )
+    _print_choice(cost, target, None, tree_budget.medusa_table_text(size), chosen, size.expected_speedup)
+    return 0
+
+
+def _print_choice(
+    cost: costs.CostProfile, target, draft_line: str | None, table: str, chosen: str, speedup: float
+) -> None:
+    """The verification cost table (ms by tree nodes) and where it is cached, the drafting cost (EAGLE), the
+    expected tau / speedup table, the chosen tree and a note when even it is slower than plain decoding."""
     print(
         f"verification cost ({cost.device}, {cost.dtype}, {cost.threads} threads; cached in "
         f"{costs.cost_profile_path(target)}):"
     )
     print("  nodes " + " ".join(f"{n:>7}" for n in cost.node_counts))
     print("  ms    " + " ".join(f"{v:>7.1f}" for v in cost.verify_ms))
-    print("draft cost by depth (ms): " + ", ".join(f"{d}: {v:.1f}" for d, v in sorted(draft.items())))
+    if draft_line is not None:
+        print(draft_line)
     print()
-    print(tree_budget.budget_table_text(budget))
-    print(
-        f"chosen: depth {budget.depth}, total_tokens {budget.total_tokens}, top_k {budget.top_k}: expected tau "
-        f"{budget.expected_tau:.2f}, {budget.expected_cycle_ms:.1f} ms a step vs {budget.plain_step_ms:.1f} ms a "
-        f"plain step, expected speedup {budget.expected_speedup:.2f}x"
-    )
-    if budget.expected_speedup < 1.0:
-        print("note: no tree budget is expected to beat plain decoding on this machine with this head")
-    return 0
+    print(table)
+    print(chosen)
+    if speedup < 1.0:
+        print("note: no tree is expected to beat plain decoding on this machine with these heads")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.decode.eagle import EagleDrafter
-from selfspec.decode.tuning.calibration import calibrate_acceptance, save_acceptance_profile
+from selfspec.decode.drafters.eagle import EagleDrafter
+from selfspec.decode.tuning.calibration import (
+    CALIBRATION_DEPTH_MAX,
+    CALIBRATION_TOTAL_TOKENS_MAX,
+    calibrate_acceptance,
+    save_acceptance_profile,
+)
 from selfspec.train.config import TrainConfig
 from selfspec.train.data import prompt_messages
 
@@ -21,8 +26,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-CALIBRATION_DEPTH_MAX = 6
-CALIBRATION_TOTAL_TOKENS_MAX = 32
 CALIBRATION_TOP_K = 4
 
 

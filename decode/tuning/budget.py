@@ -236,6 +236,18 @@ def choose_medusa_tree_nodes(
     return MedusaTreeSize(n, tau, draft_ms + cost.verify_cost_ms(n), speedup, tuple(table))
 
 
+def medusa_table_text(size: MedusaTreeSize, columns: Sequence[int] = DEFAULT_NODE_COUNTS) -> str:
+    """Plain-text table of a Medusa tree's expected tau and speedup by node count N (root included), at the
+    sizes of ``columns`` that were considered and the chosen one."""
+    rows = {n: (tau, speedup) for n, tau, speedup in size.table}
+    cols = sorted({n for n in columns if n in rows} | {size.num_nodes})
+    lines = ["Medusa tree (columns: nodes, root included; * = chosen)", "nodes   " + "".join(f"{n:>8}" for n in cols)]
+    for title, col, fmt in (("tau", 0, "{:.2f}"), ("speedup", 1, "{:.2f}x")):
+        cells = [fmt.format(rows[n][col]) + ("*" if n == size.num_nodes else "") for n in cols]
+        lines.append(f"{title:<8}" + "".join(f"{c:>8}" for c in cells))
+    return "\n".join(lines) + "\n"
+
+
 def budget_table_text(budget: TreeBudget, columns: Sequence[int] = DEFAULT_NODE_COUNTS) -> str:
     """Plain-text tables of expected tau and speedup by depth (rows) and ``total_tokens`` (columns)."""
     cells = {(o.depth, o.total_tokens): o for o in budget.table}

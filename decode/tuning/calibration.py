@@ -49,6 +49,12 @@ _ACCEPTANCE_HEADER = {
 }
 _HEAD_FILES = ("model.safetensors", "draft_vocab.safetensors")
 
+# The largest budget a calibration run drafts with, so the extent of its table (README, "Tree budget sized to the
+# machine": depth 6, 48 draft tokens), for training's post-training calibration (train/calibrate.py) and
+# `selfspec tune-tree` alike.
+CALIBRATION_DEPTH_MAX = 6
+CALIBRATION_TOTAL_TOKENS_MAX = 48
+
 
 def num_candidates(top_k: int, depth: int) -> int:
     """Candidates an EAGLE-2 drafter creates: ``top_k`` at depth 1, ``top_k ** 2`` at each further depth."""
@@ -316,8 +322,8 @@ def calibrate_acceptance(
     drafter: EagleDrafter,
     prompts_ids: Sequence[torch.Tensor],
     max_new_tokens: int = 64,
-    total_tokens_max: int = 48,
-    depth_max: int = 6,
+    total_tokens_max: int = CALIBRATION_TOTAL_TOKENS_MAX,
+    depth_max: int = CALIBRATION_DEPTH_MAX,
     eos_token_id: int | Sequence[int] | None = None,
 ) -> AcceptanceProfile:
     """Measure ``tau[d][N]`` for every budget up to (``depth_max``, ``total_tokens_max``) in one greedy run.
