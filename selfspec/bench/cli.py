@@ -20,6 +20,19 @@ from selfspec.target import load_target
 
 logger = logging.getLogger(__name__)
 
+# The flags whose values are the BenchSettings fields of the same name (--target and --prompts are recorded as
+# target_name and prompts_source).
+SETTINGS_FLAGS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "warmup",
+    "max_prompt_tokens",
+    "tree_nodes",
+    "draft_model",
+)
+
 
 def parse_heads(items: Sequence[str]) -> dict[str, str]:
     """``DIR`` or ``NAME=DIR`` -> {name: dir}. A bare ``.../heads`` directory is named after its parent.
@@ -140,16 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         heads = parse_heads(args.heads)
         settings = BenchSettings(
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            seed=args.seed,
-            warmup=args.warmup,
-            max_prompt_tokens=args.max_prompt_tokens,
-            target_name=args.target,
-            prompts_source=args.prompts,
-            tree_nodes=args.tree_nodes,
-            draft_model=args.draft_model,
+            **{name: vars(args)[name] for name in SETTINGS_FLAGS}, target_name=args.target, prompts_source=args.prompts
         )
     except ValueError as err:
         parser.error(str(err))
