@@ -1,4 +1,5 @@
-"""The ``selfspec`` command: ``train``, ``bench``, ``tune-tree``, ``quickstart``, ``push``."""
+"""The ``selfspec`` command: ``train``, ``bench``, ``tune-tree``, ``quickstart``, ``export``, ``import``, ``push``,
+``scaling-curve``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
         "export": "write heads in a serving engine's format (speculators for vLLM, sglang, gguf for llama.cpp)",
         "import": "read heads of the speculators or SGLang layouts into a selfspec head directory",
         "push": "push heads with their model card to the Hugging Face Hub (--dry-run: show, upload nothing)",
+        "scaling-curve": "train a head family at growing data and time budgets, bench each, tabulate and plot",
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         parser = argparse.ArgumentParser(prog="selfspec", description="self-speculative decoding")
@@ -43,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         from selfspec.hub import main as push_main
 
         return push_main(rest)
+    if command == "scaling-curve":
+        from selfspec.scaling import main as scaling_main
+
+        return scaling_main(rest)
     if command in ("export", "import"):
         from selfspec.export.cli import export_main, import_main
 

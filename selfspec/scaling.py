@@ -1,5 +1,5 @@
-"""How a head grows with data and training time: train one head family at growing budgets, bench each, and write
-the scaling table and plot.
+"""``selfspec scaling-curve``: how a head grows with data and training time. Train one head family at growing
+budgets, bench each head, and write the scaling table and plot (docs/SCALING.md is its run).
 
 Each point of the schedule is a training run of ``selfspec train CONFIG`` with more conversations and more
 minutes than the one before (the self-distilled answers are cached in one directory, so a larger point only
@@ -14,13 +14,16 @@ plain decoding on the same prompts, in the same process. Per point the table giv
 * tau and the median speedup over plain decoding on the bench prompts (``report.json``).
 
 A point whose outputs exist is not run again (a killed curve resumes at the point it was in; the training
-command itself resumes from its checkpoint). Results: ``OUT/scaling.json``, ``OUT/scaling.md`` and
-``OUT/scaling.png``.
+command itself resumes from its checkpoint). Results: ``OUT/scaling.json``, ``OUT/scaling.md``,
+``OUT/scaling.png``, and per point ``OUT/NAME/point.json``, ``train.log``, ``bench.log``, the run and its
+``bench/report.json``.
 
-    python scripts/scaling_curve.py --config configs/eagle3-smollm2.yaml --out runs/scaling --threads 2 \\
+Usage::
+
+    selfspec scaling-curve --config configs/eagle3-smollm2.yaml --out runs/scaling --threads 2 \\
         --bench-prompts ../shared/data/eval/mt_bench/question.jsonl --bench-num-prompts 16
 
-The default schedule (``--points``) is about 0.5, 1 and 2 CPU-hours on the development machine's 2 cores:
+The default schedule (``--points``) is about 0.5, 1 and 2 CPU-hours on a 2-core CPU:
 ``NAME:DISTILLED:WRITTEN:MINUTES`` each, the minutes being the training clock (``max_train_minutes``).
 """
 
@@ -35,6 +38,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from selfspec.heads.files import write_json
+from selfspec.train.config import load_config
 
 DEFAULT_POINTS = ("h0.5:160:200:6", "h1:320:400:12", "h2:640:800:30")
 
@@ -66,8 +72,6 @@ def train_command(args: argparse.Namespace, point: dict[str, Any], out: Path) ->
     Raises:
         ValueError: ``distilled`` > 0 for a config without ``self_distill``.
     """
-    from selfspec.train.config import load_config
-
     cfg = load_config(args.config, args.override)
     overrides = [f"output_dir={out}", f"max_train_minutes={point['minutes']}", f"threads={args.threads}"]
     if cfg.self_distill:
@@ -228,7 +232,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """``selfspec scaling-curve [options]``; returns the exit status (0)."""
+    parser = argparse.ArgumentParser(prog="selfspec scaling-curve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=Path("configs/eagle3-smollm2.yaml"))
     parser.add_argument("--out", type=Path, default=Path("runs/scaling"))
     parser.add_argument("--points", nargs="+", default=list(DEFAULT_POINTS), help="NAME:DISTILLED:WRITTEN:MINUTES")
@@ -247,8 +252,6 @@ def main(argv: list[str] | None = None) -> int:
         done_file = run_dir / "point.json"
         if done_file.exists():
             row = json.loads(done_file.read_text())
-            if "trained_tokens" not in row:  # written by an earlier version of this script
-                row["trained_tokens"] = trained_tokens(json.loads((run_dir / "train_summary.json").read_text()))
             rows.append(row)
             continue
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -256,10 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         run_logged(bench_command(args, run_dir / "heads", bench_dir), run_dir / "bench.log")
         earlier = sum(r.get("distill_s") or 0.0 for r in rows)
         row = point_row(point, run_dir, bench_dir, wall, args.threads, earlier)
-        done_file.write_text(json.dumps(row, indent=2))
+        write_json(done_file, row)
         rows.append(row)
         print(table(rows), flush=True)
-    (args.out / "scaling.json").write_text(json.dumps(rows, indent=2))
+    write_json(args.out / "scaling.json", rows)
     (args.out / "scaling.md").write_text(table(rows) + "\n")
     plot(rows, args.out / "scaling.png")
     print(table(rows))

@@ -5,18 +5,23 @@ A bench over several prompt sets in one run takes one JSONL whose categories nam
 prints a Markdown table: per set, each method's median over prompts of (its tokens/s / the reference's on
 the same prompt) and its mean tau, then the mean of the set medians.
 
-    python scripts/bench_sets.py runs/combo/out/report.json
+    python -m selfspec.bench.sets runs/combo/out/report.json [--reference baseline]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 
 
 def set_table(report: dict, reference: str = "baseline") -> str:
-    """The Markdown table for a report dict (``report.json``)."""
+    """The Markdown table for a report dict (``report.json``): one row per set, one column per method but
+    ``reference``, each cell the median per-prompt speedup over ``reference`` and the mean tau.
+
+    Raises:
+        KeyError: a sample lacks ``reference`` or a method.
+    """
     groups: dict[str, list[dict]] = {}
     for sample in report["samples"]:
         groups.setdefault(sample["category"].split("/")[0], []).append(sample)
@@ -36,6 +41,16 @@ def set_table(report: dict, reference: str = "baseline") -> str:
     return "\n".join(lines)
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``python -m selfspec.bench.sets REPORT [--reference NAME]``: print the table; returns 0."""
+    p = argparse.ArgumentParser(prog="python -m selfspec.bench.sets", description=__doc__.splitlines()[0])
+    p.add_argument("report", help="a selfspec bench report.json")
+    p.add_argument("--reference", default="baseline", help="the method every speedup is taken against")
+    args = p.parse_args(argv)
+    with open(args.report) as f:
+        print(set_table(json.load(f), args.reference))
+    return 0
+
+
 if __name__ == "__main__":
-    with open(sys.argv[1]) as f:
-        print(set_table(json.load(f)))
+    raise SystemExit(main())

@@ -2,11 +2,9 @@
 
 Why: a tree of N nodes is worth verifying only while one target forward over N nodes costs little more
 than over 1 node (memory-bound decoding). This measures that curve on real target shapes, built in place
-with random weights (no download), through selfspec's own ``Verifier.forward_tree`` after a cached prefix:
-
-* ``135m``: SmolLM2-135M (hidden 576, 30 layers, 9/3 heads, MLP 1536, vocab 49,152, tied embeddings)
-* ``1b``:   Llama-3.2-1B-like (2048, 16 layers, 32/8 heads, MLP 8192, vocab 128,256, tied)
-* ``8b``:   Llama-3.1-8B-like (4096, 32 layers, 32/8 heads, MLP 14,336, vocab 128,256)
+with random weights (no download; :mod:`selfspec.bench.random_targets`: ``135m`` SmolLM2-135M, ``1b``
+Llama-3.2-1B's shape, ``8b`` Llama-3.1-8B's shape), through selfspec's own ``Verifier.forward_tree`` after a
+cached prefix.
 
 For each size: median ms of ``forward_tree`` + lm_head logits over N nodes, for a Medusa-style static tree
 and a chain, N in 1..128, relative to N = 1; the CPU time of building the tree mask (part of the tree
@@ -15,28 +13,27 @@ time); and the per-step cost of Medusa drafting (4 heads, random weights, full v
 ``speculative_generate`` with prompt lookup and with random Medusa heads vs ``model.generate``;
 reported, not asserted (bf16 tree forwards may round differently from one-token forwards).
 
-Usage::
+Usage (docs/GPU.md has the GPU machine's set-up)::
 
-    python scripts/gpu_cost_curves.py                                  # CUDA, bf16, all sizes, < 5 min on an H200
-    python scripts/gpu_cost_curves.py --device cpu --sizes 135m --quick  # CPU smoke test
+    python -m selfspec.bench.gpu_curves --out runs/gpu_cost_curves.json  # CUDA, bf16, all sizes, < 5 min on an H200
+    python -m selfspec.bench.gpu_curves --device cpu --sizes 135m --quick  # CPU smoke test
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from selfspec.bench.random_targets import REAL_SIZES, SIZES, build_target
 from selfspec.decode import kv
-from selfspec.decode.drafters import MedusaDrafter, PromptLookupDrafter
-from selfspec.decode.generate import speculative_generate
+from selfspec.decode.drafters import DraftLimit, MedusaDrafter, PromptLookupDrafter
+from selfspec.decode.loop import speculative_generate
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import (
     greedy_tree_from_accuracy,
@@ -46,55 +43,15 @@ from selfspec.decode.tree import (
     tree_position_ids,
 )
 from selfspec.decode.verifier import Verifier
+from selfspec.heads.files import write_json
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 
-SIZES: dict[str, dict] = {
-    "135m": dict(
-        hidden_size=576,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        intermediate_size=1536,
-        vocab_size=49152,
-        tie_word_embeddings=True,
-    ),
-    "1b": dict(
-        hidden_size=2048,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=8192,
-        vocab_size=128256,
-        tie_word_embeddings=True,
-    ),
-    "8b": dict(
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=14336,
-        vocab_size=128256,
-        tie_word_embeddings=False,
-    ),
-}
 # Medusa-like cumulative top-k accuracies of 4 heads: only the *shape* of the trees built from them matters.
 TREE_ACCURACY = [[0.60, 0.72, 0.78, 0.81, 0.83, 0.85, 0.86, 0.87, 0.88, 0.89]] + [
     [a * 0.75**k for a in (0.45, 0.57, 0.63, 0.67, 0.70, 0.72, 0.74, 0.75, 0.76, 0.77)] for k in range(3)
 ]
 MEDUSA_DRAFT_NODES = 10  # the drafter's own tree (selfspec's CPU default size)
-
-
-def build_target(size: str, dtype: torch.dtype, device: str):
-    """A randomly initialised ``LlamaForCausalLM`` of a real size, created directly on ``device`` in ``dtype``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(**SIZES[size], max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
-    model.eval().requires_grad_(False)
-    return model
+EOS = 2  # the random targets' EOS and pad id (the exactness runs stop at it)
 
 
 def random_medusa(model, draft_vocab_size: int | None, num_heads: int = 4) -> MedusaHeads:
@@ -191,12 +148,13 @@ def medusa_draft_cost(model, repeats: int, warmup: int) -> list[dict]:
     hidden = torch.randn(4, model.config.hidden_size, device=device, dtype=next(model.parameters()).dtype)
     context = torch.randint(3, model.config.vocab_size, (64,), device=device)
     paths = greedy_tree_from_accuracy(TREE_ACCURACY, MEDUSA_DRAFT_NODES)
+    limit = DraftLimit(useful_depth=64)
     rows = []
     for label, dv in (("full_vocab", None), ("draft_vocab_8192", 8192)):
         heads = random_medusa(model, dv)
         drafter = MedusaDrafter(heads, static_tree(paths))
         drafter.begin(context, hidden)
-        ms = median_ms(lambda d=drafter: d.propose(context, SamplingConfig(), None), device, repeats, warmup)
+        ms = median_ms(lambda d=drafter: d.propose(context, SamplingConfig(), None, limit), device, repeats, warmup)
         params = sum(p.numel() for p in heads.parameters())
         rows.append({"variant": label, "draft_ms": ms, "head_params_m": params / 1e6})
         del heads, drafter
@@ -208,7 +166,7 @@ def greedy_exactness(
     size: str, dtype: torch.dtype, device: str, prompts: int, prompt_tokens: int, new_tokens: int
 ) -> dict:
     """Greedy ``speculative_generate`` vs ``model.generate`` on a random target: match rate per drafter."""
-    model = build_target(size, dtype, device)
+    model = build_target(size, dtype, device, eos_token_id=EOS)
     eos = model.generation_config.eos_token_id
     gen = torch.Generator().manual_seed(1)
     built = {
@@ -257,10 +215,11 @@ def _free(device: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """``python -m selfspec.bench.gpu_curves [options]``: measure, print, write ``--out``; returns 0."""
+    p = argparse.ArgumentParser(prog="python -m selfspec.bench.gpu_curves", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    p.add_argument("--sizes", nargs="+", default=list(REAL_SIZES), choices=list(SIZES))
     p.add_argument("--nodes", nargs="+", type=int, default=None, help="tree sizes (default 1 2 4 ... 128)")
     p.add_argument("--prefix-tokens", type=int, default=None, help="cached prefix (default 256; 64 with --quick)")
     p.add_argument("--quick", action="store_true", help="few sizes, repeats and tokens: a smoke test")
@@ -291,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for size in args.sizes:
         t0 = time.perf_counter()
-        model = build_target(size, dtype, args.device)
+        model = build_target(size, dtype, args.device, eos_token_id=EOS)
         params = sum(p.numel() for p in model.parameters()) / 1e9
         curve = cost_curve(model, nodes, prefix, repeats, warmup)
         draft = medusa_draft_cost(model, repeats, warmup)
@@ -332,12 +291,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
             _free(args.device)
     report["total_s"] = time.perf_counter() - t_start
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    out = write_json(Path(args.out), report)
     print(f"\nwrote {out} ({report['total_s']:.0f} s)")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,39 +1,30 @@
-"""scripts/scaling_curve.py end to end on a tiny saved target: two points of growing data and time, each trained
-by ``python -m selfspec.train`` and benched by ``python -m selfspec.bench``; the table, JSON and plot are written,
-the second point has more data, and a finished point is not run again."""
+"""``selfspec scaling-curve`` (selfspec/scaling.py) end to end on a tiny saved target: two points of growing data
+and time, each trained by ``python -m selfspec.train`` and benched by ``python -m selfspec.bench``; the table, JSON
+and plot are written, the second point has more data, and a finished point is not run again."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-from tests.archs import tiny_target
-from tests.train.test_architectures import conversations, tiny_tokenizer
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("scaling_curve", ROOT / "scripts" / "scaling_curve.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from selfspec import scaling
+from selfspec.cli import main as cli_main
+from tests.helpers.archs import tiny_target
+from tests.helpers.conversations import conversations
+from tests.helpers.tokenizers import tiny_tokenizer
 
 
 def test_points_are_parsed_and_checked():
-    script = load_script()
-    assert script.parse_point("a:10:20:1.5") == {"name": "a", "distilled": 10, "written": 20, "minutes": 1.5}
+    assert scaling.parse_point("a:10:20:1.5") == {"name": "a", "distilled": 10, "written": 20, "minutes": 1.5}
     for bad in ("a:10:20", "a:-1:2:3", "a:1:2:0"):
         with pytest.raises(ValueError):
-            script.parse_point(bad)
-    assert [script.parse_point(p)["minutes"] for p in script.DEFAULT_POINTS] == [6, 12, 30]
+            scaling.parse_point(bad)
+    assert [scaling.parse_point(p)["minutes"] for p in scaling.DEFAULT_POINTS] == [6, 12, 30]
 
 
+@pytest.mark.slow  # two training runs and two benches, each in its own process (~2.5 min on 2 cores)
 def test_two_points_train_bench_and_tabulate(tmp_path, monkeypatch):
-    script = load_script()
     target_dir = tmp_path / "target"
     tiny_target("llama").save_pretrained(target_dir)
     tiny_tokenizer().save_pretrained(target_dir)
@@ -57,7 +48,7 @@ def test_two_points_train_bench_and_tabulate(tmp_path, monkeypatch):
     argv += ["--bench-prompts", str(prompts), "--bench-num-prompts", "2", "--bench-max-new-tokens", "8"]
     argv += ["--points", "small:0:10:0.02", "large:0:30:0.04", "--override", "max_steps=4"]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert script.main(argv) == 0
+    assert cli_main(["scaling-curve", *argv]) == 0
     rows = json.loads((out / "scaling.json").read_text())
     assert [r["name"] for r in rows] == ["small", "large"]
     assert 0 < rows[0]["feature_tokens"] < rows[1]["feature_tokens"]
@@ -71,4 +62,4 @@ def test_two_points_train_bench_and_tabulate(tmp_path, monkeypatch):
         assert 0 < r["trained_tokens"] <= 4 * 16 and r["features_s"] is not None and r["distill_s"] is None
     # a finished point is read back, not run again
     (out / "small" / "train.log").unlink()
-    assert script.main(argv) == 0 and not (out / "small" / "train.log").exists()
+    assert scaling.main(argv) == 0 and not (out / "small" / "train.log").exists()

@@ -1,14 +1,12 @@
-"""scripts/gpu_cycle_cost.py: its CPU dry run (as the GPU machine runs it, without an installed selfspec)
-writes real, positive figures of the right shape and decodes exactly; its rigged drafter has the acceptance
-it claims; its sync counters attribute what they count and leave torch as they found it."""
+"""``python -m selfspec.bench.gpu_cycle``: its CPU dry run writes real, positive figures of the right shape and
+decodes exactly; its rigged drafter has the acceptance it claims; its sync counters attribute what they count and
+leave torch as they found it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
-import site
 import subprocess
 import sys
 import warnings
@@ -19,29 +17,22 @@ from unittest import mock
 import pytest
 import torch
 
+from selfspec.bench import gpu_cycle, host_syncs
+from selfspec.bench.rigged_drafter import RiggedDrafter, tree_parents
+from selfspec.decode.drafters.base import DraftLimit
+from selfspec.decode.tree import tree_depths
 from selfspec.decode.verify import verify_greedy
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "gpu_cycle_cost.py"
-
-
-@pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("gpu_cycle_cost", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> dict:
-    """The dry run in a fresh interpreter without site (-S): selfspec is not installed there, as on a GPU
-    machine that gets only the working tree; the script maps the package from the checkout itself."""
+    """The dry run as a user runs it, in a fresh interpreter (the counters patch torch there, not here)."""
     out = tmp_path_factory.mktemp("cycle") / "cycle.json"
-    paths = [p for p in site.getsitepackages() + [site.getusersitepackages()] if os.path.isdir(p)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
-        [sys.executable, "-S", str(SCRIPT), "--dry-run", "--out", str(out)],
+        [sys.executable, "-m", "selfspec.bench.gpu_cycle", "--dry-run", "--out", str(out)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -57,7 +48,8 @@ def _positive(x) -> bool:
     return isinstance(x, float) and math.isfinite(x) and x > 0
 
 
-def test_dry_run_figures(dry_run, script):
+@pytest.mark.slow  # the dry run in its own process (~40 s on 2 cores)
+def test_dry_run_figures(dry_run):
     assert dry_run["device"] == "cpu" and dry_run["dtype"] == "float32" and dry_run["goal_cycle_rel"] == 1.3
     assert "patched torch.Tensor" in dry_run["sync_count"]
     assert list(dry_run["sizes"]) == ["tiny"]
@@ -82,7 +74,7 @@ def test_dry_run_figures(dry_run, script):
         assert r["cycle_rel"] == pytest.approx(sorted(r["cycle_rel_rounds"])[1])
         assert r["speedup"] == pytest.approx(r["measured_tau"] / r["cycle_rel"])
         assert r["meets_goal"] is (r["cycle_rel"] <= 1.3)
-        assert set(r["parts_ms"]) == set(script.PARTS)
+        assert set(r["parts_ms"]) == set(gpu_cycle.PARTS)
         assert all(v >= 0 and math.isfinite(v) for v in r["parts_ms"].values())
         assert r["parts_ms"]["forward"] > 0 and r["parts_ms"]["accept"] > 0
         assert sum(r["parts_ms"].values()) == pytest.approx(r["instrumented_cycle_ms"], rel=1e-6)
@@ -101,23 +93,23 @@ def test_dry_run_figures(dry_run, script):
     assert rec["chosen"]["0.8"]["nodes"] in (1, 4, 8)
 
 
-def test_rigged_drafter_acceptance(script):
+def test_rigged_drafter_acceptance():
     """The main path holds the reference up to the step's k and nothing else is right: greedy verification
     of the proposal against the reference's one-hot logits accepts exactly k drafts."""
     vocab, prompt = 50, torch.tensor([7, 8, 9])
     reference = torch.randint(0, vocab, (40,), generator=torch.Generator().manual_seed(0))
-    parents = script.tree_parents(16, "tree")
+    parents = tree_parents(16, "tree")
     for a in (0.0, 0.5, 0.8, 1.0):
-        drafter = script.RiggedDrafter(reference, parents, a, vocab)
+        drafter = RiggedDrafter(reference, parents, a, vocab)
         drafter.begin(prompt, torch.zeros(3, 4))
         ks = []
         for step in range(12):
             m = 1 + step  # decided tokens after the prompt, the root included
             context = torch.cat([prompt, reference[:m]])
-            tree = drafter.propose(context, None, None)
+            tree = drafter.propose(context, None, None, DraftLimit(useful_depth=40))
             k = drafter.accepted_depth(step)
             assert tree.tokens[0] == context[-1] and torch.equal(tree.parents, parents)
-            depth = script.tree_depths(parents)
+            depth = tree_depths(parents)
             logits = torch.full((16, vocab), -1.0)
             logits[torch.arange(16), reference[m + depth]] = 1.0  # argmax at node i: the token after it
             result = verify_greedy(logits, tree.tokens, tree.parents)
@@ -127,22 +119,22 @@ def test_rigged_drafter_acceptance(script):
             assert set(ks) == {0}
         if a == 1.0:
             assert set(ks) == {drafter.main_depth}
-    long = script.RiggedDrafter(reference, parents, 0.5, vocab)
+    long = RiggedDrafter(reference, parents, 0.5, vocab)
     mean_k = sum(long.accepted_depth(i) for i in range(2000)) / 2000
     assert 1.0 + mean_k == pytest.approx(long.expected_tau, abs=0.01)
     with pytest.raises(ValueError, match="acceptance"):
-        script.RiggedDrafter(reference, parents, 1.5, vocab)
+        RiggedDrafter(reference, parents, 1.5, vocab)
 
 
 def _sync_here() -> None:
     warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
 
 
-def test_cuda_sync_counter_attributes_warnings(script):
+def test_cuda_sync_counter_attributes_warnings():
     """CUDA's sync debug warnings are counted by the line that raised them, during the steps only."""
-    probe, sites = script.Probe(), Counter()
+    probe, sites = host_syncs.Probe(), Counter()
     with mock.patch.object(torch.cuda, "set_sync_debug_mode") as mode:
-        with script.count_cuda_syncs(probe, sites):
+        with host_syncs.count_cuda_syncs(probe, sites):
             _sync_here()  # before the steps: ignored
             probe.in_steps = True
             _sync_here()
@@ -150,15 +142,15 @@ def test_cuda_sync_counter_attributes_warnings(script):
             warnings.warn("something else", UserWarning, stacklevel=1)
     assert [c.args for c in mode.call_args_list] == [("warn",), ("default",)]
     assert len(sites) == 1 and sum(sites.values()) == 2
-    assert next(iter(sites)).startswith("tests/test_cycle_cost_script.py:")
+    assert next(iter(sites)).startswith("tests/test_gpu_cycle.py:")
 
 
-def test_host_read_counter_restores_torch(script):
-    before = {name: torch.Tensor.__dict__.get(name) for name in (*script.HOST_READS, "to")}
+def test_host_read_counter_restores_torch():
+    before = {name: torch.Tensor.__dict__.get(name) for name in (*host_syncs.HOST_READS, "to")}
     tensor_fn = torch.tensor
-    probe, sites = script.Probe(), Counter()
+    probe, sites = host_syncs.Probe(), Counter()
     probe.in_steps = True
-    with script.count_host_reads(probe, sites):
+    with host_syncs.count_host_reads(probe, sites):
         x = torch.tensor([1, 2], device="cpu")
         x.tolist()
         int(x[0])
@@ -166,4 +158,4 @@ def test_host_read_counter_restores_torch(script):
     assert {name: torch.Tensor.__dict__.get(name) for name in before} == before and torch.tensor is tensor_fn
     kinds = sorted(site.rsplit(" ", 1)[1] for site in sites)
     assert kinds == ["__int__", "tensor(device=)", "to(device)", "tolist"]
-    assert all(site.startswith("tests/test_cycle_cost_script.py:") for site in sites)
+    assert all(site.startswith("tests/test_gpu_cycle.py:") for site in sites)

@@ -1,0 +1,91 @@
+"""Randomly initialised Llama targets of real shapes, built in place (no download), for cost measurements.
+
+The shapes (:data:`SIZES`):
+
+* ``135m``: SmolLM2-135M (hidden 576, 30 layers, 9/3 heads, MLP 1536, vocab 49,152, tied embeddings)
+* ``1b``:   Llama-3.2-1B's shape (2048, 16 layers, 32/8 heads, MLP 8192, vocab 128,256, tied)
+* ``8b``:   Llama-3.1-8B's shape (4096, 32 layers, 32/8 heads, MLP 14,336, vocab 128,256)
+* ``tiny``: 2 layers, hidden 64, vocab 512 (CPU dry runs; a wide init gives well-separated logits, so fp32
+  greedy paths have no near-ties)
+
+Used by :mod:`selfspec.bench.gpu_curves` and :mod:`selfspec.bench.gpu_cycle`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+SIZES: dict[str, dict[str, Any]] = {
+    "135m": dict(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
+    "8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    ),
+}
+REAL_SIZES = ("135m", "1b", "8b")
+
+
+def build_target(size: str, dtype: torch.dtype, device: str, eos_token_id: int | None = None) -> PreTrainedModel:
+    """A randomly initialised ``LlamaForCausalLM`` of ``SIZES[size]`` (seed 0), made directly on ``device`` in
+    ``dtype``: eval mode, frozen, SDPA attention, 4,096 positions.
+
+    Args:
+        eos_token_id: the EOS (and pad) id of its config and generation config; None: no EOS, so every decode
+            runs to its length.
+
+    Raises:
+        KeyError: ``size`` is not a key of :data:`SIZES`.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM  # heavy import, only when a target is built
+
+    cfg = LlamaConfig(
+        **SIZES[size],
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
+    model.generation_config.eos_token_id = eos_token_id
+    model.generation_config.pad_token_id = eos_token_id
+    return model.eval().requires_grad_(False)
