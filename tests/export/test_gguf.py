@@ -1,10 +1,11 @@
 """selfspec/export/gguf.py: EAGLE-3 heads as llama.cpp ``eagle3`` GGUF drafts, proven by llama.cpp itself.
 
 The fast tests check the refusals and the read-back check on files written here with the ``gguf`` package. The
-slow ones build llama.cpp from the ``llama-cpp-python`` sdist once per machine (cached under the selfspec cache;
-about 12 minutes on 2 cores the first time), convert a SmolLM2 EAGLE-3 head with llama.cpp's own converter and run
-it with the target's Q4_1 GGUF in ``llama-speculative-simple --spec-type draft-eagle3``: it loads, the greedy text
-equals llama.cpp's own greedy text without the draft, and the acceptance llama.cpp reports is well above zero.
+slow ones take the llama.cpp build cached under the selfspec cache (built once per machine from the
+``llama-cpp-python`` sdist by ``python -m selfspec.llamacpp``, about 12 minutes on 2 cores; ``.ci/run`` runs it;
+the tests never build it), convert a SmolLM2 EAGLE-3 head with llama.cpp's own converter and run it with the
+target's Q4_1 GGUF in ``llama-speculative-simple --spec-type draft-eagle3``: it loads, the greedy text equals
+llama.cpp's own greedy text without the draft, and the acceptance llama.cpp reports is well above zero.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head
 from selfspec.heads.fingerprint import target_fingerprint
 from tests.helpers.archs import tiny_llama
+from tests.helpers.engines import engine_missing
 
 D, V = 32, 96
 IDS = torch.tensor([0, 1, 2, 5, 8, 13, 21, 34, 55, 89])
@@ -137,10 +139,16 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llamacpp():
-    """The cached llama.cpp build (built here once per machine if missing)."""
-    from selfspec.llamacpp import ensure_llamacpp
+    """The cached llama.cpp build (``$SELFSPEC_LLAMA_CPP`` or the selfspec cache); the tests never build it."""
+    from selfspec.llamacpp import find_llamacpp
 
-    return ensure_llamacpp()
+    found = find_llamacpp()
+    if found is None:
+        engine_missing(
+            "no llama.cpp build: run `python -m selfspec.llamacpp` once (about 12 minutes on 2 cores; needs cmake "
+            "and a C++ compiler)"
+        )
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +158,7 @@ def smollm2_gguf():
     try:
         return alias_gguf("smollm2-135m-instruct")
     except FileNotFoundError as err:
-        pytest.skip(str(err))
+        engine_missing(str(err))
 
 
 @pytest.mark.slow

@@ -15,7 +15,10 @@ import torch
 
 from selfspec.export.cli import export_heads
 from selfspec.export.speculators_env import build_env
+from tests.helpers.engines import engine_missing
 from tests.helpers.heads import draft_logits, inputs, make_eagle3
+
+pytestmark = pytest.mark.slow  # the speculators venv (built once per machine, about a minute)
 
 SCRIPT = r"""
 import sys, torch
@@ -38,7 +41,7 @@ def spec_python():
     try:
         return build_env()
     except (RuntimeError, OSError) as err:
-        pytest.skip(
+        engine_missing(
             f"the speculators environment cannot be built here ({err}); run python -m selfspec.export.speculators_env"
         )
 
