@@ -18,11 +18,9 @@ from selfspec.train.adapter import read_adapter_config
 from selfspec.train.config import TrainConfig, load_config
 from selfspec.train.data import load_conversations, split_conversations
 from selfspec.train.distill_states import CapturedStates
-from selfspec.train.eagle import train_eagle
-from selfspec.train.eagle3 import head_layers, train_eagle3
 from selfspec.train.features import self_distill
-from selfspec.train.medusa import train_medusa
-from selfspec.train.medusa2 import train_medusa2
+from selfspec.train.inputs import RunInputs
+from selfspec.train.recipes import recipe_for
 from selfspec.train.target import load_target
 
 logger = logging.getLogger("selfspec.train")
@@ -31,7 +29,8 @@ logger = logging.getLogger("selfspec.train")
 def run(cfg: TrainConfig) -> Path:
     """Run one training job end to end (data -> optional self-distillation -> features -> heads).
 
-    Self-distillation runs on each process's share of the prompts; every process then holds the whole
+    The recipe comes from the registry (:func:`~selfspec.train.recipes.recipe_for`). Self-distillation runs on each
+    process's share of the prompts; every process then holds the whole
     data set, and the recipe's loop shards the batches (:mod:`selfspec.train.loop`). The target features
     self-distillation captures (:func:`capture_for`) go to the recipe's feature store.
 
@@ -63,43 +62,28 @@ def run(cfg: TrainConfig) -> Path:
         t1 = time.perf_counter()
         rank, world = accelerator.process_index, accelerator.num_processes
         to_distill, to_distill_eval, written = distill_plan(cfg, train_convs, eval_convs)
-        mine, mine_eval = to_distill[rank::world], to_distill_eval[rank::world]
         shard_dir = Path(cfg.distill_dir) if cfg.distill_dir else out_dir / "distill"
-        distilled = self_distill(
-            target,
-            tokenizer,
-            mine,
-            shard_dir / f"train-rank{rank}-of{world}.jsonl",
-            cfg.distill_max_new_tokens,
-            cfg.distill_batch_size,
-            max_prompt_tokens=cfg.max_length - cfg.distill_max_new_tokens,
-            disable_progress=not accelerator.is_local_main_process,
-            capture=capture,
-        )
-        distilled_eval = self_distill(
-            target,
-            tokenizer,
-            mine_eval,
-            shard_dir / f"eval-rank{rank}-of{world}.jsonl",
-            cfg.distill_max_new_tokens,
-            cfg.distill_batch_size,
-            max_prompt_tokens=cfg.max_length - cfg.distill_max_new_tokens,
-            disable_progress=not accelerator.is_local_main_process,
-            capture=capture,
-        )
+        distilled = {
+            split: self_distill(
+                target,
+                tokenizer,
+                part[rank::world],
+                shard_dir / f"{split}-rank{rank}-of{world}.jsonl",
+                cfg.distill_max_new_tokens,
+                cfg.distill_batch_size,
+                max_prompt_tokens=cfg.max_length - cfg.distill_max_new_tokens,
+                disable_progress=not accelerator.is_local_main_process,
+                capture=capture,
+            )
+            for split, part in (("train", to_distill), ("eval", to_distill_eval))
+        }
         logger.info("self-distillation done in %.1fs", time.perf_counter() - t1)
         if written:
             logger.info("adding %d conversations as written (not regenerated)", len(written))
         # Every process gets the whole regenerated set (in rank order); the recipes shard it again.
-        train_convs, eval_convs = gather_object(distilled) + written, gather_object(distilled_eval)
-    if cfg.head == "medusa" and cfg.medusa.joint:
-        heads_dir = train_medusa2(cfg, accelerator, target, tokenizer, train_convs, eval_convs, heldout_ids)
-    elif cfg.head == "medusa":
-        heads_dir = train_medusa(cfg, accelerator, target, tokenizer, train_convs, eval_convs, heldout_ids, capture)
-    elif cfg.head == "eagle3":
-        heads_dir = train_eagle3(cfg, accelerator, target, tokenizer, train_convs, eval_convs, heldout_ids, capture)
-    else:
-        heads_dir = train_eagle(cfg, accelerator, target, tokenizer, train_convs, eval_convs, heldout_ids, capture)
+        train_convs, eval_convs = gather_object(distilled["train"]) + written, gather_object(distilled["eval"])
+    run_inputs = RunInputs(cfg, accelerator, target, tokenizer, train_convs, eval_convs, heldout_ids, capture)
+    heads_dir = recipe_for(cfg).train(run_inputs)
     if accelerator.is_main_process:
         logger.info("done in %.1f min: %s", (time.perf_counter() - t0) / 60, heads_dir)
     return heads_dir
@@ -120,15 +104,12 @@ def distill_plan(
 
 
 def capture_for(cfg: TrainConfig, target: torch.nn.Module) -> CapturedStates | None:
-    """Where self-distillation keeps the target features it computes: None without self-distillation, with
-    ``distill_capture_gb`` 0, for Medusa-2 (its target is trained, so features are computed as it changes) and for
-    EAGLE-3 with ``features: online`` (nothing is stored); else a store of the head's layers."""
-    if not cfg.self_distill or cfg.distill_capture_gb == 0 or (cfg.head == "medusa" and cfg.medusa.joint):
+    """Where self-distillation keeps the target features it computes: None without self-distillation or with
+    ``distill_capture_gb`` 0; else what the recipe keeps (:class:`~selfspec.train.recipes.RecipeEntry`: none for
+    Medusa-2, whose target is trained, and for EAGLE-3 with ``features: online``; else a store of its layers)."""
+    if not cfg.self_distill or cfg.distill_capture_gb == 0:
         return None
-    if cfg.head == "eagle3" and cfg.eagle3.features == "online":
-        return None
-    layers = head_layers(cfg, target) if cfg.head == "eagle3" else None
-    return CapturedStates(layers, int(cfg.distill_capture_gb * 2**30))
+    return recipe_for(cfg).capture(cfg, target, int(cfg.distill_capture_gb * 2**30))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,19 +23,16 @@ import torch
 
 from selfspec.heads.eagle import EagleConfig, EagleHead, softcap
 from selfspec.heads.fingerprint import target_fingerprint
-from selfspec.train.calibrate import calibrate_head
-from selfspec.train.config import EagleOptions, TrainConfig
-from selfspec.train.eagle_data import PairStore, collate, epoch_rows, pack_rows
+from selfspec.train.config import EagleOptions
+from selfspec.train.eagle_data import PairRecipe, PairStore, heldout_batches
 from selfspec.train.feature_store import FeatureStore, target_features
-from selfspec.train.loop import Recipe, StepLoss, draft_vocabulary, train_loop
+from selfspec.train.inputs import RunInputs
+from selfspec.train.loop import StepLoss, train_loop
 from selfspec.train.losses import eagle_loss
 from selfspec.train.unroll import UnrolledEagle, chain_hits
 
 if TYPE_CHECKING:
-    from accelerate import Accelerator
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-    from selfspec.train.distill_states import CapturedStates
+    pass
 
 
 @dataclass
@@ -145,15 +142,11 @@ def evaluate(
     feat_loss = 0.0
     t2d = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
     t2d[head.draft_ids.cpu()] = torch.arange(head.config.n_draft)
-    rows = pack_rows([int(x) - 1 for x in store.lengths], row_len)
     dev = head.fc.weight.device
     lm = target_lm_head.to(device=dev, dtype=dtype)
-    for s in range(0, len(rows), rows_per_batch):
-        b = {key: v.to(dev) for key, v in collate(store, rows[s : s + rows_per_batch], dtype).items()}
+    for b in heldout_batches(store, row_len, rows_per_batch, dtype, dev):
         preds = unrolled(b["features"], b["tokens"], b["positions"], b["segment"], depth)
         sel = b["scored"]
-        if not bool(sel.any()):
-            continue
         greedy_all = torch.full(sel.shape, -1, dtype=torch.long, device=dev)
         greedy_all[sel] = (b["targets"][sel] @ lm.T).argmax(-1)
         correct, usable = [], []
@@ -202,7 +195,7 @@ def summarise_eval(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-class EagleRecipe(Recipe):
+class EagleRecipe(PairRecipe):
     """An EAGLE-1 head trained on packed rows of :class:`~selfspec.train.eagle_data.PairStore` pairs with
     :func:`eagle_step_loss`; ``cfg.eagle`` holds its options.
 
@@ -212,29 +205,14 @@ class EagleRecipe(Recipe):
 
     family = "eagle"
 
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        accelerator: Accelerator,
-        target: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase | None,
-        train: FeatureStore,
-        held: FeatureStore,
-        signature: str,
-        eval_convs: list[dict],
-    ) -> None:
-        self.cfg, self.target, self.tokenizer, self.signature = cfg, target, tokenizer, signature
-        self.eval_convs = eval_convs
-        self.rank = accelerator.process_index
-        opts = cfg.eagle
-        self.train, self.held = (PairStore(s.tokens, s.features, s.loss_mask, s.lengths) for s in (train, held))
+    def __init__(self, run: RunInputs, train: FeatureStore, held: FeatureStore, signature: str) -> None:
+        cfg, target, opts = run.cfg, run.target, run.cfg.eagle
+        super().__init__(run, train, held, signature, opts.batch_tokens)
+        self.rank = run.accelerator.process_index
         scored = self.train.scored_positions()
-        if scored == 0:
-            raise ValueError("no training positions: check the data source and max_length")
         self.n_scored = int(self.train.lengths.sum()) - len(self.train) if opts.score_prompt else scored
         V = target.config.vocab_size
-        counts = torch.bincount(self.train.tokens[self.train.loss_mask], minlength=V)
-        draft_ids = draft_vocabulary(counts, cfg.draft_vocab_size)
+        draft_ids = self.draft_ids()
         hcfg = EagleConfig(
             hidden_size=target.config.hidden_size,
             vocab_size=V,
@@ -247,20 +225,10 @@ class EagleRecipe(Recipe):
         self.head = EagleHead(
             hcfg, target.config, draft_ids=draft_ids, target=target, init_from_target_layer=opts.init_from_target_layer
         ).float()
-        self.rows_per_step = max(1, opts.batch_tokens // cfg.max_length)
         self._lm32: torch.Tensor | None = None  # [S, D] frozen, on the head's device once training starts
-        self.lm_full = target.get_output_embeddings().weight.detach()
 
     def module(self) -> torch.nn.Module:
         return UnrolledEagle(self.head)
-
-    def batches(self, epoch: int) -> list[list[list[int]]]:
-        rows = epoch_rows(self.train, self.cfg.max_length, self.cfg.seed * 1000 + epoch * 7)
-        r = self.rows_per_step
-        return [rows[i * r : (i + 1) * r] for i in range(max(1, len(rows) // r))]
-
-    def collate(self, items: list[list[int]]) -> dict[str, torch.Tensor]:
-        return collate(self.train, items)
 
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepLoss:
         feats = batch["features"]
@@ -282,13 +250,6 @@ class EagleRecipe(Recipe):
     def evaluate(self) -> dict[str, Any]:
         return summarise_eval(evaluate(self.head, self.held, self.lm_full, self.cfg.eval_topk, self.cfg.max_length))
 
-    def history(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "heldout_top1": metrics["top1"],
-            "heldout_chain": metrics["chain"],
-            "heldout_chain_tau": metrics["chain_tau"],
-        }
-
     def save(self, metrics: dict[str, Any], head_dir: Path) -> dict[str, Any]:
         self.head.config = dataclasses.replace(self.head.config, heldout_top1=metrics["top1"])
         self.head.save_pretrained(head_dir)
@@ -299,39 +260,20 @@ class EagleRecipe(Recipe):
             "heldout": metrics,
             "options": dataclasses.asdict(self.cfg.eagle),
         }
-        if self.cfg.calibrate_prompts > 0:
-            out["acceptance_profile"] = calibrate_head(
-                self.cfg, self.head, self.target, self.tokenizer, self.eval_convs, head_dir
-            )
-            out["calibration_ids"] = out["acceptance_profile"].pop("ids", [])  # the prompts that fit
-        return out
+        return self.calibrated(self.head, head_dir, out)
 
 
-def train_eagle(
-    cfg: TrainConfig,
-    accelerator: Accelerator,
-    target: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase | None,
-    train_convs: list[dict],
-    eval_convs: list[dict],
-    heldout_ids: list[str] | None = None,
-    captured: CapturedStates | None = None,
-) -> Path:
-    """Train an EAGLE-1 head on the frozen ``target``; returns the saved head directory (``<output_dir>/heads``).
+def train_eagle(run: RunInputs) -> Path:
+    """Train an EAGLE-1 head on the frozen ``run.target``; returns the saved head directory (``<output_dir>/heads``).
 
-    ``train_convs`` / ``eval_convs`` are the whole splits (the same on every process); ``heldout_ids``
-    (default: the ids of ``eval_convs``) go to the training record. Uses ``cfg.eagle``, ``draft_vocab_size``,
+    Uses ``cfg.eagle``, ``draft_vocab_size``,
     ``max_length`` (row length), ``eval_topk``, ``seed``, ``calibrate_*`` and the loop's options
     (:func:`~selfspec.train.loop.train_loop`). After saving, the head is calibrated on the last held-out
-    prompts (:func:`~selfspec.train.calibrate.calibrate_head`). Features self-distillation ``captured`` are
+    prompts (:func:`~selfspec.train.calibrate.calibrate_head`). Features self-distillation captured are
     reused (:func:`~selfspec.train.feature_store.target_features`).
 
     Raises:
         ValueError: no scored training position (empty data or all answers truncated away).
     """
-    train, held, signature = target_features(
-        cfg, accelerator, target, tokenizer, train_convs, eval_convs, captured=captured
-    )
-    recipe = EagleRecipe(cfg, accelerator, target, tokenizer, train, held, signature, eval_convs)
-    ids = [c["id"] for c in eval_convs] if heldout_ids is None else heldout_ids
-    return train_loop(cfg, accelerator, recipe, ids)
+    train, held, signature = target_features(run)
+    return train_loop(run.cfg, run.accelerator, EagleRecipe(run, train, held, signature), run.heldout())

@@ -31,19 +31,17 @@ from transformers import DynamicCache
 from selfspec.heads.eagle import softcap
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head, default_target_layers
 from selfspec.heads.fingerprint import target_fingerprint
-from selfspec.train.calibrate import calibrate_head
 from selfspec.train.config import Eagle3Options, TrainConfig
-from selfspec.train.eagle_data import PairStore, collate, epoch_rows, pack_rows
+from selfspec.train.distill_states import CapturedStates
+from selfspec.train.eagle_data import PairRecipe, PairStore, heldout_batches
 from selfspec.train.feature_store import FeatureStore
-from selfspec.train.loop import Recipe, StepLoss, draft_vocabulary, train_loop
+from selfspec.train.inputs import RunInputs
+from selfspec.train.loop import StepLoss, train_loop
 from selfspec.train.online_features import OnlineFeatures, eagle3_feature_stores
 from selfspec.train.unroll import chain_hits, unrolled_mask
 
 if TYPE_CHECKING:
-    from accelerate import Accelerator
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-    from selfspec.train.distill_states import CapturedStates
+    from transformers import PreTrainedModel
 
 
 class UnrolledEagle3(torch.nn.Module):
@@ -155,12 +153,8 @@ def evaluate(
     lm = target_lm_head.to(device=dev, dtype=dtype)
     ids = head.draft_ids
     c_hits, c_counts = [0] * depth, [0] * depth
-    rows = pack_rows([int(x) - 1 for x in store.lengths], row_len)
-    for s in range(0, len(rows), rows_per_batch):
-        b = {k: v.to(dev) for k, v in collate(store, rows[s : s + rows_per_batch], dtype).items()}
+    for b in heldout_batches(store, row_len, rows_per_batch, dtype, dev):
         sel = b["scored"]
-        if not bool(sel.any()):
-            continue
         layers, f_next = split_features(b, D)
         greedy = softcap(f_next @ lm.T, head.logit_softcap).argmax(-1)  # [B, T] target ids
         logits = unrolled(layers, b["tokens"], b["positions"], b["segment"], depth, sel)
@@ -179,7 +173,7 @@ def evaluate(
     return {"positions": c_counts[0], "top1": chain[0], "chain": chain, "chain_tau": round(1 + sum(chain), 4)}
 
 
-class Eagle3Recipe(Recipe):
+class Eagle3Recipe(PairRecipe):
     """An EAGLE-3 head trained on packed rows of ``[g, f]`` features with :func:`eagle3_step_loss`; ``cfg.eagle3``
     holds its options, ``cfg.draft_vocab_size`` its draft vocabulary (the most frequent assistant tokens).
 
@@ -189,29 +183,11 @@ class Eagle3Recipe(Recipe):
 
     family = "eagle3"
 
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        accelerator: Accelerator,
-        target: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase | None,
-        train: FeatureStore,
-        held: FeatureStore,
-        signature: str,
-        eval_convs: list[dict],
-    ) -> None:
-        self.cfg, self.target, self.tokenizer, self.signature = cfg, target, tokenizer, signature
-        self.eval_convs = eval_convs
-        opts = cfg.eagle3
-        self.train, self.held = (
-            s if isinstance(s, PairStore) else PairStore(s.tokens, s.features, s.loss_mask, s.lengths)
-            for s in (train, held)
-        )
-        if self.train.scored_positions() == 0:
-            raise ValueError("no training positions: check the data source and max_length")
+    def __init__(self, run: RunInputs, train: FeatureStore, held: FeatureStore, signature: str) -> None:
+        cfg, target, opts = run.cfg, run.target, run.cfg.eagle3
+        super().__init__(run, train, held, signature, opts.batch_tokens)
         V, D = target.config.vocab_size, target.config.hidden_size
-        counts = torch.bincount(self.train.tokens[self.train.loss_mask], minlength=V)
-        draft_ids = draft_vocabulary(counts, cfg.draft_vocab_size)
+        draft_ids = self.draft_ids()
         hcfg = Eagle3Config(
             hidden_size=D,
             vocab_size=V,
@@ -230,21 +206,11 @@ class Eagle3Recipe(Recipe):
             init_layer=opts.init_layer,
             init_lm_head=opts.init_lm_head,
         ).float()
-        self.rows_per_step = max(1, opts.batch_tokens // cfg.max_length)
-        self.lm_full = target.get_output_embeddings().weight.detach()
         self._lm_rows: torch.Tensor | None = None  # [S, D] float32 on the training device
         self.feature_source = "online" if isinstance(self.train, OnlineFeatures) else "store"
 
     def module(self) -> torch.nn.Module:
         return UnrolledEagle3(self.head)
-
-    def batches(self, epoch: int) -> list[list[list[int]]]:
-        rows = epoch_rows(self.train, self.cfg.max_length, self.cfg.seed * 1000 + epoch * 7)
-        r = self.rows_per_step
-        return [rows[i * r : (i + 1) * r] for i in range(max(1, len(rows) // r))]
-
-    def collate(self, items: list[list[int]]) -> dict[str, torch.Tensor]:
-        return collate(self.train, items)
 
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepLoss:
         if self._lm_rows is None:
@@ -260,13 +226,6 @@ class Eagle3Recipe(Recipe):
     def evaluate(self) -> dict[str, Any]:
         return evaluate(self.head, self.held, self.lm_full, min(3, self.cfg.eagle3.ttt_steps), self.cfg.max_length)
 
-    def history(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "heldout_top1": metrics["top1"],
-            "heldout_chain": metrics["chain"],
-            "heldout_chain_tau": metrics["chain_tau"],
-        }
-
     def save(self, metrics: dict[str, Any], head_dir: Path) -> dict[str, Any]:
         self.head.config = dataclasses.replace(self.head.config, heldout_top1=metrics["top1"])
         self.head.save_pretrained(head_dir)
@@ -280,12 +239,7 @@ class Eagle3Recipe(Recipe):
         }
         if isinstance(self.train, OnlineFeatures):
             out["online_feature_tokens"] = self.train.computed_tokens + self.held.computed_tokens
-        if self.cfg.calibrate_prompts > 0 and self.tokenizer is not None:
-            out["acceptance_profile"] = calibrate_head(
-                self.cfg, self.head, self.target, self.tokenizer, self.eval_convs, head_dir
-            )
-            out["calibration_ids"] = out["acceptance_profile"].pop("ids", [])
-        return out
+        return self.calibrated(self.head, head_dir, out)
 
 
 def head_layers(cfg: TrainConfig, target: PreTrainedModel) -> tuple[int, ...]:
@@ -293,32 +247,26 @@ def head_layers(cfg: TrainConfig, target: PreTrainedModel) -> tuple[int, ...]:
     return cfg.eagle3.target_layers or default_target_layers(target.config.num_hidden_layers)
 
 
-def train_eagle3(
-    cfg: TrainConfig,
-    accelerator: Accelerator,
-    target: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase | None,
-    train_convs: list[dict],
-    eval_convs: list[dict],
-    heldout_ids: list[str] | None = None,
-    captured: CapturedStates | None = None,
-) -> Path:
-    """Train an EAGLE-3 head on the frozen ``target``; returns the saved head directory (``<output_dir>/heads``).
+def capture_eagle3(cfg: TrainConfig, target: PreTrainedModel, budget_bytes: int) -> CapturedStates | None:
+    """What self-distillation keeps for an EAGLE-3 run: the head's three layers and the last hidden state
+    (:func:`head_layers`), or nothing with ``eagle3.features: online`` (no store to fill)."""
+    if cfg.eagle3.features == "online":
+        return None
+    return CapturedStates(head_layers(cfg, target), budget_bytes)
+
+
+def train_eagle3(run: RunInputs) -> Path:
+    """Train an EAGLE-3 head on the frozen ``run.target``; returns the saved head directory (``<output_dir>/heads``).
 
     The features are the three layers and the last hidden state at every position, from the feature store
     (cached, keyed by them) or computed online as batches are built, as ``cfg.eagle3.features`` says
     (:func:`~selfspec.train.online_features.eagle3_feature_stores`); the loop
     (:func:`~selfspec.train.loop.train_loop`) does the rest; afterwards the head is calibrated
     on held-out prompts when ``cfg.calibrate_prompts`` > 0 and a tokenizer is given. Features self-distillation
-    ``captured`` are reused by the store (and dropped when the features are computed online).
+    captured are reused by the store (and dropped when the features are computed online).
 
     Raises:
         ValueError: no scored training position.
     """
-    layers = head_layers(cfg, target)
-    train, held, signature, _ = eagle3_feature_stores(
-        cfg, accelerator, target, tokenizer, train_convs, eval_convs, layers, captured
-    )
-    recipe = Eagle3Recipe(cfg, accelerator, target, tokenizer, train, held, signature, eval_convs)
-    ids = [c["id"] for c in eval_convs] if heldout_ids is None else heldout_ids
-    return train_loop(cfg, accelerator, recipe, ids)
+    train, held, signature, _ = eagle3_feature_stores(run, head_layers(run.cfg, run.target))
+    return train_loop(run.cfg, run.accelerator, Eagle3Recipe(run, train, held, signature), run.heldout())

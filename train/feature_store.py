@@ -33,12 +33,11 @@ from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.train.chat_tokens import build_training_examples
 from selfspec.train.config import TrainConfig
 from selfspec.train.features import features_reusing
+from selfspec.train.inputs import RunInputs
 
 if TYPE_CHECKING:
-    from accelerate import Accelerator
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from selfspec.train.distill_states import CapturedStates
 
 logger = logging.getLogger(__name__)
 
@@ -196,17 +195,8 @@ def load_features(path: Path, signature: str) -> tuple[FeatureStore, FeatureStor
     return train, held
 
 
-def target_features(
-    cfg: TrainConfig,
-    accelerator: Accelerator,
-    target: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase | None,
-    train_convs: list[dict],
-    eval_convs: list[dict],
-    layers: Sequence[int] | None = None,
-    captured: CapturedStates | None = None,
-) -> tuple[FeatureStore, FeatureStore, str]:
-    """Target features of both splits (the same on every process), from the cache or computed.
+def target_features(run: RunInputs, layers: Sequence[int] | None = None) -> tuple[FeatureStore, FeatureStore, str]:
+    """Target features of ``run``'s two splits (the same on every process), from the cache or computed.
 
     With ``layers`` (EAGLE-3), each position's features are the hidden states entering those decoder layers
     followed by the last hidden state (``[ΣT, (len(layers) + 1) * D]``, :func:`~selfspec.train.features.
@@ -215,8 +205,8 @@ def target_features(
     Process r computes (or finds in its cache file) the conversations ``r::w`` of each split, rendered
     with :func:`training_examples`; then every process
     reads all w files and interleaves them back into the conversations' order (:meth:`FeatureStore.interleave`).
-    Conversations whose features self-distillation ``captured`` (:mod:`~selfspec.train.distill_states`) are not
-    run through the target again; ``captured`` is emptied either way.
+    Conversations whose features self-distillation captured (``run.captured``,
+    :mod:`~selfspec.train.distill_states`) are not run through the target again; the capture is emptied either way.
 
     Returns:
         ``(train, held_out, signature)``: the stores and their :func:`feature_signature`.
@@ -225,6 +215,8 @@ def target_features(
         ValueError: a cache file of another process does not carry this run's signature (processes were
             given different data).
     """
+    cfg, accelerator, target, captured = run.cfg, run.accelerator, run.target, run.captured
+    train_convs, eval_convs = run.train_convs, run.eval_convs
     rank, world = accelerator.process_index, accelerator.num_processes
     taken = LAYERS if not layers else ",".join(str(i) for i in layers) + "," + LAYERS
     signature = feature_signature(target, train_convs, eval_convs, cfg.max_length, taken)
@@ -236,7 +228,7 @@ def target_features(
         D = target.config.hidden_size
         parts = []
         for convs in (train_convs[rank::world], eval_convs[rank::world]):
-            ex = training_examples(cfg, target, tokenizer, convs)
+            ex = training_examples(cfg, target, run.tokenizer, convs)
             feats = features_reusing(target, ex, captured, quiet, layers, cfg.feature_batch_tokens)
             parts.append(FeatureStore.from_examples(ex, feats, D * (len(layers) + 1 if layers else 1)))
         own = (parts[0], parts[1])

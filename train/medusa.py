@@ -19,14 +19,12 @@ from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.train.config import TrainConfig
 from selfspec.train.feature_store import FeatureStore, target_features
+from selfspec.train.inputs import RunInputs
 from selfspec.train.loop import Recipe, StepLoss, draft_vocabulary, train_loop
 from selfspec.train.losses import IGNORE, medusa_loss, topk_hits
 
 if TYPE_CHECKING:
-    from accelerate import Accelerator
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-    from selfspec.train.distill_states import CapturedStates
+    from transformers import PreTrainedModel
 
 
 def head_labels(ids: torch.Tensor, mask: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -185,31 +183,18 @@ class MedusaRecipe(Recipe):
         return {"heldout_topk_accuracy": metrics["topk"]}
 
 
-def train_medusa(
-    cfg: TrainConfig,
-    accelerator: Accelerator,
-    target: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase | None,
-    train_convs: list[dict],
-    eval_convs: list[dict],
-    heldout_ids: list[str] | None = None,
-    captured: CapturedStates | None = None,
-) -> Path:
-    """Train Medusa heads on the frozen ``target``; returns the saved heads directory (``<output_dir>/heads``).
+def train_medusa(run: RunInputs) -> Path:
+    """Train Medusa heads on the frozen ``run.target``; returns the saved heads directory (``<output_dir>/heads``).
 
-    ``train_convs`` / ``eval_convs`` are the whole splits (the same on every process); ``heldout_ids``
-    (default: the ids of ``eval_convs``) go to the training record. Uses ``cfg.medusa``,
+    Uses ``cfg.medusa``,
     ``draft_vocab_size``, ``max_length``, ``eval_topk``, ``seed`` and the loop's options
-    (:func:`~selfspec.train.loop.train_loop`). Features self-distillation ``captured`` are reused
+    (:func:`~selfspec.train.loop.train_loop`). Features self-distillation captured are reused
     (:func:`~selfspec.train.feature_store.target_features`).
 
     Raises:
         ValueError: no training positions (empty data or all answers truncated away).
     """
-    train, held, signature = target_features(
-        cfg, accelerator, target, tokenizer, train_convs, eval_convs, captured=captured
-    )
-    recipe = MedusaRecipe(cfg, target, train, held, signature)
+    train, held, signature = target_features(run)
+    recipe = MedusaRecipe(run.cfg, run.target, train, held, signature)
     del train, held  # the recipe keeps its position table only
-    ids = [c["id"] for c in eval_convs] if heldout_ids is None else heldout_ids
-    return train_loop(cfg, accelerator, recipe, ids)
+    return train_loop(run.cfg, run.accelerator, recipe, run.heldout())

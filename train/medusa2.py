@@ -39,14 +39,14 @@ from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.train.config import TrainConfig
 from selfspec.train.feature_store import feature_signature, training_examples
+from selfspec.train.inputs import RunInputs
 from selfspec.train.loop import Recipe, StepLoss, draft_vocabulary, train_loop
 from selfspec.train.losses import IGNORE, medusa_loss, topk_hits
 from selfspec.train.medusa import head_labels, to_draft_labels
 
 if TYPE_CHECKING:
-    from accelerate import Accelerator
     from peft import PeftModel
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -325,28 +325,21 @@ def warm_start(heads: MedusaHeads, directory: str | Path, target: PreTrainedMode
     logger.info("Medusa-2 starts from the Medusa-1 heads in %s", directory)
 
 
-def train_medusa2(
-    cfg: TrainConfig,
-    accelerator: Accelerator,
-    target: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase | None,
-    train_convs: list[dict],
-    eval_convs: list[dict],
-    heldout_ids: list[str] | None = None,
-) -> Path:
-    """Train Medusa-2 heads and their LoRA adapter on ``target`` (left unchanged: a copy is adapted); returns
-    the heads directory (``<output_dir>/heads``, with ``adapter/``).
+def train_medusa2(run: RunInputs) -> Path:
+    """Train Medusa-2 heads and their LoRA adapter on ``run.target`` (left unchanged: a copy is adapted); returns
+    the heads directory (``<output_dir>/heads``, with ``adapter/``). Self-distillation's captured features are not
+    used: the target changes as it trains.
 
     Raises:
         ValueError: no training positions; an adapter that cannot wrap the target.
     """
-    train = training_examples(cfg, target, tokenizer, train_convs)
-    held = training_examples(cfg, target, tokenizer, eval_convs)
+    cfg, target = run.cfg, run.target
+    train = training_examples(cfg, target, run.tokenizer, run.train_convs)
+    held = training_examples(cfg, target, run.tokenizer, run.eval_convs)
     opts = cfg.medusa
     what = f"medusa2:r{opts.lora_rank}:a{opts.lora_alpha}:{','.join(opts.lora_modules or ())}"
     if opts.init_heads:
         what += f":init={opts.init_heads}"
-    signature = feature_signature(target, train_convs, eval_convs, cfg.max_length, what)
+    signature = feature_signature(target, run.train_convs, run.eval_convs, cfg.max_length, what)
     recipe = Medusa2Recipe(cfg, target, train, held, signature)
-    ids = [c["id"] for c in eval_convs] if heldout_ids is None else heldout_ids
-    return train_loop(cfg, accelerator, recipe, ids)
+    return train_loop(cfg, run.accelerator, recipe, run.heldout())

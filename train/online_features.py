@@ -37,12 +37,11 @@ from selfspec.train.feature_store import (
     training_examples,
 )
 from selfspec.train.features import hidden_features
+from selfspec.train.inputs import RunInputs
 
 if TYPE_CHECKING:
-    from accelerate import Accelerator
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PreTrainedModel
 
-    from selfspec.train.distill_states import CapturedStates
 
 logger = logging.getLogger(__name__)
 
@@ -150,44 +149,35 @@ def feature_source(
     )
 
 
-def eagle3_feature_stores(
-    cfg: TrainConfig,
-    accelerator: Accelerator,
-    target: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase | None,
-    train_convs: list[dict],
-    eval_convs: list[dict],
-    layers: Sequence[int],
-    captured: CapturedStates | None = None,
-) -> tuple[FeatureStore, FeatureStore, str, str]:
+def eagle3_feature_stores(run: RunInputs, layers: Sequence[int]) -> tuple[FeatureStore, FeatureStore, str, str]:
     """Both splits' features for an EAGLE-3 run, from the store or online as :func:`feature_source` chooses.
 
-    Features self-distillation ``captured`` go into the store; online, they are dropped (``captured`` is emptied).
+    Features self-distillation captured (``run.captured``) go into the store; online, they are dropped (the
+    capture is emptied).
 
     Returns:
         ``(train, held_out, signature, source)``: stores (:class:`OnlineFeatures` when online), the feature
         signature (the same for both sources: the features are the same) and ``"store"`` / ``"online"``.
     """
+    cfg, target, tokenizer = run.cfg, run.target, run.tokenizer
     taken = ",".join(str(i) for i in layers) + "," + LAYERS
-    signature = feature_signature(target, train_convs, eval_convs, cfg.max_length, taken)
-    world = accelerator.num_processes
+    signature = feature_signature(target, run.train_convs, run.eval_convs, cfg.max_length, taken)
+    world = run.accelerator.num_processes
     cached = cfg.eagle3.features == "auto" and all(
         has_features(store_path(cfg.output_dir, r, world), signature) for r in range(world)
     )
     counted = not cached and cfg.eagle3.features != "store"  # the store's own path renders the conversations
-    split = [training_examples(cfg, target, tokenizer, c) for c in (train_convs, eval_convs)] if counted else []
+    split = [training_examples(cfg, target, tokenizer, c) for c in (run.train_convs, run.eval_convs)] if counted else []
     width = target.config.hidden_size * (len(layers) + 1)
     itemsize = next(target.parameters()).element_size()
     n_train, n_held = (sum(int(e["input_ids"].numel()) for e in ex) for ex in split) if split else (0, 0)
     source, reason = feature_source(cfg, n_train, n_held, width, itemsize, cached)
     logger.info("target features %s: %s", source, reason)
     if source == "store":
-        train, held, signature = target_features(
-            cfg, accelerator, target, tokenizer, train_convs, eval_convs, layers, captured
-        )
+        train, held, signature = target_features(run, layers)
         return train, held, signature, source
-    if captured is not None:
-        captured.clear()
+    if run.captured is not None:
+        run.captured.clear()
     stores = []
     for ex in split:
         no_features = [torch.zeros(e["input_ids"].numel(), 0) for e in ex]

@@ -15,6 +15,7 @@ from selfspec.train import eagle as recipe
 from selfspec.train.config import TrainConfig
 from selfspec.train.eagle_data import PairStore, collate, pack_rows, shift_pairs
 from selfspec.train.feature_store import feature_signature, save_features, store_path
+from selfspec.train.inputs import RunInputs
 from selfspec.train.losses import eagle_loss
 from selfspec.train.unroll import UnrolledEagle, chain_hits
 from tests.helpers.archs import tiny_llama
@@ -132,7 +133,7 @@ def _untrained(target, held: PairStore) -> dict:
 def _run(cfg: TrainConfig, target):
     from accelerate import Accelerator
 
-    return recipe.train_eagle(cfg, Accelerator(cpu=True), target, None, [], [])
+    return recipe.train_eagle(RunInputs(cfg, Accelerator(cpu=True), target, None, [], []))
 
 
 def test_tiny_training_run_learns_saves_and_resumes_exactly(tmp_path, monkeypatch):

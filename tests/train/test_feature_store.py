@@ -15,6 +15,7 @@ from selfspec.train.chat_tokens import build_training_examples
 from selfspec.train.config import TrainConfig
 from selfspec.train.eagle import train_eagle
 from selfspec.train.feature_store import FeatureStore, feature_signature, load_features, store_path
+from selfspec.train.inputs import RunInputs
 from selfspec.train.medusa import train_medusa
 from tests.helpers.archs import tiny_llama
 
@@ -82,7 +83,9 @@ def test_changed_data_recomputes_features_for_every_head_family(tmp_path, tokeni
         convs = data[key]
         caplog.clear()
         with caplog.at_level(logging.WARNING):
-            heads_dir = train(_cfg(head, out), Accelerator(cpu=True), target, tokenizer, convs[:10], convs[10:])
+            heads_dir = train(
+                RunInputs(_cfg(head, out), Accelerator(cpu=True), target, tokenizer, convs[:10], convs[10:])
+            )
         # the one cache file now holds this run's data ...
         stored = load_features(store_path(out), feature_signature(target, convs[:10], convs[10:], 64))
         assert stored is not None, (head, key)
@@ -124,7 +127,7 @@ def test_training_record_layout(tmp_path, tokenizer):
             eval_fraction=0.25,
             seed=3,
         )
-        heads_dir = train(cfg, Accelerator(cpu=True), target, tokenizer, convs[:10], convs[10:], split_ids)
+        heads_dir = train(RunInputs(cfg, Accelerator(cpu=True), target, tokenizer, convs[:10], convs[10:], split_ids))
         record = json.loads((heads_dir / "training_record.json").read_text())
         assert record == {
             "format": "selfspec-training-record",

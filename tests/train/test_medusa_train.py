@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from selfspec.train.config import TrainConfig, load_config
+from selfspec.train.inputs import RunInputs
 from tests.helpers.archs import tiny_llama
 from tests.helpers.conversations import qa_conversations
 
@@ -47,7 +48,7 @@ def run(tmp_path, tokenizer, target, name: str, **overrides):
         **overrides,
     )
     convs = qa_conversations(24)
-    return train_medusa(cfg, Accelerator(cpu=True), target, tokenizer, convs[:20], convs[20:]), cfg
+    return train_medusa(RunInputs(cfg, Accelerator(cpu=True), target, tokenizer, convs[:20], convs[20:])), cfg
 
 
 def test_training_smoke(tmp_path, tokenizer):

@@ -12,6 +12,7 @@ import torch
 from selfspec.train.config import Eagle3Options, TrainConfig, load_config
 from selfspec.train.eagle_data import collate
 from selfspec.train.feature_store import store_path, target_features
+from selfspec.train.inputs import RunInputs
 from selfspec.train.online_features import OnlineFeatures, eagle3_feature_stores, feature_source
 from tests.helpers.archs import tiny_target
 from tests.helpers.conversations import conversations
@@ -51,9 +52,11 @@ def test_online_sequences_equal_stored_ones(tmp_path):
 
     target, tok, convs = tiny_target("gemma3"), tiny_tokenizer(), conversations(8)
     cfg = config(tmp_path, "online")
-    stored, held, sig = target_features(cfg, Accelerator(cpu=True), target, tok, convs[:6], convs[6:], LAYERS)
+    stored, held, sig = target_features(
+        RunInputs(cfg, Accelerator(cpu=True), target, tok, convs[:6], convs[6:]), LAYERS
+    )
     online, online_held, sig2, source = eagle3_feature_stores(
-        cfg, Accelerator(cpu=True), target, tok, convs[:6], convs[6:], LAYERS
+        RunInputs(cfg, Accelerator(cpu=True), target, tok, convs[:6], convs[6:]), LAYERS
     )
     assert source == "online" and sig2 == sig and isinstance(online, OnlineFeatures)
     assert online.features.shape == (int(stored.lengths.sum()), 0) and online.width == stored.width == 4 * 32
@@ -83,7 +86,9 @@ def test_online_run_trains_the_head_the_store_trains(tmp_path):
     heads, summaries = {}, {}
     for source in ("store", "online"):
         out = tmp_path / source
-        heads_dir = train_eagle3(config(out, source), Accelerator(cpu=True), target, tok, convs[:14], convs[14:])
+        heads_dir = train_eagle3(
+            RunInputs(config(out, source), Accelerator(cpu=True), target, tok, convs[:14], convs[14:])
+        )
         heads[source] = load_file(str(heads_dir / "model.safetensors"))
         summaries[source] = json.loads((out / "train_summary.json").read_text())
     assert store_path(tmp_path / "store").is_file() and not store_path(tmp_path / "online").exists()

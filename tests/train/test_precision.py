@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from selfspec.train.config import TrainConfig, load_config
+from selfspec.train.inputs import RunInputs
 from tests.helpers.archs import tiny_llama
 from tests.helpers.conversations import qa_conversations
 from tests.helpers.training import fresh_accelerator
@@ -49,7 +50,7 @@ def run(tmp_path, tokenizer, target, name: str, batch: int, **overrides):
     )
     acc = fresh_accelerator(mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.grad_accum_steps)
     convs = qa_conversations(24)
-    heads_dir = train_medusa(cfg, acc, target, tokenizer, convs[:20], convs[20:])
+    heads_dir = train_medusa(RunInputs(cfg, acc, target, tokenizer, convs[:20], convs[20:]))
     return heads_dir, json.loads((tmp_path / name / "train_summary.json").read_text())
 
 
