@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from selfspec.heads.files import replace_dir
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -32,8 +33,9 @@ def save_checkpoint(
     best: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None,
 ) -> None:
     """Write ``accelerator.save_state`` to ``<out>.tmp`` with ``trainer_state.json`` (``step``,
-    ``train_elapsed_s``, ``identity``, and ``best``'s info), then rename it to ``out`` (the old one moved aside
-    first and removed after). Every process must call it (``save_state`` synchronises them).
+    ``train_elapsed_s``, ``identity``, and ``best``'s info), then put it at ``out``
+    (:func:`~selfspec.heads.files.replace_dir`: the old one is swapped out only once the new one is complete).
+    Every process must call it (``save_state`` synchronises them).
 
     Args:
         best: the main process's best head so far, ``(info, state_dict)``: the info goes to
@@ -51,12 +53,7 @@ def save_checkpoint(
             state["best"] = best[0]
             save_file({k: v.contiguous() for k, v in best[1].items()}, str(tmp / BEST_FILE))
         (tmp / "trainer_state.json").write_text(json.dumps(state))
-        old = out.with_name(out.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        if out.exists():
-            os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, out)
     accelerator.wait_for_everyone()
 
 

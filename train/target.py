@@ -19,14 +19,13 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.heads.files import cache_root
+from selfspec.heads.files import cache_root, replace_dir, staging_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -58,8 +57,8 @@ def _convert_gguf(src_dir: Path, gguf_file: str, out_dir: Path) -> None:
     """Dequantise a GGUF checkpoint with ``transformers`` and save it as a normal safetensors model.
 
     ``transformers`` refuses ``save_pretrained`` on a GGUF-loaded model, so the state dict is copied into a
-    fresh model of the same config and that one is saved. Written to a temporary directory and renamed,
-    so a killed conversion never leaves a half-written cache.
+    fresh model of the same config and that one is saved. Written to a temporary directory and put in place by
+    :func:`~selfspec.heads.files.replace_dir`, so a killed conversion never leaves a half-written cache.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -78,13 +77,11 @@ def _convert_gguf(src_dir: Path, gguf_file: str, out_dir: Path) -> None:
     if missing or unexpected:
         raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
     fresh.generation_config = loaded.generation_config
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_dir(out_dir)
     fresh.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "selfspec_source.json").write_text(json.dumps({"package_dir": str(src_dir), "gguf_file": gguf_file}))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    replace_dir(tmp, out_dir)
 
 
 def _is_converted(out_dir: Path) -> bool:

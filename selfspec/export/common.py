@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.eagle3 import Eagle3Head
+from selfspec.heads.files import replace_dir, staging_dir
 from selfspec.heads.io import CONFIG_NAME, WEIGHTS_NAME, HeadFormatError, write_head_dir
 from selfspec.heads.medusa import MedusaHeads
 
@@ -218,7 +218,7 @@ def write_export(
     bad = sorted(set(extra_files or {}) - EXPORT_FILES)
     if bad:
         raise ExportError(f"export files must be among {sorted(EXPORT_FILES)}, got {bad}")
-    stage = out.with_name(f".{out.name}.export-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    stage = staging_dir(out, "export")
     try:
         write_head_dir(stage, config, {WEIGHTS_NAME: dict(tensors)})
         for name, data in (extra_files or {}).items():
@@ -226,13 +226,7 @@ def write_export(
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-        if out.is_dir():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-            os.replace(out, old)  # a crash before the next rename leaves the complete old export at .<name>.old-*
-            os.replace(stage, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(stage, out)
+        replace_dir(stage, out)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
