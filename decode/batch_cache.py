@@ -54,6 +54,10 @@ class SlotTable:
         """LongTensor ``[B]``: tokens each row holds (its next position)."""
         return (self.positions >= 0).sum(dim=1)
 
+    def row_lengths(self) -> list[int]:
+        """Tokens each row holds, as ints (the table lives on the host: no device is read)."""
+        return self.lengths.tolist()
+
     @property
     def empty_slots(self) -> int:
         """Slots beyond the fullest row's tokens: what :meth:`pack` would free."""

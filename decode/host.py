@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec.decode.tree import depths_of
+from selfspec.decode.tree import DraftTree, depths_of
 
 
 @dataclass(frozen=True)
@@ -45,13 +45,38 @@ class HostTree:
         """Whether node i's parent is node i - 1 for every i (the root alone is a chain)."""
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
-    def cut(self, max_depth: int) -> HostTree:
-        """The tree without its nodes deeper than ``max_depth``, node order kept (as
-        :func:`selfspec.decode.generate.cut_tree` cuts the device tree)."""
+    def cut(self, max_depth: int) -> tuple[HostTree, list[int]]:
+        """The tree without its nodes deeper than ``max_depth``, node order kept; and the kept node indices."""
         kept = [i for i, d in enumerate(self.depths) if d <= max_depth]
         new_index = {old: new for new, old in enumerate(kept)}
-        parents = [new_index[self.parents[i]] if self.parents[i] >= 0 else self.parents[i] for i in kept]
-        return HostTree([self.tokens[i] for i in kept], parents, [self.depths[i] for i in kept])
+        parents = [new_index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in kept]
+        return HostTree([self.tokens[i] for i in kept], parents, [self.depths[i] for i in kept]), kept
+
+
+def cut_tree(tree: DraftTree, host: HostTree, max_depth: int) -> tuple[DraftTree, HostTree]:
+    """The draft tree without its nodes deeper than ``max_depth`` (:meth:`HostTree.cut`).
+
+    Ancestors of a kept node are shallower, so what remains is a tree, in the same node order. Exact under
+    sampling too: which nodes go depends only on depth, never on the drafted tokens' values, and a node left
+    without children proposes nothing. Nothing is read from the device: the kept indices and the new parents
+    go there as one small tensor each.
+
+    Args:
+        tree: the step's draft, ``N`` nodes.
+        host: its structure on the host (:func:`read_tree`).
+        max_depth: >= 0; 0 keeps only the root.
+
+    Returns:
+        ``(tree, host)`` of ``M <= N`` nodes; the same objects when nothing is cut.
+    """
+    cut, kept = host.cut(max_depth)
+    if len(kept) == host.num_nodes:
+        return tree, host
+    device = tree.tokens.device
+    index = to_device(kept, device)
+    q = None if tree.q is None else tree.q[index.to(tree.q.device)]
+    parents = to_device(cut.parents, tree.parents.device)
+    return DraftTree(tokens=tree.tokens[index], parents=parents, q=q), cut
 
 
 def read_tree(tokens: torch.Tensor, parents: torch.Tensor) -> HostTree:

@@ -19,6 +19,33 @@ import torch
 
 
 @dataclass(frozen=True)
+class DraftTree:
+    """One step's draft: what a drafter proposes and the verifier checks.
+
+    Attributes:
+        tokens: LongTensor ``[N]``; ``tokens[0]`` is the root (last decided token).
+        parents: LongTensor ``[N]``, ``parents[0] = -1``, ``parents[i] < i``.
+        q: ``[N, V]`` float32 or None. ``q[i]`` is the distribution node i's children were sampled from
+            (i.i.d.); None means the children were chosen deterministically (top-k), which the verifier
+            handles as one-hot proposals.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    q: torch.Tensor | None = None
+
+
+def root_only(context: torch.Tensor) -> DraftTree:
+    """The tree of the root alone (``context[-1]``): a step of plain decoding."""
+    return DraftTree(tokens=context[-1:], parents=torch.tensor([-1], device=context.device))
+
+
+def chain_parents(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[-1, 0, 1, ..., n - 2]``: the parents of a chain of ``n`` nodes (root included)."""
+    return torch.arange(-1, n - 1, device=device)
+
+
+@dataclass(frozen=True)
 class StaticTree:
     """A Medusa-style static tree.
 

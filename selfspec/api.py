@@ -5,25 +5,33 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.decode.batch import speculative_generate_batch
-from selfspec.decode.drafters import DraftModelDrafter, MedusaDrafter, PromptLookupDrafter
-from selfspec.decode.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, EagleDrafter
-from selfspec.decode.generate import GenerationOutput, speculative_generate
-from selfspec.decode.hybrid import HybridDrafter, head_of
+from selfspec.decode.drafters import (
+    Drafter,
+    DraftModelDrafter,
+    EagleDrafter,
+    HybridDrafter,
+    MedusaDrafter,
+    PromptLookupDrafter,
+)
+from selfspec.decode.drafters.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS
+from selfspec.decode.drafters.suffix_index import SuffixIndex
+from selfspec.decode.loop import decode_rows
+from selfspec.decode.request import GenerationOutput, GenerationRequest
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.streaming import iterate_text
-from selfspec.decode.suffix_index import SuffixIndex
 from selfspec.decode.target_check import check_target
 from selfspec.decode.tree import greedy_tree_from_accuracy, static_tree
 from selfspec.decode.tuning import budget as tree_budget
 from selfspec.decode.tuning import costs
 from selfspec.decode.tuning.batch_rule import BatchTreeRule, get_batch_cost_profile
-from selfspec.decode.tuning.calibration import load_acceptance_profile
+from selfspec.decode.tuning.budget import TreeBudget
+from selfspec.decode.tuning.calibration import AcceptanceProfile, load_acceptance_profile
 from selfspec.decode.tuning.draft_costs import get_draft_cost
 from selfspec.decode.verifier import Verifier
 
@@ -40,23 +48,65 @@ TUNE_MODES = ("auto", "off")
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class TreeBudgetChoice:
+    """How an EAGLE drafter's tree budget (``depth``, ``total_tokens``) was set by :func:`plan_drafter`.
+
+    Attributes:
+        source: ``"given"`` (both integers passed), ``"default"`` (the defaults of
+            :mod:`selfspec.decode.drafters.eagle`: no usable acceptance profile, or ``tune="off"``) or ``"auto"``
+            (sized to this machine by :func:`selfspec.decode.tuning.budget.tune_tree_budget`).
+        budget: the chosen :class:`~selfspec.decode.tuning.budget.TreeBudget` with its expected gain (``"auto"``
+            only).
+        acceptance_profile: the head's profile the budget came from (``"auto"`` only); the batch tree rule sizes
+            trees by batch size from it.
+    """
+
+    source: str
+    budget: TreeBudget | None = None
+    acceptance_profile: AcceptanceProfile | None = None
+
+
+@dataclass(frozen=True)
+class DrafterPlan:
+    """A drafter and, for an EAGLE head (alone or in a hybrid), how its tree budget was chosen (else None)."""
+
+    drafter: Drafter
+    tree_budget: TreeBudgetChoice | None = None
+
+
 class SpeculativeModel:
     """A frozen target plus a drafter. Build it with :func:`load`.
 
     Attributes:
         target: the ``transformers`` causal LM (frozen, eval mode).
         tokenizer: its tokenizer (None if the target was passed as a module without one).
-        drafter: the :class:`~selfspec.decode.drafters.Drafter` in use.
+        drafter: the :class:`~selfspec.decode.drafters.base.Drafter` in use.
         verifier: the :class:`~selfspec.decode.verifier.Verifier` that runs the target's forwards (its
             kernel plan and packed weights); None at construction = :func:`make_verifier` with ``tune="auto"``.
+        tree_budget: how an EAGLE drafter's tree budget was chosen (:class:`TreeBudgetChoice`), or None.
+        tune: ``"auto"`` or ``"off"`` (``load(tune="off")``: nothing is measured; batches draft the drafter's
+            own tree).
     """
 
-    def __init__(self, target: PreTrainedModel, tokenizer, drafter, verifier: Verifier | None = None) -> None:
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        tokenizer,
+        drafter: Drafter,
+        verifier: Verifier | None = None,
+        tree_budget: TreeBudgetChoice | None = None,
+        tune: str = "auto",
+    ) -> None:
+        if tune not in TUNE_MODES:
+            raise ValueError(f"tune must be one of {TUNE_MODES}, got {tune!r}")
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.verifier = make_verifier(target, drafter) if verifier is None else verifier
-        self.tune = "auto"  # "off" (load(tune="off")): nothing is measured; batches draft the drafter's own tree
+        self.tree_budget = tree_budget
+        self.tune = tune
+        self._eagle_batch_rule: BatchTreeRule | None = None
 
     # ------------------------------------------------------------------ inputs
     def encode(self, prompt: Any) -> torch.Tensor:
@@ -104,7 +154,7 @@ class SpeculativeModel:
         Args:
             prompt: ids, a string or chat messages (see :meth:`encode`); or a batch: a list of such prompts
                 (of any lengths) or a LongTensor ``[B, T]`` (every row a whole prompt: no padding), decoded
-                together (:func:`selfspec.decode.batch.speculative_generate_batch`).
+                together (:func:`selfspec.decode.loop.decode_rows`).
             max_new_tokens: cap on new tokens (never exceeded).
             min_new_tokens: EOS suppressed until this many tokens exist.
             do_sample, temperature, top_k, top_p, min_p, repetition_penalty: as in ``transformers``
@@ -118,28 +168,29 @@ class SpeculativeModel:
             streamer: a ``transformers`` streamer (``TextStreamer``, ``TextIteratorStreamer``, any
                 ``BaseStreamer``), fed like ``generate`` feeds it (prompt, then each step's accepted tokens,
                 never a token later withdrawn, then ``end()``); or a callable given each step's new token ids.
-                See also :meth:`stream`. One prompt only.
+                For a batch, a list of one such streamer (or None) per prompt. See also :meth:`stream`.
             batch_tree: for a batch, ``"auto"`` sizes every row's tree to the number of rows still decoding
                 from this machine's measured costs, and turns speculation off where it does not pay
                 (:meth:`batch_tree_rule`; a model loaded with ``tune="off"`` measures nothing and drafts as
                 ``"fixed"``); ``"fixed"`` drafts the drafter's own tree at every batch size.
 
         Returns:
-            :class:`~selfspec.decode.generate.GenerationOutput` (``tokens``, ``text``, ``stats`` with
+            :class:`~selfspec.decode.request.GenerationOutput` (``tokens``, ``text``, ``stats`` with
             ``steps``, ``mean_accepted_tokens`` (tau), ``tokens_per_s``, ``finish_reason``); for a batch, a
             list of them in the prompts' order.
 
         Raises:
             ValueError: invalid sampling values (temperature <= 0, top_p outside (0, 1], top_k < 0, min_p
                 outside [0, 1], ...), an empty prompt, a prompt that leaves no room in the target's context,
-                ``max_new_tokens < 1``, a streamer with a batch, an unknown ``batch_tree``; nothing has run.
-            selfspec.decode.generate.NonFiniteLogitsError: NaN or inf in the target's logits (names the step).
+                ``max_new_tokens < 1``, a batch given one streamer instead of one per prompt, an unknown
+                ``batch_tree``; nothing has run.
+            selfspec.decode.step.NonFiniteLogitsError: NaN or inf in the target's logits (names the step).
         """
         batch = _as_batch(prompt)
-        if batch is not None and streamer is not None:
-            raise ValueError("a streamer follows one prompt: stream each prompt of the batch with its own call")
         if batch_tree not in ("auto", "fixed"):
             raise ValueError(f"batch_tree must be 'auto' or 'fixed', got {batch_tree!r}")
+        prompts = [prompt] if batch is None else batch
+        streamers = _streamers(streamer, len(prompts), batch is not None)
         sampling = SamplingConfig(
             do_sample=do_sample,
             temperature=temperature,
@@ -150,23 +201,24 @@ class SpeculativeModel:
         )
         if generator is None and seed is not None:
             generator = torch.Generator(device=next(self.target.parameters()).device).manual_seed(seed)
-        common = dict(
+        request = GenerationRequest(
             max_new_tokens=max_new_tokens,
             min_new_tokens=min_new_tokens,
             sampling=sampling,
-            eos_token_id=self.default_eos() if eos_token_id is None else eos_token_id,
+            eos_ids=self.default_eos() if eos_token_id is None else eos_token_id,
             stop_strings=stop_strings,
             tokenizer=self.tokenizer,
             logits_processor=logits_processor,
             generator=generator,
             acceptance=acceptance,
         )
-        if batch is not None:
-            rule = self.batch_tree_rule() if batch_tree == "auto" and self.tune == "auto" else None
-            return speculative_generate_batch(
-                self.verifier, self.drafter, [self.encode(p) for p in batch], tree_rule=rule, **common
-            )
-        return speculative_generate(self.verifier, self.drafter, self.encode(prompt), streamer=streamer, **common)
+        ids = [self.encode(p) for p in prompts]
+        drafters = [self.drafter] if batch is None else [self.drafter.fork() for _ in ids]
+        policy = None
+        if batch is not None and batch_tree == "auto" and self.tune == "auto":
+            policy = self.batch_tree_rule()
+        outs = decode_rows(self.verifier, drafters, ids, request, streamers=streamers, tree_policy=policy)
+        return outs if batch is not None else outs[0]
 
     def batch_tree_rule(self) -> BatchTreeRule:
         """The rule that sizes each row's tree by batch size (:class:`~.tuning.batch_rule.BatchTreeRule`),
@@ -175,14 +227,13 @@ class SpeculativeModel:
         depth cap from the acceptance measured during the call. Built on first use; a new one per call
         of the online kind (it learns within a call)."""
         cost = get_batch_cost_profile(self.target, verifier=self.verifier)
-        drafter = self.drafter
-        profile = getattr(drafter, "acceptance_profile", None)
-        if isinstance(drafter, EagleDrafter) and profile is not None:
-            if getattr(self, "_eagle_batch_rule", None) is None:
-                draft = get_draft_cost(drafter, self.target, range(1, profile.depth_max + 1))
+        profile = self.tree_budget.acceptance_profile if self.tree_budget is not None else None
+        if isinstance(self.drafter, EagleDrafter) and profile is not None:
+            if self._eagle_batch_rule is None:
+                draft = get_draft_cost(self.drafter, self.target, range(1, profile.depth_max + 1))
                 self._eagle_batch_rule = BatchTreeRule(cost, profile, draft)
             return self._eagle_batch_rule
-        return BatchTreeRule(cost, max_depth=_drafter_depth(drafter))
+        return BatchTreeRule(cost, max_depth=self.drafter.info().max_depth)
 
     def stream(self, prompt: Any, *, skip_special_tokens: bool = True, **kwargs: Any) -> Iterator[str]:
         """``for text in model.stream(prompt, max_new_tokens=...)``: the output's text, piece by piece as tokens
@@ -230,14 +281,24 @@ def _refuse_batch(prompt: Any) -> None:
         raise ValueError("stream() follows one prompt: call it once per prompt, or generate(list of prompts)")
 
 
-def _drafter_depth(drafter: Any) -> int | None:
-    """The deepest tree a drafter drafts (None: unknown)."""
-    for name in ("depth", "num_tokens"):
-        value = getattr(drafter, name, None)
-        if isinstance(value, int):
-            return value
-    tree = getattr(drafter, "tree", None)
-    return getattr(tree, "max_depth", None)
+def _streamers(streamer: Any, n: int, batch: bool) -> list | None:
+    """One streamer per prompt: a batch takes a list of them (one per prompt, each may be None), one prompt
+    takes one streamer.
+
+    Raises:
+        ValueError: a single streamer for a batch, or a list whose length is not the batch's.
+    """
+    if streamer is None:
+        return None
+    if not batch:
+        return [streamer]
+    if not isinstance(streamer, (list, tuple)):
+        raise ValueError(
+            "a batch streams through one streamer per prompt: pass streamer=[s_1, ..., s_B] (None allowed)"
+        )
+    if len(streamer) != n:
+        raise ValueError(f"got {len(streamer)} streamers for {n} prompts: pass one per prompt (None allowed)")
+    return list(streamer)
 
 
 def make_verifier(target: PreTrainedModel, drafter, tune: str = "auto") -> Verifier:
@@ -254,7 +315,7 @@ def make_verifier(target: PreTrainedModel, drafter, tune: str = "auto") -> Verif
     if tune not in TUNE_MODES:
         raise ValueError(f"tune must be one of {TUNE_MODES}, got {tune!r}")
     on_cpu = next(target.parameters()).device.type == "cpu"
-    if tune == "off" or not on_cpu or not isinstance(head_of(drafter), (MedusaDrafter, EagleDrafter)):
+    if tune == "off" or not on_cpu or not drafter.info().head:
         return Verifier(target)
     verifier = costs.tuned_verifier(target, costs.get_cost_profile(target))
     if verifier.packed_bytes:
@@ -280,15 +341,52 @@ def make_drafter(
     tokenizer: Any = None,
     tune: str = "auto",
     **eagle_options: Any,
-):
-    """Build the drafter for a target from exactly one of ``heads``, ``draft_model`` or ``prompt_lookup``.
+) -> Drafter:
+    """Build the drafter for a target from exactly one of ``heads``, ``draft_model`` or ``prompt_lookup``
+    (:func:`plan_drafter`'s drafter; see there for every argument).
+    """
+    return plan_drafter(
+        target,
+        heads,
+        tree=tree,
+        tree_nodes=tree_nodes,
+        draft_model=draft_model,
+        draft_tokens=draft_tokens,
+        draft_shared_vocab=draft_shared_vocab,
+        prompt_lookup=prompt_lookup,
+        hybrid=hybrid,
+        suffix_index=suffix_index,
+        tokenizer=tokenizer,
+        tune=tune,
+        **eagle_options,
+    ).drafter
+
+
+def plan_drafter(
+    target: PreTrainedModel,
+    heads: str | Path | torch.nn.Module | None = None,
+    *,
+    tree: Sequence[Sequence[int]] | None = None,
+    tree_nodes: int | None = None,
+    draft_model=None,
+    draft_tokens: int = 4,
+    draft_shared_vocab: int | None = None,
+    prompt_lookup: bool = False,
+    hybrid: bool = False,
+    suffix_index: str | Path | SuffixIndex | None = None,
+    tokenizer: Any = None,
+    tune: str = "auto",
+    **eagle_options: Any,
+) -> DrafterPlan:
+    """Build the drafter for a target from exactly one of ``heads``, ``draft_model`` or ``prompt_lookup``, with
+    how an EAGLE head's tree budget was chosen (:class:`DrafterPlan`).
 
     ``hybrid=True`` (with ``heads``) merges the head's tree with prompt-lookup continuations into one tree,
     each step's split sized from the target's verification cost profile here and each source's measured
-    acceptance (:class:`~selfspec.decode.hybrid.HybridDrafter`); with ``tune="off"`` nothing is measured
+    acceptance (:class:`~selfspec.decode.drafters.hybrid.HybridDrafter`); with ``tune="off"`` nothing is measured
     and the split uses a nominal cost (:data:`NOMINAL_NODE_COST`). ``suffix_index`` (with ``hybrid=True``)
     adds continuations from training answers as a second n-gram source: a
-    :class:`~selfspec.decode.suffix_index.SuffixIndex`, a file saved by its ``save`` (``.safetensors``), or a
+    :class:`~selfspec.decode.drafters.suffix_index.SuffixIndex`, a file saved by its ``save`` (``.safetensors``), or a
     JSONL file of ``{"id", "messages"}`` conversations whose assistant turns are indexed with ``tokenizer``.
 
     Medusa heads use ``tree`` (index paths) if given, else Medusa's greedy tree from their held-out
@@ -300,7 +398,7 @@ def make_drafter(
     (``<head_dir>/acceptance_profile.json`` written by ``selfspec tune-tree``, or an ``acceptance_profile``
     attribute on a head module) they are chosen for this machine by :func:`~.tuning.budget.tune_tree_budget`
     (verification and drafting costs measured once and cached); otherwise they are the defaults of
-    :mod:`selfspec.decode.eagle`. Integers always win; giving one of the two fixes it and chooses the other.
+    :mod:`selfspec.decode.drafters.eagle`. Integers always win; giving one of the two fixes it and chooses the other.
 
     ``tune="off"``: nothing is measured; default sizes.
 
@@ -329,19 +427,20 @@ def make_drafter(
     if suffix_index is not None and not hybrid:
         raise ValueError("suffix_index=... is a source of the hybrid drafter: pass hybrid=True (and heads=...) too")
     if prompt_lookup:
-        return PromptLookupDrafter(num_tokens=draft_tokens * 2)
+        return DrafterPlan(PromptLookupDrafter(num_tokens=draft_tokens * 2))
     if draft_model is not None:
         if isinstance(draft_model, (str, Path)):
             from selfspec.target import load_target  # selfspec.target imports transformers' Auto classes
 
             draft_model, _ = load_target(draft_model, dtype=next(target.parameters()).dtype)
         # a vocabulary other than the target's is refused here, at load (DraftModelDrafter.check_vocab)
-        return DraftModelDrafter(
+        drafter = DraftModelDrafter(
             draft_model,
             num_tokens=draft_tokens,
             target_vocab_size=target.get_output_embeddings().weight.shape[0],
             shared_vocab_size=draft_shared_vocab,
         )
+        return DrafterPlan(drafter)
     from selfspec.heads import load_heads  # the head package imports the training-side configs
     from selfspec.heads.hub import resolve_head_dir
 
@@ -351,16 +450,19 @@ def make_drafter(
         heads = load_heads(head_dir, target=target)
     dtype = next(target.parameters()).dtype
     heads = heads.to(device=next(target.parameters()).device, dtype=dtype).eval()
-    if getattr(heads.config, "head_type", "") == "medusa":
+    if heads.config.head_type == "medusa":
         heads.attach_target(target.get_output_embeddings().weight)
-        drafter = _medusa_drafter(target, heads, tree, tree_nodes, tune)
+        drafter, choice = _medusa_drafter(target, heads, tree, tree_nodes, tune), None
     else:
-        drafter = _eagle_drafter(target, heads, head_dir, tune, **eagle_options)
+        drafter, choice = _eagle_drafter(target, heads, head_dir, tune, **eagle_options)
     if not hybrid:
-        return drafter
+        return DrafterPlan(drafter, choice)
     index = SuffixIndex.open(suffix_index, tokenizer) if suffix_index is not None else None
     cost = costs.get_cost_profile(target) if tune == "auto" else _nominal_cost(target)
-    return HybridDrafter(drafter, cost, PromptLookupDrafter(num_tokens=draft_tokens * 2), index)
+    hybrid_drafter = HybridDrafter(
+        drafter, cost.verify_cost_ms, PromptLookupDrafter(num_tokens=draft_tokens * 2), index
+    )
+    return DrafterPlan(hybrid_drafter, choice)
 
 
 # With tune="off" a hybrid drafter sizes its split from this nominal cost: one extra tree node costs 4% of a
@@ -414,24 +516,20 @@ def _eagle_drafter(
     depth: int | str = "auto",
     top_k: int | None = None,
     total_tokens: int | str = "auto",
-) -> EagleDrafter:
-    """An :class:`~selfspec.decode.eagle.EagleDrafter` whose ``"auto"`` depth / total_tokens are sized to the
+) -> tuple[EagleDrafter, TreeBudgetChoice]:
+    """An :class:`~selfspec.decode.drafters.eagle.EagleDrafter` whose ``"auto"`` depth / total_tokens are sized to the
     machine from the head's acceptance profile when ``tune="auto"`` (see :func:`make_drafter`)."""
     for name, value in (("depth", depth), ("total_tokens", total_tokens)):
         if value != "auto" and (isinstance(value, bool) or not isinstance(value, int)):
             raise ValueError(f"EAGLE {name} must be an integer or 'auto', got {value!r}")
     k = DEFAULT_TOP_K if top_k is None else top_k
     if depth != "auto" and total_tokens != "auto":
-        return EagleDrafter(head, target, depth, k, total_tokens)
+        return EagleDrafter(head, target, depth, k, total_tokens), TreeBudgetChoice("given")
     fixed_depth = None if depth == "auto" else depth
     fixed_total = None if total_tokens == "auto" else total_tokens
     profile = None
     if tune == "auto":
-        profile = (
-            load_acceptance_profile(head_dir, target=target)
-            if head_dir is not None
-            else getattr(head, "acceptance_profile", None)
-        )
+        profile = load_acceptance_profile(head_dir, target=target) if head_dir is not None else head.acceptance_profile
     budget, why = None, "it has no acceptance profile (run `selfspec tune-tree` to make one)"
     if tune == "off":
         why = "was loaded with tune='off'"
@@ -445,7 +543,6 @@ def _eagle_drafter(
             why = f"its acceptance profile does not cover the budget asked for ({err})"
     if budget is None:
         drafter = EagleDrafter(head, target, fixed_depth or DEFAULT_DEPTH, k, fixed_total or DEFAULT_TOTAL_TOKENS)
-        drafter.budget_source = "default"
         log = logger.info if profile is None else logger.warning  # a profile that cannot serve is worth a warning
         log(
             "EAGLE tree budget: depth %d, total_tokens %d (defaults): the head %s",
@@ -453,10 +550,8 @@ def _eagle_drafter(
             drafter.total_tokens,
             why,
         )
-        return drafter
+        return drafter, TreeBudgetChoice("default")
     drafter = EagleDrafter(head, target, budget.depth, budget.top_k, budget.total_tokens)
-    drafter.budget_source, drafter.budget = "auto", budget
-    drafter.acceptance_profile = profile  # the batch rule sizes trees by batch size from it
     logger.info(
         "EAGLE tree budget sized to this machine: depth %d, total_tokens %d, top_k %d (expected tau %.2f, "
         "%.1f ms a step, %.2fx plain decoding)",
@@ -467,7 +562,7 @@ def _eagle_drafter(
         budget.expected_cycle_ms,
         budget.expected_speedup,
     )
-    return drafter
+    return drafter, TreeBudgetChoice("auto", budget, profile)
 
 
 def load(
@@ -533,17 +628,16 @@ def load(
 
         target, tokenizer = load_target(target, dtype=dtype, device=device, adapter=adapter)
     elif adapter is not None or _is_peft_model(target):
-        from selfspec.adapter import load_adapted, merge_adapter  # imports peft
+        from selfspec.train.adapter import load_adapted, merge_adapter  # imports peft
 
         if adapter is None:
             target = merge_adapter(target)
         else:  # an adapter directory is merged into a copy: the caller's model stays the bare base
             target = load_adapted(target if _is_peft_model(adapter) else copy.deepcopy(target), adapter)
     check_target(target)  # refuses a target whose decoding would not be exactly its own
-    drafter = make_drafter(target, heads, tune=tune, tokenizer=tokenizer, **drafter_options)
-    model = SpeculativeModel(target, tokenizer, drafter, make_verifier(target, drafter, tune))
-    model.tune = tune
-    return model
+    plan = plan_drafter(target, heads, tune=tune, tokenizer=tokenizer, **drafter_options)
+    verifier = make_verifier(target, plan.drafter, tune)
+    return SpeculativeModel(target, tokenizer, plan.drafter, verifier, plan.tree_budget, tune)
 
 
 def _is_peft_model(model: Any) -> bool:

@@ -7,7 +7,7 @@
    sized to this machine),
 3. bench it against plain ``transformers`` ``generate`` on the prompts that training held out, beside
    prompt lookup and the hybrid of the two (the head's tree merged with n-gram continuations,
-   :mod:`selfspec.decode.hybrid`), and print tau and the speedup of each.
+   :mod:`selfspec.decode.drafters.hybrid`), and print tau and the speedup of each.
 
 ``--head eagle`` runs the same with an EAGLE-2 head (``configs/eagle-smollm2.yaml``), ``--head medusa`` with Medusa
 heads (``configs/medusa-smollm2.yaml``). ``--target``,

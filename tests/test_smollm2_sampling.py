@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec.decode.drafters import DraftTree
-from selfspec.decode.generate import speculative_generate
+from selfspec.decode.drafters import Drafter, DrafterInfo, DraftTree
+from selfspec.decode.loop import speculative_generate
 from selfspec.decode.sampling import SamplingConfig, probs_from_logits, process_logits
 from tests.helpers.stats import chi2_critical
 
@@ -33,21 +33,16 @@ def processed_probs(model, ids: torch.Tensor) -> torch.Tensor:
     return probs_from_logits(process_logits(logits, ids[None], SAMPLING))[0]
 
 
-class TargetTopKDrafter:
+class TargetTopKDrafter(Drafter):
     """Drafts the target's own top candidates (deterministic top-k: verified with one-hot q)."""
-
-    name = "target_topk"
 
     def __init__(self, model):
         self.model = model
 
-    def begin(self, prompt_ids, hidden):
-        pass
+    def info(self):
+        return DrafterInfo(name="target_topk", max_depth=2)
 
-    def accept(self, tokens, hidden):
-        pass
-
-    def propose(self, context, sampling, generator):
+    def propose(self, context, sampling, generator, limit):
         first = processed_probs(self.model, context).topk(3).indices
         second = processed_probs(self.model, torch.cat([context, first[:1]])).topk(2).indices
         tokens = torch.cat([context[-1:], first, second])

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.decode.eagle import EagleDrafter
-from selfspec.decode.files import now_utc, profiles_dir, read_json, write_json
+from selfspec.decode.loop import TreeCap
 from selfspec.decode.tuning.budget import choose_tree_budget
 from selfspec.decode.tuning.costs import CostProfile, cost_key, interleaved_medians, profile_stem
 from selfspec.decode.verifier import Verifier
+from selfspec.heads.files import now_utc, profiles_dir, read_json, write_json
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -240,33 +240,9 @@ def get_batch_cost_profile(
     return profile
 
 
-@dataclass(frozen=True)
-class TreeCap:
-    """The tree a row drafts this step.
-
-    Attributes:
-        depth: deepest draft node allowed; 0 = no speculation (plain decoding); None = the drafter's own.
-        total_tokens: for an EAGLE drafter, its EAGLE-2 ``total_tokens`` (None: its own).
-        max_nodes: cap on the tree's nodes, root included (None: no cap).
-        expected_speedup: the rule's estimate against plain decoding at this batch size (None: unknown).
-    """
-
-    depth: int | None = None
-    total_tokens: int | None = None
-    max_nodes: int | None = None
-    expected_speedup: float | None = None
-
-    def apply(self, drafter: Any) -> None:
-        """Set an EAGLE drafter's depth / total_tokens to this cap (a row's own fork; others: nothing)."""
-        if isinstance(drafter, EagleDrafter):
-            if self.depth:
-                drafter.depth = self.depth
-            if self.total_tokens:
-                drafter.total_tokens = self.total_tokens
-
-
 class BatchTreeRule:
-    """Per-batch-size tree sizes from the measured costs (see module docstring).
+    """Per-batch-size tree sizes from the measured costs (see module docstring); a
+    :class:`~selfspec.decode.loop.TreePolicy` of the decode loop.
 
     Args:
         cost: the :class:`BatchCostProfile` of the target here.

@@ -25,7 +25,7 @@ from selfspec.decode.tuning.draft_costs import get_draft_cost
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from selfspec.decode.eagle import EagleDrafter
+    from selfspec.decode.drafters.eagle import EagleDrafter
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ token) under greedy verification, for every depth d <= ``depth_max`` and ``total
 it is stored next to the head as ``acceptance_profile.json``.
 
 Why one big run tells what every smaller budget would have accepted: EAGLE-2 candidates at depth <= d do
-not depend on ``total_tokens`` nor on deeper levels, and :func:`~selfspec.decode.eagle.select_nodes`
+not depend on ``total_tokens`` nor on deeper levels, and :func:`~selfspec.decode.drafters.eagle.select_nodes`
 keeps the N best of them by cumulative draft log-probability with a stable sort, in which a parent
 always ranks before its children. Greedy verification accepts the unique path that follows the target's
 argmax. So a budget (d, N) keeps exactly the candidates of depth <= d whose rank among them is < N, and
@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.decode.eagle import EagleDrafter
-from selfspec.decode.files import from_record, now_utc, read_json, write_json
-from selfspec.decode.generate import speculative_generate
+from selfspec.decode.drafters.eagle import EagleDrafter
+from selfspec.decode.loop import speculative_generate
 from selfspec.decode.verifier import Verifier
 from selfspec.heads.config import HeadFormatError, read_safetensors
+from selfspec.heads.files import now_utc, read_dataclass, read_json, write_json
 from selfspec.heads.fingerprint import target_fingerprint
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def step_acceptance(
 
     Let ``p_1 .. p_a`` be the accepted path (as candidates) and ``rank_d(c)`` the position of candidate c
     in the stable descending sort of the scores of the candidates of depth <= d (what
-    :func:`~selfspec.decode.eagle.select_nodes` does). Budget (d, N) keeps ``{c : depth(c) <= d,
+    :func:`~selfspec.decode.drafters.eagle.select_nodes` does). Budget (d, N) keeps ``{c : depth(c) <= d,
     rank_d(c) < N}`` and, since ancestors rank first, accepts ``#{i <= min(a, d) : rank_d(p_i) < N}``
     drafts. One more when it keeps ``c*``, the candidate child of ``p_a`` whose token is the big step's
     bonus token (the target's argmax at ``p_a``): the big tree dropped it, a smaller one may not. Beyond
@@ -210,7 +210,7 @@ class AcceptanceProfile:
                 says how to regenerate the file.
         """
         try:
-            profile = from_record(cls, data, header=_ACCEPTANCE_HEADER, derived=("depth_max", "total_tokens_max"))
+            profile = read_dataclass(cls, data, header=_ACCEPTANCE_HEADER, derived=("depth_max", "total_tokens_max"))
             _check_tables(profile, data["depth_max"], data["total_tokens_max"])
         except ValueError as err:
             raise HeadFormatError(
@@ -330,14 +330,14 @@ def calibrate_acceptance(
 
     Builds one drafter with the big budget from ``drafter``'s head and ``top_k`` (``drafter`` itself is
     not changed), decodes every prompt greedily with it
-    (:func:`~selfspec.decode.generate.speculative_generate`), and turns each step into the accepted count
+    (:func:`~selfspec.decode.loop.speculative_generate`), and turns each step into the accepted count
     of every smaller budget with :func:`step_acceptance` (exact per step; see there for the lower-bound
     case). ``tau`` is the mean over all steps of all prompts of accepted drafts + 1. Cost: one big-tree
     decode of ``max_new_tokens`` per prompt.
 
     Args:
         target: the frozen target, or its :class:`~selfspec.decode.verifier.Verifier` (faster kernels).
-        drafter: an :class:`~selfspec.decode.eagle.EagleDrafter` on the target (its head and ``top_k``
+        drafter: an :class:`~selfspec.decode.drafters.eagle.EagleDrafter` on the target (its head and ``top_k``
             are profiled).
         prompts_ids: LongTensors ``[T]``, one per prompt (e.g. chat-templated held-out prompts).
         max_new_tokens: new tokens per prompt.
@@ -362,7 +362,7 @@ def calibrate_acceptance(
     inexact = torch.zeros(depth_max, total_tokens_max, dtype=torch.long)
     steps = 0
 
-    def on_step(tree, result) -> None:
+    def on_step(row, tree, result) -> None:
         nonlocal steps
         a, x = step_acceptance(
             big.last_candidates, result.accepted_nodes, result.next_token, depth_max, total_tokens_max

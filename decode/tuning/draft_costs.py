@@ -18,11 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.decode.eagle import EagleDrafter
-from selfspec.decode.files import from_record, now_utc, profiles_dir, read_json, write_json
+from selfspec.decode.drafters.base import AcceptedPath, DraftLimit
+from selfspec.decode.drafters.eagle import EagleDrafter
 from selfspec.decode.sampling import SamplingConfig
+from selfspec.decode.tree import DraftTree
 from selfspec.decode.tuning.costs import DEFAULT_CONTEXT_LENGTH, cost_key, interleaved_medians, profile_stem
 from selfspec.decode.verifier import Verifier
+from selfspec.heads.files import now_utc, profiles_dir, read_dataclass, read_json, write_json
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -66,7 +68,7 @@ class DraftCost:
     @classmethod
     def from_dict(cls, data: Any) -> DraftCost:
         """Parse :meth:`to_dict`'s layout strictly. Raises ValueError on anything else."""
-        return from_record(cls, data, header={"format": _DRAFT_FORMAT, "version": DRAFT_COST_VERSION})
+        return read_dataclass(cls, data, header={"format": _DRAFT_FORMAT, "version": DRAFT_COST_VERSION})
 
 
 @torch.inference_mode()
@@ -77,7 +79,7 @@ def measure_draft_cost(
     context_length: int = DEFAULT_CONTEXT_LENGTH,
     repeats: int = 5,
 ) -> dict[int, float]:
-    """Median wall ms of one :meth:`~selfspec.decode.eagle.EagleDrafter.propose` at each draft depth.
+    """Median wall ms of one :meth:`~selfspec.decode.drafters.eagle.EagleDrafter.propose` at each draft depth.
 
     One drafter per depth is built from ``drafter``'s head and ``top_k`` (``drafter`` itself is not
     used or changed). Each is begun on ``context_length`` random tokens with the target's real features
@@ -85,7 +87,7 @@ def measure_draft_cost(
     with nothing accepted does, and grows the tree to the depth.
 
     Args:
-        drafter: an :class:`~selfspec.decode.eagle.EagleDrafter` attached to ``target`` (the template).
+        drafter: an :class:`~selfspec.decode.drafters.eagle.EagleDrafter` attached to ``target`` (the template).
         target: the frozen target.
         depths: draft depths d >= 1.
         context_length: prompt tokens before the draft.
@@ -104,7 +106,7 @@ def measure_draft_cost(
     gen = torch.Generator().manual_seed(1)
     context = torch.randint(0, target.config.vocab_size, (context_length + 1,), generator=gen).to(device)
     verifier = Verifier(target)
-    layers = getattr(drafter, "target_layers", None)  # EAGLE-3 heads take several layers' hidden states
+    layers = drafter.info().target_layers  # EAGLE-3 heads take several layers' hidden states
     hidden = verifier.prefill(context[:-1], verifier.new_cache(), layers=layers)  # the root is not cached
     hidden = hidden[1] if layers else hidden
     greedy = SamplingConfig()
@@ -112,11 +114,14 @@ def measure_draft_cost(
     def at(depth: int) -> Callable[[], None]:
         at_depth = EagleDrafter(drafter.head, target, depth, drafter.top_k, drafter.total_tokens)
         at_depth.begin(context[:-1], hidden)
-        at_depth.propose(context, greedy, None)  # feeds the prompt's pairs: the cache now holds a real context
+        limit = DraftLimit(useful_depth=depth)
+        at_depth.propose(context, greedy, None, limit)  # feeds the prompt's pairs: the cache now holds a real context
+        root = DraftTree(tokens=context[-1:], parents=torch.tensor([-1], device=device))
+        accepted = AcceptedPath(root, (0,), context[-1:], hidden[-1:], 0)
 
         def step() -> None:
-            at_depth.accept(context[-1:], hidden[-1:])
-            at_depth.propose(context, greedy, None)
+            at_depth.accept(accepted)
+            at_depth.propose(context, greedy, None, limit)
 
         return step
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from selfspec.api import SpeculativeModel, make_drafter, make_verifier
+from selfspec.api import SpeculativeModel, make_verifier, plan_drafter
 from selfspec.bench.batched import run_batch_bench, write_batch_report
 from selfspec.bench.methods import BUILTIN_METHODS, DEFAULT_METHODS, BenchSettings, build_methods, eagle_kwargs
 from selfspec.bench.outputs import summary_text, write_report
@@ -192,14 +192,16 @@ def _batch_main(parser, args, heads, methods, prompts, settings, target, tokeniz
     """``--batch-size``: the batched bench (:func:`selfspec.bench.batched.run_batch_bench`)."""
     eagle_options = {"depth": args.eagle_depth, "top_k": args.eagle_top_k, "total_tokens": args.eagle_total_tokens}
     try:
-        drafters = {
-            name: make_drafter(target, heads=head, tree_nodes=args.tree_nodes, **eagle_kwargs(head, eagle_options))
+        plans = {
+            name: plan_drafter(target, heads=head, tree_nodes=args.tree_nodes, **eagle_kwargs(head, eagle_options))
             for name, head in heads.items()
         }
         if "prompt_lookup" in methods:
-            drafters["prompt_lookup"] = make_drafter(target, prompt_lookup=True)
-        verifier = make_verifier(target, next(iter(drafters.values())))
-        models = {name: SpeculativeModel(target, tokenizer, d, verifier) for name, d in drafters.items()}
+            plans["prompt_lookup"] = plan_drafter(target, prompt_lookup=True)
+        verifier = make_verifier(target, next(iter(plans.values())).drafter)
+        models = {
+            name: SpeculativeModel(target, tokenizer, p.drafter, verifier, p.tree_budget) for name, p in plans.items()
+        }
         report = run_batch_bench(target, tokenizer, models, prompts, settings, args.batch_size, fixed=list(heads))
     except ValueError as err:
         parser.error(str(err))

@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.api import SpeculativeModel, make_drafter, make_verifier
+from selfspec.api import DrafterPlan, SpeculativeModel, make_drafter, make_verifier, plan_drafter
 from selfspec.bench.report import TreeBudgetRecord
 from selfspec.decode.drafters import PromptLookupDrafter
-from selfspec.decode.eagle import EagleDrafter
-from selfspec.decode.generate import GenerationStats
-from selfspec.decode.hybrid import HybridDrafter
+from selfspec.decode.drafters.eagle import EagleDrafter
+from selfspec.decode.drafters.hybrid import HybridDrafter
+from selfspec.decode.drafters.suffix_index import SuffixIndex
+from selfspec.decode.loop import GenerationStats
 from selfspec.decode.sampling import SamplingConfig
-from selfspec.decode.suffix_index import SuffixIndex
 from selfspec.decode.tuning.costs import get_cost_profile
 from selfspec.prompts import resolve_eos
 
@@ -189,18 +189,19 @@ def selfspec_method(spec_model: SpeculativeModel, settings: BenchSettings, eos_t
     return BenchMethod(run, "selfspec", f"selfspec {type(drafter).__name__}")
 
 
-def tree_budget_record(drafter: Any) -> TreeBudgetRecord | None:
+def tree_budget_record(plan: DrafterPlan) -> TreeBudgetRecord | None:
     """What the report records of an EAGLE drafter's tree budget (None for other drafters): its ``depth``,
     ``top_k``, ``total_tokens``, how they were set (``chosen_by``: ``"given"``, ``"default"`` or ``"auto"``)
     and, when sized to the machine, the expected tau and speedup."""
-    if not isinstance(drafter, EagleDrafter):
+    drafter = plan.drafter
+    if not isinstance(drafter, EagleDrafter) or plan.tree_budget is None:
         return None
-    budget = drafter.budget
+    budget = plan.tree_budget.budget
     return TreeBudgetRecord(
         depth=drafter.depth,
         top_k=drafter.top_k,
         total_tokens=drafter.total_tokens,
-        chosen_by=drafter.budget_source,
+        chosen_by=plan.tree_budget.source,
         expected_tau=budget.expected_tau if budget is not None else None,
         expected_speedup=budget.expected_speedup if budget is not None else None,
     )
@@ -245,7 +246,7 @@ def build_methods(
             to this machine from the head's acceptance profile) or None (= ``"auto"`` for depth and
             total_tokens, which falls back to the defaults without a profile).
         suffix_index: with ``hybrid`` among ``methods``, adds ``hybrid_suffix``: the hybrid with this
-            :class:`~selfspec.decode.suffix_index.SuffixIndex` of training answers as a second n-gram source
+            :class:`~selfspec.decode.drafters.suffix_index.SuffixIndex` of training answers as a second n-gram source
             (an index, a saved ``.safetensors`` index, or a JSONL of conversations indexed with ``tokenizer``).
 
     Returns:
@@ -272,10 +273,11 @@ def build_methods(
         if name in chosen or (suffix_index is not None and name == "hybrid_suffix"):
             raise ValueError(f"head method name {name!r} is taken; pass it as NAME=DIR with another name")
     lookup = make_drafter(target, prompt_lookup=True)
-    head_drafters = {
-        name: make_drafter(target, heads=head, tree_nodes=tree_nodes, **eagle_kwargs(head, eagle_options))
+    head_plans = {
+        name: plan_drafter(target, heads=head, tree_nodes=tree_nodes, **eagle_kwargs(head, eagle_options))
         for name, head in (heads or {}).items()
     }
+    head_drafters = {name: plan.drafter for name, plan in head_plans.items()}
     # One verifier for every selfspec method: the kernels are measured and packed once per target, and every
     # method verifies with the same kernels (plain ones when no head method asks for the tuned ones).
     verifier = make_verifier(target, next(iter(head_drafters.values()), lookup))
@@ -301,7 +303,8 @@ def build_methods(
     if "hybrid" in methods:
         # the first head's drafter (its own fork: the hybrid keeps the head method's drafter untouched)
         first = next(iter(head_drafters.values()))
-        hybrid = HybridDrafter(copy.copy(first), get_cost_profile(target), PromptLookupDrafter(lookup.num_tokens))
+        verify_cost_ms = get_cost_profile(target).verify_cost_ms
+        hybrid = HybridDrafter(first.fork(), verify_cost_ms, PromptLookupDrafter(lookup.num_tokens))
         out["hybrid"] = dataclasses.replace(
             selfspec_method(SpeculativeModel(target, tokenizer, hybrid, verifier), settings, eos),
             description=f"hybrid: the {next(iter(head_drafters))} head's tree + prompt lookup, split by cost",
@@ -309,17 +312,18 @@ def build_methods(
     if "hybrid" in methods and suffix_index is not None:
         index = SuffixIndex.open(suffix_index, tokenizer)
         index.check_vocab(target.get_output_embeddings().weight.shape[0])
-        drafter = HybridDrafter(copy.copy(first), hybrid.cost, PromptLookupDrafter(lookup.num_tokens), index)
+        drafter = HybridDrafter(first.fork(), verify_cost_ms, PromptLookupDrafter(lookup.num_tokens), index)
         out["hybrid_suffix"] = dataclasses.replace(
             selfspec_method(SpeculativeModel(target, tokenizer, drafter, verifier), settings, eos),
             description=f"hybrid_suffix: the hybrid + a suffix index of {index.num_tokens} answer tokens",
         )
-    for name, drafter in head_drafters.items():
+    for name, plan in head_plans.items():
         head = heads[name]
-        method = selfspec_method(SpeculativeModel(target, tokenizer, drafter, verifier), settings, eos)
+        model = SpeculativeModel(target, tokenizer, plan.drafter, verifier, plan.tree_budget)
+        method = selfspec_method(model, settings, eos)
         source = f" from {head}" if isinstance(head, (str, Path)) else ""
         out[name] = dataclasses.replace(
-            method, description=method.description + source, tree_budget=tree_budget_record(drafter)
+            method, description=method.description + source, tree_budget=tree_budget_record(plan)
         )
     for name, fn in (extra_methods or {}).items():
         if name in out:

@@ -31,7 +31,7 @@ from selfspec.bench.report import (
     SettingsRecord,
     Skipped,
 )
-from selfspec.decode.generate import GenerationStats
+from selfspec.decode.loop import GenerationStats
 from selfspec.prompts import BenchPrompt, Message, encode_messages
 
 if TYPE_CHECKING:

@@ -15,9 +15,16 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.decode.drafters import DraftModelDrafter, DraftTree, MedusaDrafter, PromptLookupDrafter
-from selfspec.decode.generate import speculative_generate
+from selfspec.decode.drafters import (
+    Drafter,
+    DrafterInfo,
+    DraftModelDrafter,
+    DraftTree,
+    MedusaDrafter,
+    PromptLookupDrafter,
+)
 from selfspec.decode.kv import call_with_cache, compact_cache, crop_cache, new_cache
+from selfspec.decode.loop import speculative_generate
 from selfspec.decode.masks import (
     FULL,
     SLIDING,
@@ -66,23 +73,18 @@ def reference(arch: str, length: int) -> list[int]:
     return out[0, length:].tolist()
 
 
-class TwoBranchOracle:
+class TwoBranchOracle(Drafter):
     """A deep two-branch tree: branch one starts with a wrong token (rejected at depth 1), branch two, after
     it, holds the next ``depth`` tokens of the true greedy continuation. The accepted path is not the
     first nodes (entries move in the cache) and runs deeper than the sliding window."""
 
-    name = "two_branch_oracle"
-
     def __init__(self, prompt_len: int, ref: list[int], depth: int) -> None:
         self.prompt_len, self.ref, self.depth = prompt_len, ref, depth
 
-    def begin(self, prompt_ids, hidden):
-        pass
+    def info(self):
+        return DrafterInfo(name="two_branch_oracle", max_depth=self.depth)
 
-    def accept(self, tokens, hidden):
-        pass
-
-    def propose(self, context, sampling, generator):
+    def propose(self, context, sampling, generator, limit):
         pos = context.numel() - self.prompt_len
         right = self.ref[pos : pos + self.depth]
         if not right:

@@ -9,23 +9,22 @@ distribution (seeded chi-square), and the batched forward gives every row the lo
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import pytest
 import torch
 
 import selfspec
-from selfspec.decode import batch as batch_mod
-from selfspec.decode.batch import speculative_generate_batch
+from selfspec.decode import loop as batch_mod
 from selfspec.decode.batch_cache import SlotTable
 from selfspec.decode.drafters import DraftModelDrafter, MedusaDrafter, PromptLookupDrafter
-from selfspec.decode.eagle import EagleDrafter
-from selfspec.decode.generate import speculative_generate
+from selfspec.decode.drafters.eagle import EagleDrafter
+from selfspec.decode.loop import TreeCap, speculative_generate, speculative_generate_batch
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import static_tree
 from selfspec.decode.tuning.batch_rule import (
     BatchCostProfile,
     BatchTreeRule,
-    TreeCap,
     get_batch_cost_profile,
     measure_batch_cost_profile,
 )
@@ -36,6 +35,7 @@ from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head
 from tests.helpers.archs import ARCHS, tiny_target
 from tests.helpers.drafters import OracleDrafter, TargetTopKDrafter
 from tests.helpers.heads import random_heads
+from tests.helpers.host_reads import counted_reads
 from tests.helpers.sampling import processed_probs
 from tests.helpers.stats import chi2_critical
 
@@ -333,3 +333,49 @@ def test_rows_stay_exact_with_the_verifiers_kernel_plan(kernel):
     assert alone == [x.tolist() for x in plain]
     rows = speculative_generate_batch(v, eagle(t), PROMPTS, max_new_tokens=NEW_TOKENS)
     assert [r.tokens for r in rows] == alone
+
+
+def test_a_batch_step_reads_the_host_at_most_twice_per_row_as_batch1_does():
+    """Greedy: per step, each row's tree is read once and every row's argmaxes in one copy, so a row-step costs
+    1 + 1/B reads against 2 alone (the slot table and the masks built from it are host tensors, not counted)."""
+    t = target("llama")
+    heads = random_heads(t)
+    paths = [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]
+    alone = [speculative_generate(t, MedusaDrafter(heads, static_tree(paths)), p, max_new_tokens=12) for p in PROMPTS]
+    drafter = MedusaDrafter(heads, static_tree(paths))  # built outside the count (it reads its tree)
+    sites: Counter = Counter()
+    with counted_reads(sites, skip_files=("batch_cache.py", "masks.py")):
+        rows = speculative_generate_batch(t, drafter, PROMPTS, max_new_tokens=12)
+    assert [r.tokens for r in rows] == [a.tokens for a in alone]
+    row_steps = sum(r.stats.steps for r in rows)
+    batch_steps = max(r.stats.steps for r in rows)
+    # the prefill's first tokens in one read; each step: one tree read per row, one argmax read for all rows
+    assert sum(sites.values()) == 1 + row_steps + batch_steps, sites
+    assert sum(sites.values()) <= 1 + 2 * row_steps
+
+
+def test_batches_stream_each_row_and_call_back_each_row_step():
+    """One streamer per prompt gets exactly its row's tokens; the step callback sees every row-step with its row."""
+    t = target("qwen2")
+    seen: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+    streamed = [[] for _ in PROMPTS]
+    streamers = [lambda ids, i=i: streamed[i].extend(ids) for i in range(len(PROMPTS))]
+    rows = speculative_generate_batch(
+        t,
+        eagle(t),
+        PROMPTS,
+        max_new_tokens=NEW_TOKENS,
+        streamers=streamers,
+        step_callback=lambda row, tree, result: seen[row].append(len(result.path)),
+    )
+    assert streamed == [r.tokens for r in rows]
+    assert {i: len(v) for i, v in seen.items()} == {i: r.stats.steps for i, r in enumerate(rows)}
+    assert all(v == r.stats.accepted_per_step for v, r in zip(seen.values(), rows, strict=True))
+    model = selfspec.load(t, prompt_lookup=True, tune="off")
+    texts = [[] for _ in PROMPTS[:2]]
+    outs = model.generate(PROMPTS[:2], max_new_tokens=8, streamer=[texts[0].extend, texts[1].extend])
+    assert texts == [o.tokens for o in outs]
+    with pytest.raises(ValueError, match="one streamer per prompt"):
+        model.generate(PROMPTS[:2], max_new_tokens=8, streamer=texts[0].extend)
+    with pytest.raises(ValueError, match="got 1 streamers for 2 prompts"):
+        model.generate(PROMPTS[:2], max_new_tokens=8, streamer=[None])

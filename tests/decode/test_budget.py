@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from selfspec.api import make_drafter, make_verifier
-from selfspec.decode import files
-from selfspec.decode.eagle import DEFAULT_DEPTH, DEFAULT_TOTAL_TOKENS, EagleDrafter
-from selfspec.decode.generate import speculative_generate
+from selfspec.decode.drafters import Drafter
+from selfspec.decode.drafters.eagle import DEFAULT_DEPTH, DEFAULT_TOTAL_TOKENS, EagleDrafter
 from selfspec.decode.kv import crop_cache, new_cache
+from selfspec.decode.loop import speculative_generate
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tuning import budget, calibration, costs, draft_costs
 from selfspec.decode.tuning.budget import choose_tree_budget
@@ -22,9 +22,10 @@ from selfspec.decode.tuning.calibration import AcceptanceProfile
 from selfspec.decode.tuning.costs import CostProfile
 from selfspec.decode.verifier import Verifier
 from selfspec.decode.verify import verify_greedy
-from selfspec.heads import load_heads
+from selfspec.heads import files, load_heads
 from selfspec.heads.config import HeadFormatError
 from tests.helpers.decoding import prompts, reference
+from tests.helpers.drafters import NO_LIMIT
 from tests.helpers.heads import SecondBestHead, random_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -177,22 +178,23 @@ def test_step_acceptance_equals_real_verification_step_by_step(oracle, second_be
     big = EagleDrafter(head, t, depth_max, top_k, n_max)
     steps = []
 
-    class Recorder:
-        name = "recorder"
+    class Recorder(Drafter):
+        def info(self):
+            return big.info()
 
         def begin(self, prompt_ids, hidden):
             big.begin(prompt_ids, hidden)
 
-        def propose(self, context, sampling, generator):
+        def propose(self, context, sampling, generator, limit):
             self.context = context.clone()
-            return big.propose(context, sampling, generator)
+            return big.propose(context, sampling, generator, limit)
 
-        def accept(self, tokens, hidden):
-            big.accept(tokens, hidden)
+        def accept(self, accepted):
+            big.accept(accepted)
 
     rec = Recorder()
 
-    def on_step(tree, result):
+    def on_step(row, tree, result):
         predicted, inexact = calibration.step_acceptance(
             big.last_candidates, result.accepted_nodes, result.next_token, depth_max, n_max
         )
@@ -216,7 +218,7 @@ def test_step_acceptance_equals_real_verification_step_by_step(oracle, second_be
             for n in range(1, min(n_max, calibration.num_candidates(top_k, d)) + 1):
                 drafter = EagleDrafter(head, t, d, top_k, n)
                 drafter.begin(context[:-1], hidden)
-                tree = drafter.propose(context, SamplingConfig(), None)
+                tree = drafter.propose(context, SamplingConfig(), None, NO_LIMIT)
                 logits = verifier.lm_logits(
                     verifier.forward_tree(tree.tokens, tree.parents, cache, context.numel() - 1)
                 )

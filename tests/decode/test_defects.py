@@ -19,8 +19,9 @@ from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
 
 import selfspec
 from selfspec.decode.drafters import DraftModelDrafter, DraftTree, PromptLookupDrafter
-from selfspec.decode.generate import speculative_generate, target_distributions
+from selfspec.decode.loop import speculative_generate
 from selfspec.decode.sampling import SamplingConfig
+from selfspec.decode.step import target_distributions
 from selfspec.decode.tree import tree_depths
 from tests.helpers.archs import tiny_llama
 
@@ -160,8 +161,8 @@ def test_short_context_draft_proposes_its_own_greedy_continuation(tiny_target):
     chains: list[tuple[int, list[int]]] = []
     propose = drafter.propose
 
-    def recording(context, sampling, generator, max_depth=None):
-        tree = propose(context, sampling, generator, max_depth=max_depth)
+    def recording(context, sampling, generator, limit):
+        tree = propose(context, sampling, generator, limit)
         chains.append((context.numel(), tree.tokens[1:].tolist()))
         alone = context.clone()  # the draft model's greedy continuation, each token from a full forward
         for _ in range(tree.tokens.numel() - 1):
@@ -181,7 +182,11 @@ def test_draft_model_drafts_no_more_than_the_tokens_still_allowed(tiny_target):
     drafter = DraftModelDrafter(tiny_target, num_tokens=7)
     seen: list[int] = []
     out = speculative_generate(
-        tiny_target, drafter, ids, max_new_tokens=5, step_callback=lambda tree, result: seen.append(tree.tokens.numel())
+        tiny_target,
+        drafter,
+        ids,
+        max_new_tokens=5,
+        step_callback=lambda row, tree, result: seen.append(tree.tokens.numel()),
     )
     # after the first token 4 may still come: root + 3 drafts, all accepted, plus the bonus token
     assert len(out.tokens) == 5 and seen == [4]
@@ -192,7 +197,7 @@ def test_draft_model_drafts_no_more_than_the_tokens_still_allowed(tiny_target):
         PromptLookupDrafter(num_tokens=8),
         loop,
         max_new_tokens=3,
-        step_callback=lambda tree, result: seen.append(tree.tokens.numel()),
+        step_callback=lambda row, tree, result: seen.append(tree.tokens.numel()),
     )
     assert seen and max(seen) <= 2  # after the first token 2 may come: root + at most 1 draft
 
@@ -232,7 +237,7 @@ def test_padded_draft_vocabulary_maps_ids_exactly_when_the_shared_size_is_given(
             model.drafter,
             ids,
             max_new_tokens=25,
-            step_callback=lambda tree, result: drafts.extend(tree.tokens[1:].tolist()),
+            step_callback=lambda row, tree, result: drafts.extend(tree.tokens[1:].tolist()),
         )
         assert out.tokens == ref  # with target ids >= 80 in the context the 80-id draft stops drafting
         sampled = speculative_generate(
@@ -242,7 +247,7 @@ def test_padded_draft_vocabulary_maps_ids_exactly_when_the_shared_size_is_given(
             max_new_tokens=25,
             sampling=SamplingConfig(do_sample=True, top_k=20),
             generator=torch.Generator().manual_seed(seed),
-            step_callback=lambda tree, result: drafts.extend(tree.tokens[1:].tolist()),
+            step_callback=lambda row, tree, result: drafts.extend(tree.tokens[1:].tolist()),
         )
         assert len(sampled.tokens) == 25
     assert drafts and max(drafts) < shared

@@ -8,9 +8,10 @@ import functools
 import pytest
 import torch
 
-from selfspec.decode.eagle import EagleDrafter
-from selfspec.decode.generate import speculative_generate
+from selfspec.decode.drafters import Drafter
+from selfspec.decode.drafters.eagle import EagleDrafter
 from selfspec.decode.kv import new_cache
+from selfspec.decode.loop import speculative_generate
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.verifier import Verifier
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head
@@ -18,6 +19,7 @@ from selfspec.train.config import Eagle3Options
 from selfspec.train.eagle3 import UnrolledEagle3, eagle3_step_loss
 from selfspec.train.eagle_data import collate, pack_rows
 from tests.helpers.archs import tiny_target
+from tests.helpers.drafters import NO_LIMIT
 from tests.helpers.sampling import N_SAMPLES, SAMPLING, processed_probs
 from tests.helpers.stats import chi2_critical
 from tests.helpers.training import distilled_store
@@ -88,24 +90,26 @@ def test_greedy_equals_generate_other_families(arch):
             assert out.tokens == reference(target, ids, 20)
 
 
-class Recorder:
+class Recorder(Drafter):
     """Wraps a drafter; records each step's context and tree, and what ``accept`` was given."""
 
     def __init__(self, drafter):
-        self.inner, self.name, self.steps, self.accepted = drafter, drafter.name, [], []
-        self.target_layers = drafter.target_layers
+        self.inner, self.steps, self.accepted = drafter, [], []
+
+    def info(self):
+        return self.inner.info()
 
     def begin(self, prompt_ids, hidden):
         self.inner.begin(prompt_ids, hidden)
 
-    def propose(self, context, sampling, generator):
-        tree = self.inner.propose(context, sampling, generator)
+    def propose(self, context, sampling, generator, limit):
+        tree = self.inner.propose(context, sampling, generator, limit)
         self.steps.append((context.clone(), tree))
         return tree
 
-    def accept(self, tokens, hidden):
-        self.accepted.append((tokens.clone(), hidden.clone()))
-        self.inner.accept(tokens, hidden)
+    def accept(self, accepted):
+        self.accepted.append((accepted.tokens.clone(), accepted.hidden.clone()))
+        self.inner.accept(accepted)
 
 
 def test_accepted_nodes_get_their_layer_states_and_state_equals_fresh_start():
@@ -129,7 +133,7 @@ def test_accepted_nodes_get_their_layer_states_and_state_equals_fresh_start():
     for context, tree in rec.steps[1::2]:
         fresh = EagleDrafter(head, target, 4, 3, 10)
         fresh.begin(context[:-1], verifier.prefill(context[:-1], new_cache(target), layers=head.target_layers)[1])
-        again = fresh.propose(context, SamplingConfig(), None)
+        again = fresh.propose(context, SamplingConfig(), None, NO_LIMIT)
         assert torch.equal(again.tokens, tree.tokens) and torch.equal(again.parents, tree.parents)
 
 
@@ -165,7 +169,7 @@ def test_d2t_applied_exactly_once_never_out_of_range(favourite, expected):
         prompt = prompts(1)[0]
         _, states = Verifier(target).prefill(prompt, new_cache(target), layers=rigged.target_layers)
         drafter.begin(prompt, states)
-        tree = drafter.propose(torch.cat([prompt, torch.tensor([7])]), SamplingConfig(), None)
+        tree = drafter.propose(torch.cat([prompt, torch.tensor([7])]), SamplingConfig(), None, NO_LIMIT)
     finally:
         hook.remove()
     drafted = tree.tokens[1:]

@@ -5,14 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec.decode.eagle import EagleDrafter, select_nodes
-from selfspec.decode.generate import speculative_generate
+from selfspec.decode.drafters import Drafter
+from selfspec.decode.drafters.base import AcceptedPath
+from selfspec.decode.drafters.eagle import EagleDrafter, select_nodes
 from selfspec.decode.kv import new_cache
+from selfspec.decode.loop import speculative_generate
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import validate_parents
 from selfspec.decode.verifier import Verifier
 from tests.helpers.archs import tiny_llama
 from tests.helpers.decoding import prompts, reference
+from tests.helpers.drafters import NO_LIMIT
 from tests.helpers.heads import SecondBestHead, random_head
 
 D, V = 32, 96
@@ -27,35 +30,31 @@ def target():
     return tiny_llama()
 
 
-class Recorder:
+class Recorder(Drafter):
     """Wraps a drafter: records (context, tree) of every step and checks the head-cache invariant."""
 
     def __init__(self, drafter):
-        self.inner, self.name, self.steps, self.accepted_paths = drafter, drafter.name, [], []
+        self.inner, self.steps, self.accepted_paths = drafter, [], []
+
+    def info(self):
+        return self.inner.info()
 
     def begin(self, prompt_ids, hidden):
         self.inner.begin(prompt_ids, hidden)
 
-    def propose(self, context, sampling, generator):
-        tree = self.inner.propose(context, sampling, generator)
+    def propose(self, context, sampling, generator, limit):
+        tree = self.inner.propose(context, sampling, generator, limit)
         # only pairs (f_t, x_{t+1}) with target features stay cached: one per decided token but the root
         assert self.inner._cache.get_seq_length() == context.numel() - 1
         self.steps.append((context.clone(), tree))
         return tree
 
-    def accept(self, accepted_tokens, accepted_hidden):
-        # recover the accepted node indices: follow the accepted tokens down the last tree
-        tree, path = self.steps[-1][1], [0]
-        for tok in accepted_tokens[1:].tolist():
-            path.append(
-                next(
-                    i
-                    for i in range(1, tree.tokens.numel())
-                    if int(tree.parents[i]) == path[-1] and int(tree.tokens[i]) == tok
-                )
-            )
+    def accept(self, accepted):
+        # the verified path's node indices, and its tokens are the tree's at those nodes
+        path = list(accepted.nodes)
+        assert accepted.tokens.tolist() == [int(self.steps[-1][1].tokens[i]) for i in path]
         self.accepted_paths.append(path)
-        self.inner.accept(accepted_tokens, accepted_hidden)
+        self.inner.accept(accepted)
 
 
 @pytest.mark.parametrize("depth, top_k, total", SETTINGS)
@@ -88,7 +87,7 @@ def test_incremental_state_equals_fresh_start(target):
         fresh = EagleDrafter(head, target, 4, 3, 10)
         hidden = Verifier(target).prefill(context[:-1], new_cache(target))
         fresh.begin(context[:-1], hidden)
-        again = fresh.propose(context, SamplingConfig(), None)
+        again = fresh.propose(context, SamplingConfig(), None, NO_LIMIT)
         assert torch.equal(again.tokens, tree.tokens) and torch.equal(again.parents, tree.parents)
 
 
@@ -160,7 +159,7 @@ def test_dynamic_tree_properties(target, depth, top_k, total):
     hidden = Verifier(target).prefill(ids, cache)
     drafter.begin(ids, hidden)
     root = target.lm_head(hidden[-1:]).argmax(-1)
-    tree = drafter.propose(torch.cat([ids, root]), SamplingConfig(), None)
+    tree = drafter.propose(torch.cat([ids, root]), SamplingConfig(), None, NO_LIMIT)
     validate_parents(tree.parents)  # parents precede children
     assert tree.q is None
     cand = drafter.last_candidates
@@ -188,7 +187,7 @@ def test_dynamic_tree_properties(target, depth, top_k, total):
         ref = _path_scores_by_chain(head, ids, hidden, root, path[::-1])
         assert abs(ref - float(scores[c])) < 1e-4
     # drafting leaves the head cache with stable entries only: a second propose after accept still works
-    drafter.accept(tree.tokens[:1], hidden[-1:])
+    drafter.accept(AcceptedPath(tree, (0,), tree.tokens[:1], hidden[-1:], 0))
     assert drafter._cache.get_seq_length() == ids.numel()
 
 

@@ -8,7 +8,7 @@ import torch
 from transformers import LogitsProcessorList, NoBadWordsLogitsProcessor
 
 from selfspec.decode.drafters import DraftModelDrafter, MedusaDrafter, PromptLookupDrafter
-from selfspec.decode.generate import speculative_generate
+from selfspec.decode.loop import speculative_generate
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import static_tree
 from tests.helpers.archs import tiny_llama

@@ -3,17 +3,17 @@ parts compute on their own; a speculation step reads tensor values on the host t
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 
 import pytest
 import torch
 
 from selfspec.decode.drafters import DraftTree, MedusaDrafter
-from selfspec.decode.generate import NonFiniteLogitsError, cut_tree, speculative_generate
-from selfspec.decode.host import HostTree, read_tree, to_device
+from selfspec.decode.host import HostTree, cut_tree, read_tree, to_device
 from selfspec.decode.kv import compact_cache
+from selfspec.decode.loop import speculative_generate
 from selfspec.decode.sampling import sample
+from selfspec.decode.step import NonFiniteLogitsError
 from selfspec.decode.tree import static_tree, tree_depths
 from selfspec.decode.verifier import Verifier
 from selfspec.decode.verify import VerifyResult, verify_greedy, verify_tree_sampling, verify_typical
@@ -22,6 +22,7 @@ from tests.helpers.caches import hand_built_cache, positions
 from tests.helpers.decoding import TREES, plain_greedy
 from tests.helpers.drafters import OracleDrafter
 from tests.helpers.heads import random_heads
+from tests.helpers.host_reads import counted_reads
 
 PARENTS = [-1, 0, 0, 1, 1, 2, 3, 3]
 
@@ -104,31 +105,6 @@ def test_forward_tree_with_the_host_tree_equals_without():
         assert torch.equal(outs[0], outs[1])
 
 
-@contextlib.contextmanager
-def counted_reads(sites: Counter):
-    """Count calls that read tensor values on the host (a synchronisation on a GPU for a device tensor)."""
-    names = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero")
-    saved = {name: torch.Tensor.__dict__.get(name) for name in names}
-
-    def counted(name, orig):
-        def call(self, *args, **kwargs):
-            sites[name] += 1
-            return orig(self, *args, **kwargs)
-
-        return call
-
-    try:
-        for name in names:
-            setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
-        yield
-    finally:
-        for name, orig in saved.items():
-            if orig is None:
-                delattr(torch.Tensor, name)
-            else:
-                setattr(torch.Tensor, name, orig)
-
-
 def test_a_greedy_tree_step_reads_the_host_twice(tiny_target):
     heads = random_heads(tiny_target)
     ids = torch.randint(3, 96, (8,), generator=torch.Generator().manual_seed(4))
@@ -208,7 +184,7 @@ def test_typical_reads_acceptability_and_log_p_in_one_copy():
 
 
 def test_a_result_without_the_host_path_is_read_from_the_device(tiny_target, monkeypatch):
-    import selfspec.decode.generate as loop
+    import selfspec.decode.loop as loop
 
     ids = torch.randint(3, 96, (7,), generator=torch.Generator().manual_seed(5))
     ref = plain_greedy(tiny_target, ids, 30)

@@ -6,16 +6,16 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.decode.batch import speculative_generate_batch
-from selfspec.decode.drafters import DraftTree, MedusaDrafter, PromptLookupDrafter
-from selfspec.decode.eagle import EagleDrafter
-from selfspec.decode.generate import speculative_generate
-from selfspec.decode.hybrid import HybridDrafter, lookup_chain, merge_chain, new_nodes
+from selfspec.decode.drafters import DraftTree, MedusaDrafter
+from selfspec.decode.drafters.eagle import EagleDrafter
+from selfspec.decode.drafters.hybrid import HybridDrafter, merge_chain, new_nodes
+from selfspec.decode.drafters.ngram import lookup_chain
+from selfspec.decode.loop import speculative_generate, speculative_generate_batch
 from selfspec.decode.tree import static_tree
 from selfspec.decode.verify import verify_tree_sampling
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from tests.helpers.archs import tiny_target
-from tests.helpers.drafters import Rigged, TargetTopKDrafter, cost, eagle_hybrid
+from tests.helpers.drafters import NO_LIMIT, Rigged, TargetTopKDrafter, cost, eagle_hybrid
 from tests.helpers.heads import random_heads
 from tests.helpers.lossless import assert_lossless, enumerate_law, tree_case
 from tests.helpers.sampling import SAMPLING, processed_probs
@@ -62,11 +62,11 @@ def test_no_two_siblings_hold_one_token_after_merging():
 
 def test_lookup_chain_finds_the_latest_longest_match():
     ctx = [1, 2, 3, 4, 5, 1, 2, 3, 7, 8, 2, 3]
-    chain, n = lookup_chain(ctx, PromptLookupDrafter(num_tokens=4, max_ngram=3), 4)
+    chain, n = lookup_chain(ctx, 3, 1, 4)
     assert n == 2 and chain == [7, 8, 2, 3]  # "2 3" last matched at index 6-7 (latest first)
     # a repetition: the latest match of "5 5 5" is followed by one token, an earlier one by four
-    assert lookup_chain([9, 5, 5, 5, 5, 5, 5, 5], PromptLookupDrafter(max_ngram=3), 4) == ([5, 5, 5, 5], 3)
-    assert lookup_chain([1, 2, 3], PromptLookupDrafter(), 4) == ([], 0)
+    assert lookup_chain([9, 5, 5, 5, 5, 5, 5, 5], 3, 1, 4) == ([5, 5, 5, 5], 3)
+    assert lookup_chain([1, 2, 3], 3, 1, 4) == ([], 0)
 
 
 def test_exact_sampling_through_a_tree_from_two_sources_with_duplicates():
@@ -110,7 +110,8 @@ def test_greedy_equals_generate(arch, kind):
         if kind == "eagle":
             drafter = eagle_hybrid(t)
         else:
-            drafter = HybridDrafter(MedusaDrafter(random_heads(t), static_tree([(0,), (1,), (0, 0)])), cost())
+            medusa = MedusaDrafter(random_heads(t), static_tree([(0,), (1,), (0, 0)]))
+            drafter = HybridDrafter(medusa, cost().verify_cost_ms)
         out = speculative_generate(t, drafter, ids, max_new_tokens=24)
         assert out.tokens == ref.tolist()
         assert drafter.acceptance.chain_drafted  # n-gram chains were drafted beside the head's tree
@@ -127,23 +128,23 @@ def test_batch_rows_equal_their_own_hybrid_output():
 def test_split_follows_measured_acceptance_and_cost():
     """With a head that is never accepted and chains that always are, the split moves to the chain and
     drops the head's tree; with the opposite record, the head's tree alone (no chain node)."""
-    h = HybridDrafter(Rigged(), cost(0.05))
+    h = HybridDrafter(Rigged(), cost(0.05).verify_cost_ms)
     h.begin(torch.tensor([5]), torch.zeros(1, 4))
     for _ in range(30):
         h.acceptance.record_head(0)
         h.acceptance.record_chain(3, 8, 8)
     ctx = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])  # "5 6 7" matches: chain [8, 9, 5, 6, 7]
-    h.propose(ctx, None, None)  # the first step drafts with the head: its tree's size is not known before
+    h.propose(ctx, None, None, NO_LIMIT)  # the first step drafts with the head: its tree's size is not known before
     calls = h._head_calls
-    tree = h.propose(ctx, None, None)
+    tree = h.propose(ctx, None, None, NO_LIMIT)
     assert h.split[-1] == (1, 5) and tree.tokens.tolist() == [7, 8, 9, 5, 6, 7]
     assert h._head_calls == calls  # the head was not asked to draft at all
-    h2 = HybridDrafter(Rigged(), cost(0.05))
+    h2 = HybridDrafter(Rigged(), cost(0.05).verify_cost_ms)
     h2.begin(torch.tensor([5]), torch.zeros(1, 4))
     for _ in range(30):
         h2.acceptance.record_head(2)
         h2.acceptance.record_chain(3, 8, 0)
-    h2.propose(ctx, None, None)
+    h2.propose(ctx, None, None, NO_LIMIT)
     assert h2.split[-1] == (5, 0)  # the head's tree alone
 
 
@@ -161,7 +162,7 @@ def test_sampling_keeps_the_target_distribution():
     gen = torch.Generator().manual_seed(99)
     counts, chains, n = {}, 0, 300
     for _ in range(n):
-        drafter = HybridDrafter(TargetTopKDrafter(t), cost(0.0))
+        drafter = HybridDrafter(TargetTopKDrafter(t), cost(0.0).verify_cost_ms)
         out = speculative_generate(t, drafter, ids, max_new_tokens=3, sampling=SAMPLING, generator=gen)
         key = (out.tokens[0], out.tokens[1])
         assert key in expected

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.decode.drafters import DraftModelDrafter, DraftTree, PromptLookupDrafter
-from selfspec.decode.generate import NonFiniteLogitsError, speculative_generate
+from selfspec.decode.drafters import Drafter, DrafterInfo, DraftModelDrafter, DraftTree, PromptLookupDrafter
+from selfspec.decode.loop import speculative_generate
+from selfspec.decode.step import NonFiniteLogitsError
 from tests.helpers.archs import tiny_llama
 from tests.helpers.decoding import TREES
 from tests.helpers.heads import random_heads
@@ -40,7 +41,7 @@ def model(tiny_target):
         (PROMPT, dict(do_sample=True, min_p=-0.1), r"min_p must be in \[0, 1\], got -0.1"),
         (PROMPT, dict(do_sample=True, min_p=1.5), r"min_p must be in \[0, 1\], got 1.5"),
         (torch.tensor([[PROMPT, PROMPT]]), {}, r"input ids of shape \(1, 2, 6\): pass \[T\], \[1, T\], \[B, T\]"),
-        ([PROMPT, PROMPT], dict(streamer=lambda ids: None), "a streamer follows one prompt"),
+        ([PROMPT, PROMPT], dict(streamer=lambda ids: None), "a batch streams through one streamer per prompt"),
         ([PROMPT, PROMPT], dict(batch_tree="big"), "batch_tree must be 'auto' or 'fixed'"),
         (PROMPT, dict(streamer=42), "streamer must be a transformers BaseStreamer"),
     ],
@@ -64,19 +65,14 @@ def test_empty_text_prompt_is_refused_and_stream_raises_the_generation_error():
         list(model.stream("hello", max_new_tokens=3))
 
 
-class RootOnly:
+class RootOnly(Drafter):
     """Proposes nothing: every step is one plain decoding step (step k feeds output token k - 1)."""
 
-    name = "root_only"
+    def info(self):
+        return DrafterInfo(name="root_only", max_depth=0)
 
-    def begin(self, prompt_ids, hidden):
-        pass
-
-    def propose(self, context, sampling, generator):
+    def propose(self, context, sampling, generator, limit):
         return DraftTree(tokens=context[-1:], parents=torch.tensor([-1]))
-
-    def accept(self, tokens, hidden):
-        pass
 
 
 def test_nan_in_the_lm_head_stops_at_the_prefill():

@@ -12,8 +12,8 @@ import torch
 
 import selfspec
 from selfspec.decode.drafters import MedusaDrafter, PromptLookupDrafter
-from selfspec.decode.eagle import EagleDrafter
-from selfspec.decode.generate import speculative_generate
+from selfspec.decode.drafters.eagle import EagleDrafter
+from selfspec.decode.loop import speculative_generate
 from selfspec.decode.tree import static_tree
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads

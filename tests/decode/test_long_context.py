@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from selfspec.decode.drafters import DraftModelDrafter, MedusaDrafter, PromptLookupDrafter
-from selfspec.decode.generate import speculative_generate
+from selfspec.decode.loop import speculative_generate
 from selfspec.decode.tree import static_tree, tree_depths
 from selfspec.decode.verifier import Verifier
 from tests.helpers.archs import tiny_llama
@@ -86,7 +86,7 @@ def test_sampling_near_the_context_limit_completes(short_target):
 
 @pytest.mark.parametrize("prompt_len", [CONTEXT - 3, CONTEXT - 24])
 def test_eagle_trees_shrink_at_the_context_limit_and_stay_exact(prompt_len):
-    from selfspec.decode.eagle import EagleDrafter
+    from selfspec.decode.drafters.eagle import EagleDrafter
     from tests.helpers.heads import build_oracle
 
     target, head = build_oracle()  # a head that nearly reproduces its target: deep accepted paths

@@ -10,16 +10,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import selfspec
-from selfspec.decode import suffix_index as suffix_module
 from selfspec.decode.drafters import DraftTree, PromptLookupDrafter
-from selfspec.decode.generate import speculative_generate
-from selfspec.decode.hybrid import HybridDrafter, merge_chain
-from selfspec.decode.suffix_index import SuffixIndex, ngram_hashes
+from selfspec.decode.drafters import suffix_index as suffix_module
+from selfspec.decode.drafters.base import AcceptedPath
+from selfspec.decode.drafters.hybrid import HybridDrafter, merge_chain
+from selfspec.decode.drafters.suffix_index import SuffixIndex, ngram_hashes
+from selfspec.decode.loop import speculative_generate
 from selfspec.decode.verify import verify_tree_sampling
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from tests.helpers.archs import tiny_target
 from tests.helpers.decoding import V
-from tests.helpers.drafters import Rigged, TargetTopKDrafter, cost, eagle_hybrid
+from tests.helpers.drafters import NO_LIMIT, Rigged, TargetTopKDrafter, cost, eagle_hybrid
 from tests.helpers.lossless import assert_lossless, enumerate_law, tree_case
 from tests.helpers.sampling import SAMPLING, processed_probs
 from tests.helpers.stats import chi2_critical
@@ -162,25 +163,25 @@ def test_from_jsonl_indexes_the_assistant_answers_only(tmp_path):
 # ------------------------------------------------------------------------------------------- the hybrid
 def test_the_index_chain_is_drafted_when_the_context_has_no_match():
     index = SuffixIndex([[60, 61, 12, 13, 40, 41, 42], [12, 13, 40, 50]], min_ngram=2, max_ngram=4)
-    h = HybridDrafter(Rigged(), cost(0.05), PromptLookupDrafter(num_tokens=4), suffix_index=index)
+    h = HybridDrafter(Rigged(), cost(0.05).verify_cost_ms, PromptLookupDrafter(num_tokens=4), suffix_index=index)
     h.begin(torch.tensor([10]), torch.zeros(1, 4))
     ctx = torch.tensor([10, 11, 12, 13])  # no token repeats: prompt lookup finds nothing
-    tree = h.propose(ctx, None, None)
+    tree = h.propose(ctx, None, None, NO_LIMIT)
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     assert tokens[:5] == [13, 1, 1, 2, 2]  # the head's tree first
     assert tokens[5:] == [40, 41, 42] and parents[5:] == [0, 5, 6]  # then the index's chain under the root
     assert h._last[3] == -2  # recorded apart from context chains
-    h.accept(torch.tensor([13, 40, 41]), torch.zeros(3, 4))
+    h.accept(AcceptedPath(tree, (0, 5, 6), torch.tensor([13, 40, 41]), torch.zeros(3, 4), 42))
     assert h.acceptance.chain_reached == {-2: [1, 1, 0]} and h.acceptance.chain_drafted == {-2: [1, 1, 1]}
     # a context match as long as the index's wins the tie; a longer index match wins
     index = SuffixIndex([[5, 6, 7, 60], [8, 5, 6, 7, 70]], min_ngram=2, max_ngram=6)
-    h = HybridDrafter(Rigged(), cost(0.05), PromptLookupDrafter(num_tokens=4), suffix_index=index)
+    h = HybridDrafter(Rigged(), cost(0.05).verify_cost_ms, PromptLookupDrafter(num_tokens=4), suffix_index=index)
     h.begin(torch.tensor([5]), torch.zeros(1, 4))
-    h.propose(torch.tensor([5, 6, 7, 9, 5, 6, 7]), None, None)
+    h.propose(torch.tensor([5, 6, 7, 9, 5, 6, 7]), None, None, NO_LIMIT)
     assert h._last[3] == 3 and 9 in h._last[0].tokens.tolist()[5:]
-    h.propose(torch.tensor([8, 5, 6, 7, 9, 5, 6, 7]), None, None)
+    h.propose(torch.tensor([8, 5, 6, 7, 9, 5, 6, 7]), None, None, NO_LIMIT)
     assert h._last[3] == 3  # "5 6 7" in both: the context's
-    h.propose(torch.tensor([1, 8, 5, 6, 7]), None, None)
+    h.propose(torch.tensor([1, 8, 5, 6, 7]), None, None, NO_LIMIT)
     assert h._last[3] == -4 and h._last[0].tokens.tolist()[5:] == [70]
     assert h.fork().suffix_index is index
 
@@ -257,7 +258,7 @@ def test_sampling_keeps_the_target_distribution_with_an_index():
     gen = torch.Generator().manual_seed(99)
     counts, chains, n = {}, 0, 300
     for _ in range(n):
-        drafter = HybridDrafter(TargetTopKDrafter(t), cost(0.0), suffix_index=index)
+        drafter = HybridDrafter(TargetTopKDrafter(t), cost(0.0).verify_cost_ms, suffix_index=index)
         out = speculative_generate(t, drafter, ids, max_new_tokens=3, sampling=SAMPLING, generator=gen)
         key = (out.tokens[0], out.tokens[1])
         assert key in expected
@@ -307,7 +308,7 @@ def test_bench_adds_hybrid_suffix_beside_hybrid(tmp_path, monkeypatch):
     from selfspec.bench import methods as bench_methods
     from tests.helpers.tokenizers import CharTokenizer
 
-    monkeypatch.setattr(bench_methods, "get_cost_profile", lambda target: cost())
+    monkeypatch.setattr(bench_methods, "get_cost_profile", lambda target: cost().verify_cost_ms)
     monkeypatch.setattr(bench_methods, "make_verifier", lambda target, drafter: make_verifier(target, drafter, "off"))
     t, tokenizer = tiny_target("llama"), CharTokenizer()
     torch.manual_seed(1)

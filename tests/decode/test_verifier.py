@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from selfspec.heads import cpu_linear
 from selfspec.decode.drafters import MedusaDrafter
-from selfspec.decode.eagle import EagleDrafter
-from selfspec.decode.generate import speculative_generate
+from selfspec.decode.drafters.eagle import EagleDrafter
+from selfspec.decode.loop import speculative_generate
 from selfspec.decode.tree import static_tree
 from selfspec.decode.verifier import Verifier
+from selfspec.heads import cpu_linear
 from tests.helpers.archs import tiny_llama
 from tests.helpers.decoding import prompts, reference
 

@@ -5,33 +5,31 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.decode.drafters import DraftTree
-from selfspec.decode.eagle import EagleDrafter
-from selfspec.decode.hybrid import HybridDrafter
+from selfspec.decode.drafters import Drafter, DrafterInfo, DraftLimit, DraftTree
+from selfspec.decode.drafters.eagle import EagleDrafter
+from selfspec.decode.drafters.hybrid import HybridDrafter
 from selfspec.decode.tuning.costs import CostProfile
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from tests.helpers.sampling import processed_probs
 
 V = 96  # the vocabulary of every tiny target (tests/helpers/archs.py)
 
+# A draft limit that limits nothing: the drafter drafts its own tree (direct propose calls in tests).
+NO_LIMIT = DraftLimit(useful_depth=10**6)
 
-class OracleDrafter:
+
+class OracleDrafter(Drafter):
     """Random trees that contain the true greedy continuation at random branches (and junk elsewhere),
     so long, non-contiguous accepted paths exercise the KV compaction."""
-
-    name = "oracle"
 
     def __init__(self, prompt_len: int, reference: list[int], seed: int, nodes: int = 12, hit_rate: float = 0.8):
         self.prompt_len, self.ref, self.nodes, self.hit = prompt_len, reference, nodes, hit_rate
         self.g = torch.Generator().manual_seed(seed)
 
-    def begin(self, prompt_ids, hidden):
-        pass
+    def info(self):
+        return DrafterInfo(name="oracle", max_depth=self.nodes - 1)
 
-    def accept(self, tokens, hidden):
-        pass
-
-    def propose(self, context, sampling, generator):
+    def propose(self, context, sampling, generator, limit):
         pos = context.numel() - self.prompt_len  # index in ref of the next token
         parents, tokens, on_path = [-1], [int(context[-1])], {0: pos}
         for i in range(1, self.nodes):
@@ -47,22 +45,17 @@ class OracleDrafter:
         return DraftTree(torch.tensor(tokens), torch.tensor(parents))
 
 
-class TargetTopKDrafter:
+class TargetTopKDrafter(Drafter):
     """The target's own top candidates for the next two tokens (deterministic: one-hot q), in a tree of
     three children under the root and two under the first."""
-
-    name = "target_topk"
 
     def __init__(self, model) -> None:
         self.model = model
 
-    def begin(self, prompt_ids, hidden):
-        pass
+    def info(self):
+        return DrafterInfo(name="target_topk", max_depth=2, head=True)
 
-    def accept(self, tokens, hidden):
-        pass
-
-    def propose(self, context, sampling, generator):
+    def propose(self, context, sampling, generator, limit):
         first = processed_probs(self.model, context).topk(3).indices
         second = processed_probs(self.model, torch.cat([context, first[:1]])).topk(2).indices
         return DraftTree(torch.cat([context[-1:], first, second]), torch.tensor([-1, 0, 0, 0, 1, 1]))
@@ -85,19 +78,14 @@ def cost(per_node: float = 0.05) -> CostProfile:
 def eagle_hybrid(t, per_node=0.05):
     torch.manual_seed(1)
     head = EagleHead(EagleConfig(hidden_size=t.config.hidden_size, vocab_size=V), t.config, target=t).eval()
-    return HybridDrafter(EagleDrafter(head, t, depth=3, top_k=2, total_tokens=5), cost(per_node))
+    return HybridDrafter(EagleDrafter(head, t, depth=3, top_k=2, total_tokens=5), cost(per_node).verify_cost_ms)
 
 
-class Rigged:
+class Rigged(Drafter):
     """A head drafter with a fixed 5-node tree of junk tokens (never accepted)."""
 
-    name = "rigged"
+    def info(self):
+        return DrafterInfo(name="rigged", max_depth=3, head=True)
 
-    def begin(self, prompt_ids, hidden):
-        pass
-
-    def accept(self, tokens, hidden):
-        pass
-
-    def propose(self, context, sampling, generator):
+    def propose(self, context, sampling, generator, limit):
         return DraftTree(torch.cat([context[-1:], torch.tensor([1, 1, 2, 2])]), torch.tensor([-1, 0, 1, 0, 3]))

@@ -14,10 +14,11 @@ import json
 import pytest
 import torch
 
-from selfspec.decode.drafters import DraftTree
-from selfspec.decode.eagle import EagleDrafter
-from selfspec.decode.generate import speculative_generate
+from selfspec.decode.drafters import Drafter, DraftTree
+from selfspec.decode.drafters.eagle import EagleDrafter
+from selfspec.decode.loop import speculative_generate
 from selfspec.heads.eagle import FULL_ATTENTION, EagleConfig, EagleHead
+from selfspec.train.inputs import RunInputs
 from tests.helpers.archs import ARCHS, WINDOW, tiny_target
 from tests.helpers.conversations import conversations
 from tests.helpers.tokenizers import tiny_tokenizer
@@ -133,24 +134,27 @@ def test_eagle_training_distribution_is_the_targets_soft_capped():
     assert abs(float(plain.ce_loss) - float(entropy)) > 1e-2  # the cap matters here
 
 
-class Steered:
+class Steered(Drafter):
     """An :class:`EagleDrafter` whose trees are steered after drafting: along the path of the target's
     greedy continuation, the last child of each node on it gets the next greedy token. Steps then accept
     several tokens through non-first branches (a non-contiguous compaction of the target's cache and a
     multi-token ``accept`` of the head), while every other node stays the head's own draft."""
 
     def __init__(self, drafter: EagleDrafter, prompt_len: int, continuation: list[int]) -> None:
-        self.inner, self.name = drafter, drafter.name
+        self.inner = drafter
         self.prompt_len, self.continuation = prompt_len, continuation
+
+    def info(self):
+        return self.inner.info()
 
     def begin(self, prompt_ids, hidden):
         self.inner.begin(prompt_ids, hidden)
 
-    def accept(self, accepted_tokens, accepted_hidden):
-        self.inner.accept(accepted_tokens, accepted_hidden)
+    def accept(self, accepted):
+        self.inner.accept(accepted)
 
-    def propose(self, context, sampling, generator):
-        tree = self.inner.propose(context, sampling, generator)
+    def propose(self, context, sampling, generator, limit):
+        tree = self.inner.propose(context, sampling, generator, limit)
         assert self.inner._cache.get_seq_length() == context.numel() - 1  # stable pairs only
         tokens, parents = tree.tokens.clone(), tree.parents.tolist()
         decided = context.numel() - self.prompt_len
@@ -214,7 +218,7 @@ def train(tmp_path, target, head: str):
     cfg = TrainConfig(**BUDGET, **family[head], head=head, output_dir=str(tmp_path))
     convs = conversations(20)
     run = train_eagle if head == "eagle" else train_medusa
-    heads_dir = run(cfg, Accelerator(cpu=True), target, tiny_tokenizer(), convs[:14], convs[14:])
+    heads_dir = run(RunInputs(cfg, Accelerator(cpu=True), target, tiny_tokenizer(), convs[:14], convs[14:]))
     return heads_dir, json.loads((tmp_path / "train_summary.json").read_text())
 
 
@@ -263,7 +267,9 @@ def test_features_are_truncated_to_the_targets_context(tmp_path):
     target.config.max_position_embeddings = 16
     cfg = TrainConfig(**BUDGET, head="eagle", output_dir=str(tmp_path))
     convs = conversations(6)
-    train_store, held, _ = target_features(cfg, Accelerator(cpu=True), target, tiny_tokenizer(), convs[:4], convs[4:])
+    train_store, held, _ = target_features(
+        RunInputs(cfg, Accelerator(cpu=True), target, tiny_tokenizer(), convs[:4], convs[4:])
+    )
     assert int(train_store.lengths.max()) == 16 and int(held.lengths.max()) == 16
 
 

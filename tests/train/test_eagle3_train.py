@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from selfspec.decode.eagle import EagleDrafter
+from selfspec.decode.drafters.eagle import EagleDrafter
 from selfspec.decode.kv import new_cache
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.verifier import Verifier
@@ -17,7 +17,9 @@ from selfspec.train.config import Eagle3Options, TrainConfig, load_config
 from selfspec.train.eagle3 import UnrolledEagle3, eagle3_step_loss, split_features, train_eagle3
 from selfspec.train.eagle_data import PairStore, collate
 from selfspec.train.feature_store import feature_signature, save_features, store_path
+from selfspec.train.inputs import RunInputs
 from tests.helpers.archs import tiny_llama
+from tests.helpers.drafters import NO_LIMIT
 from tests.helpers.training import distilled_store
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -74,7 +76,7 @@ def test_training_logits_equal_decoding_logits():
     drafter = EagleDrafter(spy, target, depth=steps, top_k=1, total_tokens=steps)
     _, states = Verifier(target).prefill(prompt, new_cache(target), layers=head.target_layers)
     drafter.begin(prompt, states)
-    tree = drafter.propose(torch.cat([prompt, root]), SamplingConfig(), None)
+    tree = drafter.propose(torch.cat([prompt, root]), SamplingConfig(), None, NO_LIMIT)
     decode_logits = [s.reshape(-1, V)[-1] for s in seen]  # one per depth
     assert len(decode_logits) == steps
     # The training sequence: prompt, root, the drafted chain; layer states of the target over all of it.
@@ -159,7 +161,7 @@ def test_tiny_run_learns_saves_and_loads(tmp_path):
         calibrate_prompts=0,
         eagle3={"batch_tokens": 64, "ttt_steps": 3},
     )
-    heads_dir = train_eagle3(cfg, Accelerator(cpu=True), target, None, [], [])
+    heads_dir = train_eagle3(RunInputs(cfg, Accelerator(cpu=True), target, None, [], []))
     summary = json.loads((tmp_path / "train_summary.json").read_text())
     assert summary["step"] == 120 and summary["draft_vocab_size"] == 80 and summary["target_layers"] == [0, 1, 2]
     head = load_heads(heads_dir, target=target)

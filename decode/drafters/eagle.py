@@ -23,17 +23,12 @@ target's own features (as EAGLE's reference code does), which is what the head w
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from selfspec.decode.drafters import DraftTree
+from selfspec.decode.drafters.base import AcceptedPath, Drafter, DrafterInfo, DraftLimit
 from selfspec.decode.kv import crop_cache
 from selfspec.decode.sampling import SamplingConfig
-
-if TYPE_CHECKING:
-    from selfspec.decode.tuning.budget import TreeBudget
-    from selfspec.decode.tuning.calibration import AcceptanceProfile
+from selfspec.decode.tree import DraftTree
 
 # Sized for a 2-core CPU: verifying ~13 nodes costs about 1.5 single-token target steps (DESIGN.md 6).
 DEFAULT_DEPTH = 5
@@ -62,8 +57,8 @@ def select_nodes(scores: torch.Tensor, parents: torch.Tensor, budget: int) -> to
     return torch.sort(order).values
 
 
-class EagleDrafter:
-    """EAGLE-2 dynamic-tree drafter on an EAGLE-1 head (the Drafter protocol of :mod:`selfspec.decode.drafters`).
+class EagleDrafter(Drafter):
+    """EAGLE-2 dynamic-tree drafter on an EAGLE-1 or EAGLE-3 head (:class:`~selfspec.decode.drafters.base.Drafter`).
 
     Args:
         head: an :class:`~selfspec.heads.eagle.EagleHead` on the target's device and dtype (attached to
@@ -72,14 +67,12 @@ class EagleDrafter:
         depth: maximum draft depth d (tokens beyond the root); one head forward per level.
         top_k: candidates per expansion and nodes expanded per level; ``top_k=1`` drafts a chain.
         total_tokens: draft tokens kept after reranking (the root excluded), so a tree has at most
-            ``total_tokens + 1`` nodes (EAGLE-2's ``total_token``). the public API's ``make_drafter`` can
-            size depth and total_tokens to the machine (:mod:`selfspec.decode.tuning.budget`).
+            ``total_tokens + 1`` nodes (EAGLE-2's ``total_token``). ``selfspec.load`` can size depth and
+            total_tokens to the machine (:mod:`selfspec.decode.tuning.budget`) and passes them here.
 
     Raises:
         ValueError: non-positive sizes, or ``top_k`` larger than the draft vocabulary.
     """
-
-    name = "eagle"
 
     def __init__(
         self,
@@ -102,17 +95,16 @@ class EagleDrafter:
         self._tokens: torch.Tensor | None = None  # [m] tokens paired with all but the last pending feature
         # Diagnostics of the last propose(): every candidate (creation order) and which were kept.
         self.last_candidates: dict[str, torch.Tensor] | None = None
-        # How depth / total_tokens were set: "given" (here), "default" or "auto" (by the public API's make_drafter,
-        # which then also sets ``budget``, a selfspec.decode.tuning.budget.TreeBudget with the expected gain).
-        self.budget_source = "given"
-        self.budget: TreeBudget | None = None
-        # The acceptance profile the budget came from (set with it), read by the batch tree rule.
-        self.acceptance_profile: AcceptanceProfile | None = None
 
-    @property
-    def target_layers(self) -> tuple[int, ...] | None:
-        """The target layers whose hidden states the head takes (an EAGLE-3 head's), or None: the last one."""
-        return getattr(self.head, "target_layers", None)
+    def info(self) -> DrafterInfo:
+        """EAGLE-3 heads take the states of three target layers (``head.target_layers``); EAGLE-1 heads the last."""
+        return DrafterInfo(
+            name="eagle",
+            max_depth=self.depth,
+            target_layers=self.head.target_layers,
+            vocab_size=self.head.config.vocab_size,
+            head=True,
+        )
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -128,7 +120,7 @@ class EagleDrafter:
         self._feats = hidden
         self._tokens = prompt_ids[1:]
 
-    def accept(self, accepted_tokens: torch.Tensor, accepted_hidden: torch.Tensor) -> None:
+    def accept(self, accepted: AcceptedPath) -> None:
         """Queue the accepted path (root first, ``[A]``) with its target features ``[A, D]`` for the next step.
 
         The root's pair is already stable; the pairs ``(f_root, a_1) ... (f_{A-2}, a_{A-1})`` and the last
@@ -137,12 +129,13 @@ class EagleDrafter:
         off) leaves its pairs pending: they are kept, and this step's follow them (its root is the token
         after the last pending feature).
         """
+        tokens, hidden = accepted.tokens, accepted.hidden
         if self._feats is not None and self._tokens is not None and self._cache is not None:
-            self._feats = torch.cat([self._feats, accepted_hidden.to(self._feats.dtype)])
-            self._tokens = torch.cat([self._tokens, accepted_tokens.to(self._tokens.device)])
+            self._feats = torch.cat([self._feats, hidden.to(self._feats.dtype)])
+            self._tokens = torch.cat([self._tokens, tokens.to(self._tokens.device)])
             return
-        self._feats = accepted_hidden
-        self._tokens = accepted_tokens[1:]
+        self._feats = hidden
+        self._tokens = tokens[1:]
 
     def _mask(self, allowed: torch.Tensor, past: int, dtype: torch.dtype) -> torch.Tensor:
         """``allowed`` Bool ``[Q, K]`` over the non-stable tail -> additive ``[1, 1, Q, past + K]``."""
@@ -152,9 +145,17 @@ class EagleDrafter:
         return bias
 
     @torch.inference_mode()
-    def propose(self, context: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
-        """Draft an EAGLE-2 tree rooted at ``context[-1]``; returns ``DraftTree(tokens, parents, q=None)``."""
+    def propose(
+        self, context: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None, limit: DraftLimit
+    ) -> DraftTree:
+        """Draft an EAGLE-2 tree rooted at ``context[-1]``; returns ``DraftTree(tokens, parents, q=None)``.
+
+        The tree has the drafter's own ``depth`` and ``total_tokens``, or a batch rule's (``limit.depth``,
+        ``limit.tokens``) when it sets them; ``limit.useful_depth`` is not used (the tree's nodes are
+        reranked across depths, so a shallower tree is not the deep one cut)."""
         head, cache, k = self.head, self._cache, self.top_k
+        depth = self.depth if limit.depth is None else limit.depth
+        total_tokens = self.total_tokens if limit.tokens is None else limit.tokens
         if cache is None or self._feats is None:
             raise RuntimeError("EagleDrafter.propose called before begin()")
         device = context.device
@@ -188,7 +189,7 @@ class EagleDrafter:
         fed: list[int] = []
         fed_allowed = torch.zeros(0, 0, dtype=torch.bool, device=device)
 
-        for level in range(1, self.depth):
+        for level in range(1, depth):
             toks_all = torch.cat(cand_tok)
             par_all = torch.cat(cand_par)
             f_ids = frontier.tolist()
@@ -225,7 +226,7 @@ class EagleDrafter:
         crop_cache(cache, self._stable)  # draft KV came from predicted features: drop it all
         scores = torch.cat(cand_score)
         parents = torch.cat(cand_par)
-        keep = select_nodes(scores.cpu(), parents.cpu(), self.total_tokens).to(device)
+        keep = select_nodes(scores.cpu(), parents.cpu(), total_tokens).to(device)
         new_index = torch.full((n_cand,), -1, dtype=torch.long, device=device)
         new_index[keep] = torch.arange(1, keep.numel() + 1, device=device)
         kept_par = parents[keep]

@@ -20,10 +20,10 @@ of (head tree on/off or smaller, n-gram length L) the expected tokens
 
 (h_d: how often the head's path reached depth d; c_d: how often an n-gram chain of the current match
 length and source reached depth d; the two treated as independent) over the cost ``draft_ms + verify_ms(nodes)``
-(:meth:`~selfspec.decode.tuning.costs.CostProfile.verify_cost_ms`), and the best ratio is drafted. Nodes both
-sources propose are counted once.
+(the verification cost measured here, e.g. :meth:`~selfspec.decode.tuning.costs.CostProfile.verify_cost_ms`),
+and the best ratio is drafted. Nodes both sources propose are counted once.
 
-With a :class:`~selfspec.decode.suffix_index.SuffixIndex` of training answers, the chain of a step comes
+With a :class:`~selfspec.decode.drafters.suffix_index.SuffixIndex` of training answers, the chain of a step comes
 from the context or from the index, whichever matched the longer n-gram (the context on a tie), and the
 acceptance of index chains is counted apart from the context's (keyed by ``-n``).
 """
@@ -31,18 +31,19 @@ acceptance of index chains is counted apart from the context's (keyed by ``-n``)
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from selfspec.decode.drafters import DraftTree, PromptLookupDrafter
+from selfspec.decode.drafters.base import AcceptedPath, Drafter, DrafterInfo, DraftLimit
+from selfspec.decode.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.decode.sampling import SamplingConfig
-from selfspec.decode.tree import tree_depths
+from selfspec.decode.tree import DraftTree, depths_of, root_only
 
 if TYPE_CHECKING:
-    from selfspec.decode.suffix_index import SuffixIndex
-    from selfspec.decode.tuning.costs import CostProfile
+    from selfspec.decode.drafters.suffix_index import SuffixIndex
 
 
 def merge_chain(tree: DraftTree, chain: list[int]) -> tuple[DraftTree, list[int]]:
@@ -149,58 +150,42 @@ class SourceAcceptance:
             got[d] += int(d < reached)
 
 
-def lookup_chain(context: list[int], lookup: PromptLookupDrafter, max_tokens: int) -> tuple[list[int], int]:
-    """The continuation of an earlier match of the context's last n-gram, longest n first (as
-    :class:`~selfspec.decode.drafters.PromptLookupDrafter`): of the matches of that n, the latest one
-    followed by ``max_tokens`` tokens, else the one followed by the most (a match that overlaps the end of
-    a repetition is followed by only a token or two). Returns ``(tokens, n)``, ``([], 0)`` without a match."""
-    for n in range(min(lookup.max_ngram, len(context) - 1), lookup.min_ngram - 1, -1):
-        tail = context[-n:]
-        best: list[int] = []
-        for start in range(len(context) - n - 1, -1, -1):  # latest match first
-            if context[start : start + n] == tail:
-                chain = context[start + n : start + n + max_tokens]
-                if len(chain) > len(best):
-                    best = chain
-                if len(best) == max_tokens:
-                    break
-        if best:
-            return best, n
-    return [], 0
-
-
-class HybridDrafter:
+class HybridDrafter(Drafter):
     """A head's draft tree merged with prompt-lookup continuations, sized every step (see module docstring).
 
     Args:
-        head: the head's drafter (:class:`~selfspec.decode.eagle.EagleDrafter` or
-            :class:`~selfspec.decode.drafters.MedusaDrafter`; any deterministic drafter).
-        cost: the target's verification cost profile here (ms by tree size).
+        head: the head's drafter (:class:`~selfspec.decode.drafters.eagle.EagleDrafter` or
+            :class:`~selfspec.decode.drafters.medusa.MedusaDrafter`; any drafter whose trees are deterministic).
+        verify_cost_ms: the target's verification cost here by tree size (nodes -> ms), e.g. a cost
+            profile's ``verify_cost_ms`` (:mod:`selfspec.decode.tuning.costs`).
         lookup: the n-gram source (its ``max_ngram`` / ``min_ngram``; ``num_tokens`` is the longest chain).
         suffix_index: an optional second n-gram source, continuations from training answers
-            (:class:`~selfspec.decode.suffix_index.SuffixIndex`); shared, read only, by :meth:`fork`.
+            (:class:`~selfspec.decode.drafters.suffix_index.SuffixIndex`); shared, read only, by :meth:`fork`.
 
     Attributes:
         acceptance: the :class:`SourceAcceptance` of the current decode (reset by :meth:`begin`).
         split: per step, ``(head nodes, chain nodes added)`` as drafted (for reports).
 
     Raises:
-        ValueError: a head drafter that is itself a hybrid.
+        ValueError: a head drafter that is itself a hybrid, or one that samples its trees.
     """
-
-    name = "hybrid"
 
     def __init__(
         self,
-        head: Any,
-        cost: CostProfile,
+        head: Drafter,
+        verify_cost_ms: Callable[[int], float],
         lookup: PromptLookupDrafter | None = None,
         suffix_index: SuffixIndex | None = None,
     ) -> None:
         if isinstance(head, HybridDrafter):
             raise ValueError("the head of a hybrid drafter cannot be a hybrid drafter")
+        if head.info().sampled:
+            raise ValueError(
+                f"the {head.info().name} drafter samples its trees under sampling; a hybrid merges deterministic "
+                "(top-k) trees only: use a head drafter (EAGLE, Medusa)"
+            )
         self.head = head
-        self.cost = cost
+        self.verify_cost_ms = verify_cost_ms
         self.lookup = lookup or PromptLookupDrafter(num_tokens=8)
         self.suffix_index = suffix_index
         self.acceptance = SourceAcceptance()
@@ -210,22 +195,24 @@ class HybridDrafter:
         self._last: tuple[DraftTree, int, list[int], int] | None = None  # tree, head nodes, chain path, n-gram
         self._head_shape: tuple[int, int] | None = None  # (nodes, depth) of the head's last tree
 
-    @property
-    def target_layers(self) -> tuple[int, ...] | None:
-        return getattr(self.head, "target_layers", None)
+    def info(self) -> DrafterInfo:
+        head = self.head.info()
+        return DrafterInfo(
+            name="hybrid",
+            max_depth=max(head.max_depth, self.lookup.num_tokens),
+            target_layers=head.target_layers,
+            vocab_size=head.vocab_size,
+            head=head.head,
+        )
 
     def fork(self) -> HybridDrafter:
         """A hybrid for another sequence (a batch row): its own head fork and statistics."""
-        from selfspec.decode.batch import fork_drafter  # batch imports the decode loop, which imports drafters
-
-        return HybridDrafter(fork_drafter(self.head), self.cost, self.lookup, self.suffix_index)
+        return HybridDrafter(self.head.fork(), self.verify_cost_ms, self.lookup, self.suffix_index)
 
     def check_vocab(self, target_vocab_size: int) -> None:
         if self.suffix_index is not None:
             self.suffix_index.check_vocab(target_vocab_size)
-        check = getattr(self.head, "check_vocab", None)
-        if check is not None:
-            check(target_vocab_size)
+        self.head.check_vocab(target_vocab_size)
 
     def begin(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
         self.head.begin(prompt_ids, hidden)
@@ -255,7 +242,7 @@ class HybridDrafter:
                     continue
                 nodes = (head_nodes if head_on else 1) + (added[length] if head_on else length)
                 depth = max(head_depth if head_on else 0, length)
-                ms = (head_ms if head_on else 0.0) + self.cost.verify_cost_ms(nodes)
+                ms = (head_ms if head_on else 0.0) + self.verify_cost_ms(nodes)
                 rate = self._expected(head_on, length, ngram, depth) / ms
                 if rate > best_rate:
                     best, best_rate = (head_on, length), rate
@@ -263,18 +250,15 @@ class HybridDrafter:
 
     @torch.inference_mode()
     def propose(
-        self,
-        context: torch.Tensor,
-        sampling: SamplingConfig,
-        generator: torch.Generator | None,
-        max_depth: int | None = None,
+        self, context: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None, limit: DraftLimit
     ) -> DraftTree:
-        """The merged tree for this step (root ``context[-1]``); ``max_depth`` caps the n-gram chain."""
-        limit = self.lookup.num_tokens if max_depth is None else max(0, min(self.lookup.num_tokens, max_depth))
+        """The merged tree for this step (root ``context[-1]``); the limit caps the n-gram chain and passes on
+        to the head."""
+        room = limit.useful_depth if limit.depth is None else min(limit.useful_depth, limit.depth)
         ctx = context.tolist()
-        chain, ngram = lookup_chain(ctx, self.lookup, limit) if limit else ([], 0)
-        if self.suffix_index is not None and limit:
-            found, n = self.suffix_index.lookup(ctx, limit)
+        chain, ngram = self.lookup.chain(ctx, room)
+        if self.suffix_index is not None and room:
+            found, n = self.suffix_index.lookup(ctx, min(self.lookup.num_tokens, room))
             if n > ngram:  # the longer match wins, the context on a tie; -n keeps the index's acceptance apart
                 chain, ngram = found, -n
         head_on = True
@@ -286,36 +270,33 @@ class HybridDrafter:
         path: list[int] = []
         if head_on:
             t0 = time.perf_counter()
-            tree = self.head.propose(context, sampling, generator)
+            tree = self.head.propose(context, sampling, generator, limit)
             self._head_calls += 1
             self._head_ms += ((time.perf_counter() - t0) * 1e3 - self._head_ms) / self._head_calls
-            if tree.q is not None:
-                raise ValueError(
-                    f"the {self.head.name} drafter sampled its tree (q given); a hybrid needs top-k drafts"
-                )
-            n_head = tree.tokens.numel()
-            self._head_shape = (n_head, int(tree_depths(tree.parents.cpu()).max()))
+            parents = tree.parents.tolist()
+            n_head = len(parents)
+            self._head_shape = (n_head, max(depths_of(parents)))
             if chain:
                 _, length = self._choose(n_head, self._head_shape[1], chain, ngram, new_nodes(tree, chain), (True,))
                 if length:
                     tree, path = merge_chain(tree, chain[:length])
         else:
             n_head = 1
-            tree = DraftTree(tokens=context[-1:], parents=torch.tensor([-1], device=context.device))
+            tree = root_only(context)
             _, length = self._choose(1, 0, chain, ngram, list(range(len(chain) + 1)), (False,))
             tree, path = merge_chain(tree, chain[: max(1, length)])
         self.split.append((n_head, tree.tokens.numel() - n_head))
         self._last = (tree, n_head, path, ngram)
         return tree
 
-    def accept(self, accepted_tokens: torch.Tensor, accepted_hidden: torch.Tensor) -> None:
+    def accept(self, accepted: AcceptedPath) -> None:
         """Pass the accepted path on to the head and record how far each source's nodes were accepted."""
-        self.head.accept(accepted_tokens, accepted_hidden)
+        self.head.accept(accepted)
         if self._last is None:
             return
-        tree, n_head, path, ngram = self._last
+        _, n_head, path, ngram = self._last
         self._last = None
-        nodes = _walk(tree, accepted_tokens.tolist())
+        nodes = accepted.nodes
         if n_head > 1:
             self.acceptance.record_head(sum(1 for i in nodes[1:] if i < n_head))
         if path:
@@ -327,18 +308,6 @@ class HybridDrafter:
             self.acceptance.record_chain(ngram, len(path), reached)
 
 
-def _walk(tree: DraftTree, tokens: list[int]) -> list[int]:
-    """Node indices of the accepted path (root first) from its tokens."""
-    index = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True))}
-    nodes, node = [0], 0
-    for tok in tokens[1:]:
-        node = index.get((node, tok), -1)
-        if node < 0:
-            break
-        nodes.append(node)
-    return nodes
-
-
-def head_of(drafter: Any) -> Any:
+def head_of(drafter: Drafter) -> Drafter:
     """The head drafter inside a hybrid (the drafter itself otherwise)."""
     return drafter.head if isinstance(drafter, HybridDrafter) else drafter

@@ -1,157 +1,17 @@
-"""Drafters: what proposes the draft tree each step.
-
-A drafter is a small interface (``begin`` / ``propose`` / ``accept``), so a new way of drafting is a new
-class and the decode loop stays the same. Provided here:
-
-* :class:`MedusaDrafter`: Medusa heads on the target's hidden state, a static tree (Cai et al. 2024).
-* :class:`PromptLookupDrafter`: n-gram match in the context (Saxena 2023, "prompt lookup decoding").
-* :class:`DraftModelDrafter`: a separate small causal LM with the same tokenizer proposing K tokens
-  (Leviathan et al. 2023; Chen et al. 2023).
-
-EAGLE drafters live in :mod:`selfspec.decode.eagle`.
-"""
+"""A separate small causal LM as the drafter (Leviathan et al. 2023; Chen et al. 2023)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
-
 import torch
 
+from selfspec.decode.drafters.base import Drafter, DrafterInfo, DraftLimit, chain_room, context_length
 from selfspec.decode.kv import call_with_cache, crop_cache, new_cache
 from selfspec.decode.masks import attention_layout
 from selfspec.decode.sampling import SamplingConfig, probs_from_logits, process_logits
-from selfspec.decode.tree import StaticTree
+from selfspec.decode.tree import DraftTree, chain_parents
 
 
-@dataclass(frozen=True)
-class DraftTree:
-    """One step's draft.
-
-    Attributes:
-        tokens: LongTensor ``[N]``; ``tokens[0]`` is the root (last decided token).
-        parents: LongTensor ``[N]``, ``parents[0] = -1``, ``parents[i] < i``.
-        q: ``[N, V]`` float32 or None. ``q[i]`` is the distribution node i's children were sampled from
-            (i.i.d.); None means the children were chosen deterministically (top-k), which the verifier
-            handles as one-hot proposals.
-    """
-
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    q: torch.Tensor | None = None
-
-
-class Drafter(Protocol):
-    """What the decode loop needs from a drafter."""
-
-    name: str
-    # Optional attribute ``target_layers: tuple[int, ...] | None``: when set, ``hidden`` in ``begin`` / ``accept``
-    # is the target's hidden states entering those layers, concatenated (``[T, len(layers) * D]``, EAGLE-3).
-
-    def begin(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Called once after prefill. ``prompt_ids`` ``[T]``, target ``hidden`` ``[T, D]``."""
-
-    def propose(self, context: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
-        """Draft a tree whose root is ``context[-1]``. ``context``: LongTensor ``[T]`` (prompt + output).
-
-        A drafter whose ``propose`` also takes ``max_depth: int`` is passed the deepest useful draft (the
-        tokens still allowed minus one; 0 = the root alone); the loop cuts any tree to the target's context.
-        """
-
-    def accept(self, accepted_tokens: torch.Tensor, accepted_hidden: torch.Tensor) -> None:
-        """Called after verification with the root + accepted drafts ``[A]`` and their target hidden ``[A, D]``."""
-
-
-def _chain_parents(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    return torch.arange(-1, n - 1, device=device)
-
-
-class MedusaDrafter:
-    """Medusa heads + a static tree.
-
-    Node at depth d >= 1 with rank r takes head (d-1)'s rank-r candidate, computed from the target's
-    hidden state at the last accepted node. Drafts are deterministic top-k (``q = None``), which the
-    lossless verifier accepts under sampling too.
-    """
-
-    name = "medusa"
-
-    def __init__(self, heads, tree: StaticTree) -> None:
-        if tree.max_depth > heads.config.num_heads:
-            raise ValueError(f"tree depth {tree.max_depth} exceeds the {heads.config.num_heads} Medusa heads")
-        self.heads = heads
-        self.tree = tree
-        self._hidden: torch.Tensor | None = None
-        self._topk = tree.topk
-        self._depths = tree.max_depth
-        # node i >= 1 -> flat index into [max_depth, topk] candidates
-        self._gather = (tree.head_index[1:] * self._topk + tree.rank[1:]).clone()
-
-    def begin(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
-        self._hidden = hidden[-1]
-
-    @torch.inference_mode()
-    def propose(self, context: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
-        h = self._hidden
-        states = self.heads.head_states(h.to(next(self.heads.parameters()).dtype))[: self._depths]
-        if self.heads.config.own_lm_head:
-            logits = torch.stack([self.heads.lm_heads[k](states[k]) for k in range(self._depths)])
-        else:
-            logits = states @ self.heads._shared.to(states.dtype).T
-        cand = logits.topk(self._topk, dim=-1).indices  # [depth, topk] draft ids
-        cand = self.heads.draft_ids[cand].reshape(-1)
-        tokens = torch.cat([context[-1:], cand[self._gather.to(cand.device)]])
-        return DraftTree(tokens=tokens, parents=self.tree.parents.to(tokens.device))
-
-    def accept(self, accepted_tokens: torch.Tensor, accepted_hidden: torch.Tensor) -> None:
-        self._hidden = accepted_hidden[-1]
-
-
-class PromptLookupDrafter:
-    """Prompt lookup decoding: propose the continuation of the latest earlier match of the context's last n-gram.
-
-    Args:
-        num_tokens: K, draft tokens proposed per step.
-        max_ngram: longest n-gram tried first (down to ``min_ngram``).
-    """
-
-    name = "prompt_lookup"
-
-    def __init__(self, num_tokens: int = 8, max_ngram: int = 3, min_ngram: int = 1) -> None:
-        if num_tokens < 1 or not 1 <= min_ngram <= max_ngram:
-            raise ValueError("need num_tokens >= 1 and 1 <= min_ngram <= max_ngram")
-        self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
-
-    def begin(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
-        pass
-
-    def propose(
-        self,
-        context: torch.Tensor,
-        sampling: SamplingConfig,
-        generator: torch.Generator | None,
-        max_depth: int | None = None,
-    ) -> DraftTree:
-        """A chain: the root then up to ``min(num_tokens, max_depth)`` tokens of the latest match."""
-        ctx = context.tolist()
-        draft: list[int] = []
-        k = self.num_tokens if max_depth is None else max(0, min(self.num_tokens, max_depth))
-        for n in range(min(self.max_ngram, len(ctx) - 1) if k else 0, self.min_ngram - 1, -1):
-            tail = ctx[-n:]
-            for start in range(len(ctx) - n - 1, -1, -1):  # latest match first
-                if ctx[start : start + n] == tail:
-                    draft = ctx[start + n : start + n + k]
-                    break
-            if draft:
-                break
-        tokens = torch.tensor([ctx[-1]] + draft, dtype=torch.long, device=context.device)
-        return DraftTree(tokens=tokens, parents=_chain_parents(tokens.numel(), context.device))
-
-    def accept(self, accepted_tokens: torch.Tensor, accepted_hidden: torch.Tensor) -> None:
-        pass
-
-
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """A separate small causal LM (same tokenizer) drafting a chain of K tokens.
 
     Greedy: argmax drafts (``q = None``). Sampling: each draft token is sampled from q, the draft
@@ -170,7 +30,7 @@ class DraftModelDrafter:
         num_tokens: K, the longest chain.
         logits_processor: user processors applied to the draft logits (as to the target's).
         target_vocab_size: V of the target's logits; when given, a draft vocabulary of another size is
-            refused now (see :meth:`check_vocab`), else at the first :func:`speculative_generate` call.
+            refused now (see :meth:`check_vocab`), else when a decode starts.
         shared_vocab_size: for a draft model with the target's tokenizer whose embedding matrices are padded
             to another size (e.g. two sizes of one family): the ids both share, ``len(tokenizer)``, at most
             S and V. Drafts are then drawn among ids below it only, and q is over the target's V ids (zero
@@ -182,8 +42,6 @@ class DraftModelDrafter:
             cannot crop by position (see :func:`~selfspec.decode.masks.attention_layout`).
         ValueError: a vocabulary other than the target's (see :meth:`check_vocab`).
     """
-
-    name = "draft_model"
 
     def __init__(
         self,
@@ -204,6 +62,10 @@ class DraftModelDrafter:
         self._cached: list[int] = []
         if target_vocab_size is not None:
             self.check_vocab(target_vocab_size)
+
+    def info(self) -> DrafterInfo:
+        # No vocab_size: check_vocab (below) decides, since a padded draft vocabulary may map onto the target's.
+        return DrafterInfo(name="draft_model", max_depth=self.num_tokens, sampled=True)
 
     def check_vocab(self, target_vocab_size: int) -> None:
         """Refuse a draft model whose vocabulary is not the target's: its input embeddings would be indexed
@@ -272,19 +134,15 @@ class DraftModelDrafter:
 
     @torch.inference_mode()
     def propose(
-        self,
-        context: torch.Tensor,
-        sampling: SamplingConfig,
-        generator: torch.Generator | None,
-        max_depth: int | None = None,
+        self, context: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None, limit: DraftLimit
     ) -> DraftTree:
         """A chain: the root then ``K`` draft tokens (see :meth:`_chain_length`; ``K = 0``: the root alone)."""
         ctx = context.tolist()
-        k = self._chain_length(len(ctx), max_depth)
+        k = self._chain_length(len(ctx), chain_room(limit))
         if self._mapped is not None and max(ctx) >= self.model.get_input_embeddings().num_embeddings:
             k = 0  # a target id the draft cannot embed: no more drafts (exact, just plain decoding)
         if k == 0:
-            return DraftTree(tokens=context[-1:], parents=_chain_parents(1, context.device))
+            return DraftTree(tokens=context[-1:], parents=chain_parents(1, context.device))
         common = 0
         for a, b in zip(self._cached, ctx, strict=False):
             if a != b:
@@ -318,7 +176,7 @@ class DraftModelDrafter:
         q = None
         if sampling.do_sample:
             q = torch.cat([torch.stack(q_rows), torch.zeros_like(q_rows[0]).unsqueeze(0)])  # leaf row unused
-        return DraftTree(tokens=tokens, parents=_chain_parents(tokens.numel(), context.device), q=q)
+        return DraftTree(tokens=tokens, parents=chain_parents(tokens.numel(), context.device), q=q)
 
     def _to_target_ids(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[S]`` -> ``[V]`` over the target's ids: the shared ids keep theirs, the rest -inf."""
@@ -326,13 +184,3 @@ class DraftModelDrafter:
         out = logits.new_full((v,), float("-inf"))
         out[:shared] = logits[:shared]
         return out
-
-    def accept(self, accepted_tokens: torch.Tensor, accepted_hidden: torch.Tensor) -> None:
-        pass
-
-
-def context_length(model) -> int | None:
-    """The positions a model's context holds (``config.max_position_embeddings``; GPT-2's ``n_positions``
-    answers to that name too), or None when its config names none."""
-    n = getattr(model.config, "max_position_embeddings", None)
-    return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None

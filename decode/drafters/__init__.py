@@ -1,0 +1,33 @@
+"""Drafters: what proposes the draft tree each step, one class per way of drafting on one base class.
+
+* :class:`~selfspec.decode.drafters.base.Drafter`: the contract (``info`` / ``begin`` / ``propose`` /
+  ``accept`` / ``fork``) and the records it passes (:class:`DrafterInfo`, :class:`DraftLimit`,
+  :class:`AcceptedPath`).
+* :class:`MedusaDrafter`: Medusa heads on the target's hidden state, a static tree (Cai et al. 2024).
+* :class:`EagleDrafter`: an EAGLE-1 or EAGLE-3 head growing an EAGLE-2 dynamic tree (Li et al. 2024).
+* :class:`PromptLookupDrafter`: n-gram match in the context (Saxena 2023, "prompt lookup decoding").
+* :class:`DraftModelDrafter`: a separate small causal LM with the target's tokenizer (Leviathan et al. 2023).
+* :class:`HybridDrafter`: a head's tree merged with n-gram continuations, split by measured cost.
+"""
+
+from selfspec.decode.drafters.base import AcceptedPath, Drafter, DrafterInfo, DraftLimit, context_length
+from selfspec.decode.drafters.draft_model import DraftModelDrafter
+from selfspec.decode.drafters.eagle import EagleDrafter
+from selfspec.decode.drafters.hybrid import HybridDrafter
+from selfspec.decode.drafters.medusa import MedusaDrafter
+from selfspec.decode.drafters.prompt_lookup import PromptLookupDrafter
+from selfspec.decode.tree import DraftTree
+
+__all__ = [
+    "AcceptedPath",
+    "DraftLimit",
+    "DraftModelDrafter",
+    "DraftTree",
+    "Drafter",
+    "DrafterInfo",
+    "EagleDrafter",
+    "HybridDrafter",
+    "MedusaDrafter",
+    "PromptLookupDrafter",
+    "context_length",
+]
