@@ -1,4 +1,5 @@
-"""Tiny random targets of several architecture families, built in place (no downloads).
+"""Tiny random targets of several architecture families, built in place (no downloads), and :func:`tiny_llama`,
+the 2-layer Llama most tests decode with.
 
 Each family keeps what makes it different from Llama: sliding-window attention (window
 :data:`WINDOW` tokens, so contexts longer than the window are cheap), mixed local/global layers,
