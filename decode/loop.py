@@ -159,7 +159,7 @@ class _Block:
             tokens,
             positions,
             self.table.positions,
-            [torch.tensor(parents) for parents, _ in structure],
+            [parents for parents, _ in structure],  # host lists: the masks are built without a read
             self.cache,
             layers=self.layers,
         )

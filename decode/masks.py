@@ -150,7 +150,7 @@ def tree_attention_masks(
 
 def block_allowed(
     key_positions: torch.Tensor,
-    parents: list[torch.Tensor],
+    parents: Sequence[torch.Tensor | Sequence[int]],
     node_positions: torch.Tensor,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
@@ -165,7 +165,7 @@ def block_allowed(
 
     Args:
         key_positions: LongTensor ``[B, K]``.
-        parents: B LongTensors ``[N_b]`` (CPU), ``N_b <= Q``, each a tree (``parents[0] = -1``).
+        parents: B LongTensors ``[N_b]`` (CPU) or their values as ints (no host read then), ``N_b <= Q``, each a tree.
         node_positions: LongTensor ``[B, Q]``, the position of every block node (padding: any).
         sliding_window: W, or None for full attention.
 
@@ -176,10 +176,10 @@ def block_allowed(
     q = node_positions.shape[1]
     tree = torch.zeros(b, q, q, dtype=torch.bool)
     for row, par in enumerate(parents):
-        n = par.numel()
+        n = len(par)
         tree[row, :n, :n] = ancestor_mask(par)
         tree[row, n:, n:] = torch.eye(q - n, dtype=torch.bool)
-    real = torch.arange(q).unsqueeze(0) < torch.tensor([p.numel() for p in parents]).unsqueeze(1)  # [B, Q]
+    real = torch.arange(q).unsqueeze(0) < torch.tensor([len(p) for p in parents]).unsqueeze(1)  # [B, Q]
     prefix = (key_positions.cpu() >= 0).unsqueeze(1) & real.unsqueeze(2)  # [B, Q, K]
     allowed = torch.cat([prefix, tree], dim=2)
     if sliding_window is not None:
@@ -191,7 +191,7 @@ def block_allowed(
 
 def block_attention_masks(
     key_positions: torch.Tensor,
-    parents: list[torch.Tensor],
+    parents: Sequence[torch.Tensor | Sequence[int]],
     node_positions: torch.Tensor,
     dtype: torch.dtype,
     layout: AttentionLayout,

@@ -285,7 +285,7 @@ class Verifier:
         tokens: torch.Tensor,
         positions: torch.Tensor,
         key_positions: torch.Tensor,
-        parents: Sequence[torch.Tensor],
+        parents: Sequence[torch.Tensor | Sequence[int]],
         cache: DynamicCache,
         layers: Sequence[int] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -302,7 +302,7 @@ class Verifier:
             positions: LongTensor ``[B, Q]``, each node's position (``length_b + depth``).
             key_positions: LongTensor ``[B, S]``, the positions the cache's slots hold
                 (:class:`~selfspec.decode.batch_cache.SlotTable`).
-            parents: B LongTensors ``[N_b]``, ``N_b <= Q``.
+            parents: B LongTensors ``[N_b]`` or their values as ints, ``N_b <= Q``.
             cache: ``DynamicCache`` with S slots for B rows (or empty); grows by Q.
             layers: optional decoder-layer indices whose input hidden states to return too.
 

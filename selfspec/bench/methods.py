@@ -208,14 +208,15 @@ def tree_budget_record(plan: DrafterPlan) -> TreeBudgetRecord | None:
 
 
 def eagle_kwargs(head: Any, options: Mapping[str, int | str] | None) -> dict[str, int | str]:
-    """EAGLE drafter options, only for heads whose type is EAGLE."""
+    """EAGLE drafter options, only for EAGLE-1 and EAGLE-3 heads (both draft EAGLE-2 trees)."""
     if not options:
         return {}
-    head_type = getattr(getattr(head, "config", None), "head_type", None)
     if isinstance(head, (str, Path)):
         config = Path(head) / "config.json"
         head_type = json.loads(config.read_text()).get("head_type") if config.is_file() else None
-    return {k: v for k, v in options.items() if v is not None} if head_type == "eagle" else {}
+    else:
+        head_type = head.config.head_type
+    return {k: v for k, v in options.items() if v is not None} if head_type in ("eagle", "eagle3") else {}
 
 
 def build_methods(

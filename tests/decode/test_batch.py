@@ -262,7 +262,7 @@ def test_public_generate_takes_a_list_of_prompts_and_a_batch_tensor():
     model = selfspec.load(t, prompt_lookup=True, tune="off")
     rows = model.generate([p.tolist() for p in PROMPTS[:3]], max_new_tokens=8)
     assert [r.tokens for r in rows] == [model.generate(p, max_new_tokens=8).tokens for p in PROMPTS[:3]]
-    with pytest.raises(ValueError, match="a streamer follows one prompt"):
+    with pytest.raises(ValueError, match="one streamer per prompt"):
         model.generate([PROMPTS[0], PROMPTS[1]], streamer=lambda ids: None)
 
 

@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from selfspec.api import make_drafter, make_verifier
+from selfspec.api import make_drafter, make_verifier, plan_drafter
 from selfspec.decode.drafters import Drafter
 from selfspec.decode.drafters.eagle import DEFAULT_DEPTH, DEFAULT_TOTAL_TOKENS, EagleDrafter
 from selfspec.decode.kv import crop_cache, new_cache
@@ -476,7 +476,7 @@ def test_profile_of_other_weights_is_ignored(oracle, head_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="selfspec.decode.tuning.costs"):
         assert calibration.load_acceptance_profile(head_dir) is None
     assert "other head weights" in caplog.text
-    assert make_drafter(t, head_dir).budget_source == "default"
+    assert plan_drafter(t, head_dir).tree_budget.source == "default"
 
 
 # ------------------------------------------------------------------------------------------------ wiring
@@ -484,9 +484,10 @@ def test_profile_of_other_weights_is_ignored(oracle, head_dir, caplog):
 
 def test_make_drafter_auto_budget_keeps_greedy_exact(oracle, head_dir):
     t, _ = oracle
-    drafter = make_drafter(t, head_dir)  # depth / total_tokens default to "auto"
-    assert drafter.budget_source == "auto" and drafter.budget is not None
-    b = drafter.budget
+    plan = plan_drafter(t, head_dir)  # depth / total_tokens default to "auto"
+    drafter = plan.drafter
+    assert plan.tree_budget.source == "auto" and plan.tree_budget.budget is not None
+    b = plan.tree_budget.budget
     assert (drafter.depth, drafter.total_tokens, drafter.top_k) == (b.depth, b.total_tokens, 2)
     assert 1 <= b.depth <= 4 and 1 <= b.total_tokens <= 10 and b.expected_tau >= 1.0
     assert (b.depth, b.total_tokens) in {(o.depth, o.total_tokens) for o in b.table}
@@ -496,33 +497,37 @@ def test_make_drafter_auto_budget_keeps_greedy_exact(oracle, head_dir):
     assert verifier.plan == costs.load_cost_profile(costs.cost_profile_path(t)).kernel_plan()
     for ids in prompts(2, seed=14):
         assert speculative_generate(verifier, drafter, ids, max_new_tokens=20).tokens == reference(t, ids, 20)
-    again = make_drafter(t, head_dir, depth="auto", total_tokens="auto")
-    assert again.budget == b  # from the cached profiles
+    again = plan_drafter(t, head_dir, depth="auto", total_tokens="auto")
+    assert again.tree_budget.budget == b  # from the cached profiles
 
 
 def test_make_drafter_overrides_and_fallbacks(oracle, head_dir):
     t, head = oracle
-    fixed = make_drafter(t, head_dir, depth=3, total_tokens=5)
-    assert (fixed.depth, fixed.total_tokens, fixed.budget_source, fixed.budget) == (3, 5, "given", None)
+    plan = plan_drafter(t, head_dir, depth=3, total_tokens=5)
+    fixed = plan.drafter
+    assert (fixed.depth, fixed.total_tokens, plan.tree_budget.source, plan.tree_budget.budget) == (3, 5, "given", None)
     # a given budget still verifies with the kernels the cost profile measured fastest
     assert make_verifier(t, fixed).plan == costs.get_cost_profile(t).kernel_plan()
     assert make_verifier(t, fixed, tune="off").plan == {}
-    half = make_drafter(t, head_dir, total_tokens=4)
-    assert half.total_tokens == 4 and half.budget_source == "auto" and half.budget.total_tokens == 4
-    other_k = make_drafter(t, head_dir, top_k=3)  # the profile holds for top_k 2 only
-    assert (other_k.depth, other_k.total_tokens, other_k.top_k, other_k.budget_source) == (
+    half = plan_drafter(t, head_dir, total_tokens=4)
+    assert half.drafter.total_tokens == 4 and half.tree_budget.source == "auto"
+    assert half.tree_budget.budget.total_tokens == 4
+    plan = plan_drafter(t, head_dir, top_k=3)  # the profile holds for top_k 2 only
+    other_k = plan.drafter
+    assert (other_k.depth, other_k.total_tokens, other_k.top_k, plan.tree_budget.source) == (
         DEFAULT_DEPTH,
         DEFAULT_TOTAL_TOKENS,
         3,
         "default",
     )
-    too_deep = make_drafter(t, head_dir, depth=9)
-    assert (too_deep.depth, too_deep.total_tokens, too_deep.budget_source) == (9, DEFAULT_TOTAL_TOKENS, "default")
+    plan = plan_drafter(t, head_dir, depth=9)
+    too_deep = plan.drafter
+    assert (too_deep.depth, too_deep.total_tokens, plan.tree_budget.source) == (9, DEFAULT_TOTAL_TOKENS, "default")
     # a module: defaults, unless it carries a profile
-    assert make_drafter(t, head).budget_source == "default"
+    assert plan_drafter(t, head).tree_budget.source == "default"
     head.acceptance_profile = calibration.load_acceptance_profile(head_dir)
     try:
-        assert make_drafter(t, head).budget_source == "auto"
+        assert plan_drafter(t, head).tree_budget.source == "auto"
     finally:
         del head.acceptance_profile
     with pytest.raises(ValueError, match="integer or 'auto'"):

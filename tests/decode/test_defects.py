@@ -19,10 +19,10 @@ from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
 
 import selfspec
 from selfspec.decode.drafters import DraftModelDrafter, DraftTree, PromptLookupDrafter
+from selfspec.decode.host import read_tree
 from selfspec.decode.loop import speculative_generate
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.step import target_distributions
-from selfspec.decode.tree import tree_depths
 from tests.helpers.archs import tiny_llama
 
 V = 96
@@ -57,7 +57,7 @@ def test_min_new_tokens_bans_eos_before_the_warpers_hand_built(tiny_target, warp
     logits[:, 5] = logits.max() + 2.0  # EOS is the most likely token everywhere: top-k / top-p keep it first
     logits[:, 9] = logits.max() + 1.0
     sampling = SamplingConfig(do_sample=True, **warpers)
-    got = target_distributions(logits, context, tree, sampling, None, 1, 3, eos, tree_depths(tree.parents))
+    got = target_distributions(logits, context, read_tree(tree.tokens, tree.parents), sampling, None, 1, 3, eos)
     hf = _hf_processors(tiny_target, prompt.numel(), 3, eos, warpers)
     for d in range(4):
         node_ctx = torch.cat([context, tree.tokens[1 : d + 1]])[None]
@@ -211,7 +211,7 @@ def test_batch_shaped_prompt_is_decoded_as_a_batch_never_flattened(tiny_target):
     assert [r.tokens for r in lists] == [model.generate(p, max_new_tokens=3).tokens for p in ([3, 4, 5], [6, 7, 8, 9])]
     with pytest.raises(ValueError, match=r"input ids of shape \(2, 2, 3\)"):
         model.generate(torch.arange(3, 15).reshape(2, 2, 3), max_new_tokens=3)
-    with pytest.raises(ValueError, match="speculative_generate decodes one prompt"):
+    with pytest.raises(ValueError, match=r"one prompt is \[T\] or \[1, T\]; decode a batch as a list of prompts"):
         speculative_generate(tiny_target, PromptLookupDrafter(), prompt, max_new_tokens=3)
     # one row as [1, T] is a single prompt
     assert (

@@ -221,7 +221,7 @@ def test_make_drafter_loads_an_eagle3_head(tmp_path):
     target, head = trained()
     head.save_pretrained(tmp_path)
     drafter = make_drafter(target, tmp_path, depth=3, top_k=2, total_tokens=5)
-    assert isinstance(drafter.head, Eagle3Head) and drafter.target_layers == head.target_layers
+    assert isinstance(drafter.head, Eagle3Head) and drafter.info().target_layers == head.target_layers
     ids = prompts(1)[0]
     assert speculative_generate(target, drafter, ids, max_new_tokens=12).tokens == reference(target, ids, 12)
 
@@ -230,7 +230,6 @@ def test_an_eagle3_head_with_an_acceptance_profile_gets_a_machine_sized_budget(t
     """The "auto" budget path (the bench's and ``selfspec.load``'s default): calibration on the saved head,
     then drafting and verification costs measured and cached for an EAGLE-3 head (its own cost file), and
     the chosen budget decodes exactly."""
-    from selfspec.api import make_drafter
     from selfspec.decode.tuning import calibration
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
@@ -240,8 +239,11 @@ def test_an_eagle3_head_with_an_acceptance_profile_gets_a_machine_sized_budget(t
         target, EagleDrafter(head, target, 3, 2, 6), prompts(2), max_new_tokens=6, total_tokens_max=6, depth_max=3
     )
     calibration.save_acceptance_profile(profile, head_dir)
-    drafter = make_drafter(target, head_dir)
-    assert drafter.budget_source == "auto" and isinstance(drafter.head, Eagle3Head)
+    from selfspec.api import plan_drafter
+
+    plan = plan_drafter(target, head_dir)
+    drafter = plan.drafter
+    assert plan.tree_budget.source == "auto" and isinstance(drafter.head, Eagle3Head)
     assert any(p.name.startswith("draft-eagle3-") for p in (tmp_path / "cache" / "profiles").iterdir())
     ids = prompts(1)[0]
     assert speculative_generate(target, drafter, ids, max_new_tokens=12).tokens == reference(target, ids, 12)

@@ -44,10 +44,12 @@ def test_read_tree_values_depths_and_cut():
     )
     tree = DraftTree(tokens=tokens, parents=torch.tensor(PARENTS))
     for d in range(4):
-        cut, depths = cut_tree(tree, torch.tensor(host.depths), d)
-        cut_host, _ = cut_tree(tree, torch.tensor(host.depths), d, host=host)
-        assert host.cut(d) == HostTree(cut.tokens.tolist(), cut.parents.tolist(), depths.tolist())
-        assert cut_host.tokens.tolist() == cut.tokens.tolist() and cut_host.parents.tolist() == cut.parents.tolist()
+        cut, cut_host = cut_tree(tree, host, d)
+        kept = [i for i, depth in enumerate(host.depths) if depth <= d]
+        assert cut.tokens.tolist() == [int(tokens[i]) for i in kept] == cut_host.tokens
+        assert cut.parents.tolist() == cut_host.parents and cut_host.depths == tree_depths(cut.parents).tolist()
+        assert host.cut(d) == (cut_host, kept)
+    assert cut_tree(tree, host, 3) == (tree, host)  # nothing to cut: the same objects
     assert to_device([3, 4], "cpu").tolist() == [3, 4] and to_device([3], "cpu").dtype == torch.long
 
 
@@ -188,13 +190,13 @@ def test_a_result_without_the_host_path_is_read_from_the_device(tiny_target, mon
 
     ids = torch.randint(3, 96, (7,), generator=torch.Generator().manual_seed(5))
     ref = plain_greedy(tiny_target, ids, 30)
-    orig = loop._verify
+    orig = loop.verify_step
 
     def no_path(*args, **kwargs):
         r = orig(*args, **kwargs)
         return VerifyResult(r.accepted_nodes, r.next_token)
 
-    monkeypatch.setattr(loop, "_verify", no_path)
+    monkeypatch.setattr(loop, "verify_step", no_path)
     out = speculative_generate(tiny_target, OracleDrafter(7, ref, 0, 12), ids, max_new_tokens=30)
     assert out.tokens == ref and out.stats.mean_accepted_tokens > 1.5
 

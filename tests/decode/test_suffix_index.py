@@ -308,7 +308,7 @@ def test_bench_adds_hybrid_suffix_beside_hybrid(tmp_path, monkeypatch):
     from selfspec.bench import methods as bench_methods
     from tests.helpers.tokenizers import CharTokenizer
 
-    monkeypatch.setattr(bench_methods, "get_cost_profile", lambda target: cost().verify_cost_ms)
+    monkeypatch.setattr(bench_methods, "get_cost_profile", lambda target: cost())
     monkeypatch.setattr(bench_methods, "make_verifier", lambda target, drafter: make_verifier(target, drafter, "off"))
     t, tokenizer = tiny_target("llama"), CharTokenizer()
     torch.manual_seed(1)
