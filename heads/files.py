@@ -231,7 +231,9 @@ def _read(kind: Any, value: Any, path: str, rules: _Rules, errors: list[str]) ->
             out = _read(option, value, path, rules, trial)
             if not trial:
                 return out
-        if len(options) == 2 and type(None) in options:  # X | None: say what X needs (nested paths included)
+        scalars = (int, float, str, bool)
+        if len(options) == 2 and type(None) in options and not set(options) <= {type(None), *scalars}:
+            # X | None with X a structure: say what X needs (nested paths included)
             (option,) = (o for o in options if o is not type(None))
             return _read(option, value, path, rules, errors)
         errors.append(f"{path} must be {_describe(kind)}, got {value!r:.60}")

@@ -31,9 +31,9 @@ class PositionRecorder(Verifier):
         super().__init__(target)
         self.max_positions: list[int] = []
 
-    def forward_tree(self, tokens, parents, cache, past_length, layers=None):
+    def forward_tree(self, tokens, parents, cache, past_length, layers=None, host=None):
         self.max_positions.append(past_length + int(tree_depths(parents.cpu()).max()))
-        return super().forward_tree(tokens, parents, cache, past_length, layers=layers)
+        return super().forward_tree(tokens, parents, cache, past_length, layers=layers, host=host)
 
 
 def _plain(model, ids, n):
