@@ -30,11 +30,9 @@ from selfspec.target import ALIASES, SMOLLM2_ALIAS
 
 SDIST = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"
-TOOLS = ("llama-speculative-simple", "llama-completion")
-"""CMake targets built: speculative decoding with a draft (EAGLE-3, n-gram) and plain completion."""
-
-SENTENCEPIECE = "sentencepiece>=0.2,<0.3"
-"""The converter's one import beyond torch, numpy and its own gguf-py (``requirements-convert_legacy_llama.txt``)."""
+TOOLS = ("llama-speculative-simple", "llama-completion", "llama-bench")
+"""CMake targets built: speculative decoding with a draft (EAGLE-3, n-gram), plain completion, and the
+forward-cost benchmark (the verification cost of a batch of k tokens, for the bench's cost decomposition)."""
 
 _STAMP = "selfspec-build.json"
 logger = logging.getLogger(__name__)
@@ -76,7 +74,10 @@ class LlamaCpp:
                 installed, or the converter failed; the message holds the end of its output.
         """
         if importlib.util.find_spec("sentencepiece") is None:
-            raise RuntimeError(f"llama.cpp's converter imports sentencepiece: run `pip install '{SENTENCEPIECE}'`")
+            raise RuntimeError(
+                "llama.cpp's converter imports sentencepiece: install the llama.cpp extra, "
+                "`pip install 'selfspec[llamacpp]'` (from a checkout: `pip install -e '.[llamacpp]'`)"
+            )
         cmd = [sys.executable, str(self.converter), str(hf_dir), "--outfile", str(outfile), *extra]
         # The converter needs the gguf-py beside it (the PyPI gguf may predate the eagle3 architecture); it
         # puts it on sys.path itself unless NO_LOCAL_GGUF is set, so that variable is removed, never set.
@@ -136,7 +137,8 @@ def build_dir(key: str | None = None) -> Path:
 
 def find_llamacpp() -> LlamaCpp | None:
     """The llama.cpp to use without building: ``$SELFSPEC_LLAMA_CPP``, else a finished cached build
-    (one with its stamp file), else None.
+    (one whose stamp file lists every tool of :data:`TOOLS`; an older build with fewer is built again),
+    else None.
 
     Raises:
         FileNotFoundError: ``$SELFSPEC_LLAMA_CPP`` is set but holds no ``bin/`` and ``src/convert_hf_to_gguf.py``.
@@ -150,7 +152,15 @@ def find_llamacpp() -> LlamaCpp | None:
             )
         return found
     root = build_dir()
-    return LlamaCpp(root) if (root / _STAMP).is_file() else None
+    return LlamaCpp(root) if _finished(root) else None
+
+
+def _finished(root: Path) -> bool:
+    """A build entry counts once its stamp is written and lists every tool of :data:`TOOLS`."""
+    if not (root / _STAMP).is_file():
+        return False
+    tools = read_json(root / _STAMP).get("tools")
+    return isinstance(tools, list) and set(TOOLS) <= set(tools)
 
 
 def ensure_llamacpp(*, jobs: int = 2, log: Path | None = None) -> LlamaCpp:
@@ -182,7 +192,7 @@ def ensure_llamacpp(*, jobs: int = 2, log: Path | None = None) -> LlamaCpp:
     log = log or final.with_name(final.name + ".log")
     with open(final.with_name(final.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (final / _STAMP).is_file():  # another process built it while this one waited
+        if _finished(final):  # another process built it while this one waited
             return LlamaCpp(final)
         for stale in final.parent.glob(final.name + ".tmp*"):  # left by a killed build (the lock is held)
             shutil.rmtree(stale, ignore_errors=True)

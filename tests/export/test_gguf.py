@@ -101,7 +101,7 @@ def test_check_gguf_accepts_the_layout_and_names_each_difference(target, tmp_pat
 
 
 def test_llamacpp_build_is_found_only_when_finished(tmp_path, monkeypatch):
-    """The cache entry counts once its stamp is written (a killed build never does); $SELFSPEC_LLAMA_CPP names a
+    """The cache entry counts once its stamp is written and lists every tool (a killed build never does); $SELFSPEC_LLAMA_CPP names a
     build of one's own and is refused, naming the layout, when it lacks the tools or the converter."""
     from selfspec import llamacpp
 
@@ -111,7 +111,9 @@ def test_llamacpp_build_is_found_only_when_finished(tmp_path, monkeypatch):
     assert entry.parent == tmp_path / "cache" / "llama.cpp" and entry.name.startswith(llamacpp.SDIST_VERSION)
     (entry / "bin").mkdir(parents=True)
     assert llamacpp.find_llamacpp() is None
-    (entry / "selfspec-build.json").write_text("{}")
+    (entry / "selfspec-build.json").write_text('{"tools": ["llama-completion"]}')
+    assert llamacpp.find_llamacpp() is None  # an older build without every tool is built again
+    (entry / "selfspec-build.json").write_text(json.dumps({"tools": list(llamacpp.TOOLS)}))
     assert llamacpp.find_llamacpp() == llamacpp.LlamaCpp(entry)
     own = tmp_path / "own"
     (own / "bin").mkdir(parents=True)
