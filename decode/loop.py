@@ -99,6 +99,7 @@ class _Row:
     room: int | None  # new tokens the target's context holds after the prompt (None: no limit)
     stats: GenerationStats
     stream: Any = None
+    drafts: bool = True  # False: the drafter declares max_depth 0 (every step is the plain step)
     out: list[int] = field(default_factory=list)
     context: torch.Tensor | None = None  # prompt + output (the root last)
     reason: str | None = None
@@ -252,7 +253,7 @@ def decode_rows(
         stopper = Stopper(request.eos_ids, request.stop_strings, request.tokenizer, limit)
         stats = GenerationStats(lossy=request.acceptance == "typical")
         stream = as_streamer(streamers[i]) if streamers is not None else None
-        rows.append(_Row(i, prompt.to(device), drafter, stopper, room, stats, stream))
+        rows.append(_Row(i, prompt.to(device), drafter, stopper, room, stats, stream, infos[i].max_depth > 0))
     try:
         total_s = _Loop(verifier, rows, request, infos[0].target_layers, step_callback, tree_policy).run()
     finally:
@@ -358,7 +359,7 @@ class _Loop:
         deepest = None if row.room is None else row.room - len(row.out) - 1
         if cap is not None and cap.depth is not None:
             deepest = cap.depth if deepest is None else min(deepest, cap.depth)
-        if deepest is not None and deepest <= 0:  # plain decoding: the root is the last output token
+        if not row.drafts or (deepest is not None and deepest <= 0):  # plain step: the root is the last token
             return root_only(row.context), HostTree([row.out[-1]], [-1], [0])
         limit = DraftLimit(
             useful_depth=row.stopper.max_new_tokens - len(row.out) - 1,

@@ -18,7 +18,7 @@ Pure text: nothing here reads files or reaches the network.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,11 +52,16 @@ class BenchFigures:
     """What one ``selfspec bench`` report measured for these heads (read by :func:`selfspec.hub.bench_figures`).
 
     Attributes:
+        engine: ``"selfspec"`` or ``"llama.cpp"``: which engine decoded.
         method: the heads' method name in the report.
         tau: mean accepted tokens per target forward, pooled over every step (None: not recorded).
         speedup: median over prompt turns of the per-turn speedup against ``reference`` (a ratio).
+        engine_speedup: the same against the engine's own decoding with no drafts (the gain of speculation
+            alone); None when the report has no such baseline. In llama.cpp both references are plain llama.cpp.
         tokens_per_s: median tokens per second of the heads; reference_tokens_per_s: of the reference.
         reference: what the speedup is against (the reference method's description).
+        engine_reference: what ``engine_speedup`` is against (its description), or None.
+        verdict: the llama.cpp engine's sentence on the heads against plain llama.cpp, or None.
         num_samples: prompt turns measured; prompts: where they came from.
         decoding: e.g. ``"greedy, 128 new tokens, float32 on cpu, 2 threads"``.
         mismatches: greedy runs: prompt turns whose output differed from the reference (None: sampling).
@@ -66,12 +71,16 @@ class BenchFigures:
         hardware: the machine (CPU count, accelerator, platform, torch version).
     """
 
+    engine: str
     method: str
     tau: float | None
     speedup: float | None
+    engine_speedup: float | None
     tokens_per_s: float | None
     reference_tokens_per_s: float | None
     reference: str
+    engine_reference: str | None
+    verdict: str | None
     num_samples: int
     prompts: str
     decoding: str
@@ -219,29 +228,43 @@ llama-server -m TARGET.gguf -md {name}-gguf/<the .gguf file it wrote> --spec-typ
 """
 
 
-def _bench(bench: BenchFigures) -> str:
-    how = "" if bench.command_recorded else " (rebuilt from the report's settings, which omit how prompts were chosen)"
-    mismatch = "" if bench.mismatches is None else f"; outputs differing from the reference: {bench.mismatches}"
-    header = ["method", "tau (accepted tokens per target forward)", "speedup (median per prompt)", "tokens/s"]
-    header += ["reference tokens/s", "prompt turns"]
-    row = [bench.method, _fmt(bench.tau, ".2f"), _fmt(bench.speedup, ".2f") + "x", _fmt(bench.tokens_per_s, ".1f")]
-    row += [_fmt(bench.reference_tokens_per_s, ".1f"), str(bench.num_samples)]
-    table = "\n".join("| " + " | ".join(cells) + " |" for cells in (header, ["---"] * len(header), row))
-    return f"""## Measured
+def _bench(figures: Sequence[BenchFigures]) -> str:
+    header = ["engine", "method", "tau (tokens per target forward)", "speedup vs reference", "speculation gain"]
+    header += ["tokens/s", "reference tokens/s", "prompt turns"]
+    rows = [
+        [
+            f.engine,
+            f.method,
+            _fmt(f.tau, ".2f"),
+            _fmt(f.speedup, ".2f") + "x",
+            "-" if f.engine_speedup is None else _fmt(f.engine_speedup, ".2f") + "x",
+            _fmt(f.tokens_per_s, ".1f"),
+            _fmt(f.reference_tokens_per_s, ".1f"),
+            str(f.num_samples),
+        ]
+        for f in figures
+    ]
+    table = "\n".join("| " + " | ".join(cells) + " |" for cells in (header, ["---"] * len(header), *rows))
+    parts = [f"## Measured\n\n{table}\n"]
+    for f in figures:
+        how = "" if f.command_recorded else " (rebuilt from the report's settings, which omit how prompts were chosen)"
+        mismatch = "" if f.mismatches is None else f"; outputs differing from the reference: {f.mismatches}"
+        gain = f" The speculation gain is against {f.engine_reference}." if f.engine_reference else ""
+        verdict = f"\n\n{f.verdict}" if f.verdict else ""
+        parts.append(
+            f"""### {f.engine}
 
-{table}
-
-Against {bench.reference}, in the same process, methods interleaved per prompt ({bench.decoding}{mismatch}).
-Prompts: {bench.prompts}.
-
-Hardware: {bench.hardware}.
+Against {f.reference}, in the same process, methods interleaved per prompt ({f.decoding}{mismatch}).{gain}
+Prompts: {f.prompts}. Hardware: {f.hardware}.{verdict}
 
 Command{how}:
 
 ```bash
-{bench.command}
+{f.command}
 ```
 """
+        )
+    return "\n".join(parts)
 
 
 def head_card(
@@ -249,7 +272,7 @@ def head_card(
     *,
     repo_id: str,
     base_model: str,
-    bench: BenchFigures | None = None,
+    bench: Sequence[BenchFigures] = (),
     target_note: str | None = None,
 ) -> ModelCard:
     """The model card of a head directory.
@@ -258,7 +281,8 @@ def head_card(
         config: the head's ``config.json`` (as ``save_pretrained`` wrote it; ``head_type`` names the family).
         repo_id: the Hub repo the heads go to (used in the load commands).
         base_model: the target's Hub id (``base_model`` in the metadata).
-        bench: measured figures to report (see :class:`BenchFigures`), or None.
+        bench: measured figures to report (see :class:`BenchFigures`), one per bench report (selfspec's and
+            llama.cpp's); none: no "Measured" section.
         target_note: a sentence on where the target the heads were trained on comes from (e.g. an alias's
             package), or None.
 
@@ -318,6 +342,6 @@ print(out.text, out.stats.mean_accepted_tokens, out.stats.tokens_per_s)
 ```
 
 {engines}"""
-    if bench is not None:
+    if bench:
         body += "\n" + _bench(bench)
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")

@@ -1,6 +1,6 @@
 """Heads to the Hugging Face Hub: ``push_to_hub`` of every head family and ``selfspec push``.
 
-``selfspec push HEADS REPO [--private] [--dry-run] [--bench REPORT] [--token T] [--commit-message M]``
+``selfspec push HEADS REPO [--private] [--dry-run] [--bench REPORT [REPORT ...]] [--token T] [--commit-message M]``
 
 What goes up (:func:`push_heads`): the head files exactly as ``save_pretrained`` writes them
 (``config.json``, ``model.safetensors``, ``draft_vocab.safetensors`` where the head has a reduced
@@ -22,6 +22,7 @@ import importlib
 import importlib.metadata
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,6 +33,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from selfspec.bench.report import read_report
 from selfspec.card import FAMILIES, BenchFigures, head_card
 from selfspec.heads import load_heads
+from selfspec.heads.files import read_json, write_json
 from selfspec.heads.hub import HUB_FILES, hub_endpoint, register_push, resolve_head_dir
 from selfspec.heads.io import HeadFormatError, read_config
 from selfspec.target import ALIASES, SMOLLM2_ALIAS
@@ -72,6 +74,8 @@ class HubPush:
         files: path in the repo -> size in bytes, README.md included.
         deleted: head files of an earlier push removed by this commit (a dry run lists none: it asks nothing
             of the Hub).
+        renamed: local filesystem paths in the pushed JSON files that were replaced by their names
+            (:func:`publish_names`), one line each.
         card: the model card (``str(card)`` is the README.md text).
         private: the visibility asked for (None: the Hub's default; an existing repo keeps its own).
         commit_message: the commit's message.
@@ -81,6 +85,7 @@ class HubPush:
     repo_id: str
     files: dict[str, int]
     deleted: list[str]
+    renamed: list[str]
     card: ModelCard
     private: bool | None
     commit_message: str
@@ -93,6 +98,7 @@ class HubPush:
         lines = [f"{verb} {self.repo_id} ({vis}), commit message {self.commit_message!r}:"]
         lines += [f"  {name:<28} {size:>12,d} bytes" for name, size in self.files.items()]
         lines += [f"  deleted: {name}" for name in self.deleted]
+        lines += [f"  {line}" for line in self.renamed]
         if self.commit_url:
             lines.append(f"commit: {self.commit_url}")
         lines += ["", f"--- {CARD_NAME} ---", str(self.card)]
@@ -162,36 +168,46 @@ def bench_figures(
         report = read_report(report_path)
     except (OSError, ValueError) as err:
         raise HubError(f"cannot read bench report {report_path}: {err}; pass a `selfspec bench` report.json") from err
-    ours = [name for name, m in report.methods.items() if m.kind == "selfspec"]
-    if method is None:
+    s, env = report.settings, report.environment
+    llama = report.llamacpp
+    if llama is not None:  # the llama.cpp engine: the heads are the methods that draft with a head GGUF
+        ours = [name for name, st in llama.chosen.items() if st.spec_type.startswith("draft-")]
+    else:
+        ours = [name for name, m in report.methods.items() if m.kind == "selfspec" and name != s.engine_reference]
+    if method is None or method not in report.methods:
+        if method is not None and llama is None:
+            raise HubError(f"{report_path} has no method {method!r}; it has {sorted(report.methods)}")
         if len(ours) != 1:
             raise HubError(
                 f"{report_path} has the selfspec methods {ours}: say which are these heads with bench_method= "
                 "(--bench-method)"
             )
         method = ours[0]
-    if method not in report.methods:
-        raise HubError(f"{report_path} has no method {method!r}; it has {sorted(report.methods)}")
-    s, env = report.settings, report.environment
     agg, ref = report.summary[method].overall, report.summary[s.reference].overall
     mode = "greedy" if not s.do_sample else f"sampling at temperature {s.temperature}, top_p {s.top_p}"
     prompts = Path(s.prompts_source).name  # a file of this machine: its name only on a public card
     recorded = bool(command)
     if not recorded:
+        engine_flag = " --engine llamacpp" if llama is not None else ""
         command = (
-            f"selfspec bench --target {s.target} --heads {method}={heads} --prompts {prompts} "
+            f"selfspec bench{engine_flag} --target {s.target} --heads {method}={heads} --prompts {prompts} "
             f"--max-new-tokens {s.max_new_tokens} --temperature {s.temperature} --top-p {s.top_p} --dtype {s.dtype} "
             f"--device {s.device} --threads {s.threads} --seed {s.seed} --warmup {s.warmup}"
         )
         if s.max_prompt_tokens is not None:
             command += f" --max-prompt-tokens {s.max_prompt_tokens}"
+    engine_ref = s.engine_reference if s.engine_reference != s.reference else None
     return BenchFigures(
+        engine="llama.cpp" if llama is not None else "selfspec",
         method=method,
         tau=agg.tau,
         speedup=agg.speedup,
+        engine_speedup=agg.engine_speedup if engine_ref is not None else None,
         tokens_per_s=agg.median_tokens_per_s,
         reference_tokens_per_s=ref.median_tokens_per_s,
         reference=report.methods[s.reference].description,
+        engine_reference=report.methods[engine_ref].description if engine_ref is not None else None,
+        verdict=llama.verdicts.get(method) if llama is not None else None,
         num_samples=agg.num_samples,
         prompts=prompts,
         decoding=f"{mode}, {s.max_new_tokens} new tokens, {s.dtype} on {s.device}, {s.threads} threads",
@@ -222,6 +238,40 @@ def _stage(heads: nn.Module | str | Path, staging: Path) -> Path:
     return out
 
 
+# The fields of the staged JSON files (top level, or under "selfspec") that name what a head was trained from.
+_SOURCE_FIELDS = ("target", "target_adapter", "data")
+
+
+def _is_local_path(value: str) -> bool:
+    """A filesystem path of this machine rather than a name (a Hub id, an alias, ``sharegpt``)."""
+    return value.startswith(("/", "./", "../", "~", "\\")) or Path(value).expanduser().exists() and "/" in value
+
+
+def publish_names(staged: Path) -> list[str]:
+    """Replace local filesystem paths in the staged JSON files (:data:`_SOURCE_FIELDS` of ``config.json``,
+    ``training_record.json``, ``acceptance_profile.json``) by their last component: what is pushed names the
+    data, target and adapter as a reader can, never a private path. Returns one line per change."""
+    changed = []
+    for path in sorted(staged.glob("*.json")):
+        data = read_json(path)
+        if not isinstance(data, dict):
+            continue
+        touched = False
+        for where, block in (("", data), ("selfspec.", data.get("selfspec"))):
+            if not isinstance(block, dict):
+                continue
+            for key in _SOURCE_FIELDS:
+                value = block.get(key)
+                if isinstance(value, str) and _is_local_path(value):
+                    name = Path(value.rstrip("/")).name
+                    changed.append(f"{path.name} {where}{key}: the local path {value!r} is published as {name!r}")
+                    block[key] = name
+                    touched = True
+        if touched:
+            write_json(path, data)
+    return changed
+
+
 def push_heads(
     heads: nn.Module | str | Path,
     repo_id: str,
@@ -230,7 +280,7 @@ def push_heads(
     token: str | bool | None = None,
     commit_message: str | None = None,
     base_model: str | None = None,
-    bench_report: str | Path | None = None,
+    bench_report: str | Path | Sequence[str | Path] | None = None,
     bench_method: str | None = None,
     bench_command: str | None = None,
     dry_run: bool = False,
@@ -244,8 +294,9 @@ def push_heads(
         token: Hub token with write access (default: ``$HF_TOKEN`` or the saved login).
         commit_message: default ``"Upload <family> heads for <base model> (selfspec <version>)"``.
         base_model: the target's Hub id for the card; default: from the heads' config (:func:`base_model_for`).
-        bench_report: a ``selfspec bench`` ``report.json`` whose tau and speedup go on the card.
-        bench_method, bench_command: see :func:`bench_figures`.
+        bench_report: a ``selfspec bench`` ``report.json`` whose tau and speedups go on the card, or several
+            (selfspec's and ``selfspec bench --engine llamacpp``'s: the card gives both engines' figures).
+        bench_method, bench_command: see :func:`bench_figures` (the command describes the first report).
         dry_run: build and describe everything, upload nothing (nothing is asked of the Hub).
 
     Returns:
@@ -261,11 +312,15 @@ def push_heads(
         raise HubError("HF_HUB_OFFLINE is set: unset it to push to the Hub, or pass dry_run=True (--dry-run)")
     with tempfile.TemporaryDirectory(prefix="selfspec-push-") as tmp:
         staged = _stage(heads, Path(tmp))
+        renamed = publish_names(staged)
+        load_heads(staged)  # still loads with names in place of paths
         config = read_config(staged)
         base = base_model_for(config, base_model)
-        bench = None
-        if bench_report is not None:
-            bench = bench_figures(bench_report, method=bench_method, command=bench_command, heads=repo_id)
+        reports = [bench_report] if isinstance(bench_report, (str, Path)) else list(bench_report or [])
+        bench = [
+            bench_figures(r, method=bench_method, command=bench_command if i == 0 else None, heads=repo_id)
+            for i, r in enumerate(reports)
+        ]
         card = head_card(config, repo_id=repo_id, base_model=base, bench=bench, target_note=_target_note(config))
         card.save(staged / CARD_NAME)
         family = FAMILIES[config["head_type"]].title
@@ -273,7 +328,7 @@ def push_heads(
         message = commit_message or f"Upload {family} heads for {base} (selfspec {version})"
         files = {p.name: p.stat().st_size for p in sorted(staged.iterdir()) if p.is_file()}
         if dry_run:
-            return HubPush(repo_id, files, [], card, private, message, None)
+            return HubPush(repo_id, files, [], renamed, card, private, message, None)
         try:
             api = HfApi(endpoint=hub_endpoint(), token=token)
             api.create_repo(repo_id, private=private, exist_ok=True)
@@ -295,7 +350,7 @@ def push_heads(
             ) from err
         except _transport_errors() as err:  # a connection refused or reset, a DNS failure
             raise HubError(f"pushing to {repo_id!r} failed: {err}; check the network or HF_ENDPOINT") from err
-        return HubPush(repo_id, files, stale, card, private, message, str(info.commit_url))
+        return HubPush(repo_id, files, stale, renamed, card, private, message, str(info.commit_url))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,7 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("repo", metavar="REPO", help="Hub repo id, namespace/name (created if missing)")
     p.add_argument("--private", action="store_true", help="create the repo private")
     p.add_argument("--dry-run", action="store_true", help="print the files and the card; upload nothing")
-    p.add_argument("--bench", metavar="REPORT", default=None, help="a `selfspec bench` report.json for the card")
+    p.add_argument(
+        "--bench",
+        metavar="REPORT",
+        nargs="+",
+        default=None,
+        help="`selfspec bench` report.json files for the card (selfspec's, and --engine llamacpp's)",
+    )
     p.add_argument("--bench-method", default=None, help="the heads' method in REPORT (default: its only one)")
     p.add_argument("--bench-command", default=None, help="the exact command that made REPORT (not stored in it)")
     p.add_argument("--base-model", default=None, help="the target's Hub id (default: from the heads' config)")

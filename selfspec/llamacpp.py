@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import importlib.util
+import json
 import logging
 import os
 import platform
@@ -262,6 +263,10 @@ class Generation:
         decode_seconds: wall time of decoding, the prompt's prefill excluded (the tool's own timer).
         drafted: draft tokens proposed and verified (``n_drafted``; 0 without speculation).
         accepted: of those, accepted (``n_accept``).
+        prefill_seconds: the prompt's evaluation (the tool's own timer).
+        wall_seconds: the whole process, model loading included (measured around it).
+        draft_calls: drafting calls (``#calls(b,g,a)``'s g, printed at trace verbosity); None: not reported.
+        draft_seconds: their total time (``dur(b,g,a)``'s g, llama.cpp's draft timer); None: not reported.
     """
 
     text: str
@@ -270,6 +275,10 @@ class Generation:
     decode_seconds: float
     drafted: int
     accepted: int
+    prefill_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    draft_calls: int | None = None
+    draft_seconds: float | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -289,17 +298,23 @@ class Generation:
 
 
 _DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
-_ENCODED = re.compile(r"encoded\s+(\d+) tokens in")
-_PROMPT_EVAL = re.compile(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens")
+_ENCODED = re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+_PROMPT_EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
+# common_speculative_print_stats, at trace verbosity (-lv 4): calls and durations of begin, draft (g), accept.
+_DRAFT_CALLS = re.compile(r"#calls\(b,g,a\) =\s*(\d+)\s+(\d+)\s+(\d+)")
+_DRAFT_DURATIONS = re.compile(r"dur\(b,g,a\) = ([\d.]+), ([\d.]+), ([\d.]+) ms")
 _EVAL = re.compile(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs")
 
 
-def _run_tool(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+def _run_tool(cmd: list[str], timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+    """Run a tool; ``(the finished process, wall seconds)``. RuntimeError (with the end of its output) on failure."""
+    t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
     if done.returncode != 0:
         shown = " ".join(a if len(a) < 80 else a[:77] + "..." for a in cmd)
         raise RuntimeError(f"{shown} failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
-    return done
+    return done, wall
 
 
 def _common_args(model: Path, prompt: str, n_predict: int, threads: int, ctx_size: int) -> list[str]:
@@ -318,13 +333,13 @@ def speculative_simple(
     threads: int = 2,
     draft_max: int | None = None,
     ctx_size: int = 2048,
-    extra: tuple[str, ...] = (),
+    extra: tuple[str, ...] | list[str] = (),
     timeout: float = 600.0,
 ) -> Generation:
     """Greedy speculative generation with ``llama-speculative-simple`` (``examples/speculative-simple`` of
     llama.cpp): ``-m MODEL -p PROMPT -n N --temp 0 -t/-tb THREADS -c CTX --spec-type TYPE [-md DRAFT]
-    [--spec-draft-n-max K]``. The tool needs a speculation type (``none`` fails to initialise); plain decoding
-    is :func:`completion`.
+    [--spec-draft-n-max K] -lv 4``. The tool needs a speculation type (``none`` fails to initialise); plain
+    decoding is :func:`completion`. Trace verbosity (``-lv 4``) makes it print its draft timer and call counts.
 
     Args:
         build: the llama.cpp build.
@@ -348,7 +363,7 @@ def speculative_simple(
         cmd += ["-md", str(draft)]
     if draft_max is not None:
         cmd += ["--spec-draft-n-max", str(draft_max)]
-    done = _run_tool([*cmd, *extra], timeout)
+    done, wall = _run_tool([*cmd, "-lv", "4", *extra], timeout)
     out, err = done.stdout, done.stderr
     decoded, encoded = _DECODED.search(err), _ENCODED.search(err)
     if decoded is None or encoded is None:
@@ -359,6 +374,8 @@ def speculative_simple(
         raise RuntimeError("llama-speculative-simple did not echo the prompt verbatim; cannot separate its output")
     n_drafted = re.search(r"n_drafted\s*=\s*(\d+)", err)
     n_accept = re.search(r"n_accept\s*=\s*(\d+)", err)
+    calls, durations = _DRAFT_CALLS.search(err), _DRAFT_DURATIONS.search(err)
+    # At trace verbosity the tool's trace lines go to stderr; stdout keeps the prompt and the generated text.
     return Generation(
         text=body[len(prompt) :].removesuffix("\n\n\n\n"),
         prompt_tokens=int(encoded.group(1)),
@@ -366,6 +383,10 @@ def speculative_simple(
         decode_seconds=float(decoded.group(2)),
         drafted=int(n_drafted.group(1)) if n_drafted else 0,
         accepted=int(n_accept.group(1)) if n_accept else 0,
+        prefill_seconds=float(encoded.group(2)),
+        wall_seconds=wall,
+        draft_calls=int(calls.group(2)) if calls else None,
+        draft_seconds=float(durations.group(2)) / 1000.0 if durations else None,
     )
 
 
@@ -387,7 +408,7 @@ def completion(
         RuntimeError: the tool failed or printed no timing (the message holds the end of its output).
     """
     cmd = [str(build.tool("llama-completion")), *_common_args(model, prompt, n_predict, threads, ctx_size)]
-    done = _run_tool([*cmd, "-no-cnv", "--no-display-prompt"], timeout)
+    done, wall = _run_tool([*cmd, "-no-cnv", "--no-display-prompt"], timeout)
     evaluated, prompt_eval = _EVAL.search(done.stderr), _PROMPT_EVAL.search(done.stderr)
     if evaluated is None or prompt_eval is None:
         raise RuntimeError(f"llama-completion printed no timing:\n{done.stderr[-3000:]}")
@@ -395,12 +416,40 @@ def completion(
     text = done.stdout.removesuffix("\n\n").removesuffix(" [end of text]\n")
     return Generation(
         text=text,
-        prompt_tokens=int(prompt_eval.group(1)),
+        prompt_tokens=int(prompt_eval.group(2)),
         new_tokens=int(evaluated.group(2)),
         decode_seconds=float(evaluated.group(1)) / 1000.0,
         drafted=0,
         accepted=0,
+        prefill_seconds=float(prompt_eval.group(1)) / 1000.0,
+        wall_seconds=wall,
     )
+
+
+def forward_costs(
+    build: LlamaCpp, model: Path, *, max_tokens: int, threads: int = 2, repetitions: int = 3, timeout: float = 600.0
+) -> tuple[float, list[float]]:
+    """What one target forward costs on this machine, by ``llama-bench`` (``tools/llama-bench``):
+    ``-p 1,2,...,max_tokens -n 16 -t THREADS -r REPETITIONS -o json``.
+
+    Returns:
+        ``(token_ms, forward_ms)``: one decode step (the ``-n 16`` test's mean per token), and ``[k - 1]`` the
+        mean ms of one forward over a batch of k tokens (the ``-p k`` tests), k = 1..``max_tokens``.
+
+    Raises:
+        RuntimeError: the tool failed or its JSON lacks a test.
+    """
+    sizes = ",".join(str(k) for k in range(1, max_tokens + 1))
+    cmd = [str(build.tool("llama-bench")), "-m", str(model), "-p", sizes, "-n", "16", "-t", str(threads)]
+    done, _ = _run_tool([*cmd, "-r", str(repetitions), "-o", "json"], timeout)
+    try:
+        tests = json.loads(done.stdout)
+        by_prompt = {int(t["n_prompt"]): float(t["avg_ns"]) / 1e6 for t in tests if int(t["n_gen"]) == 0}
+        (gen,) = [t for t in tests if int(t["n_gen"]) > 0]
+        token_ms = float(gen["avg_ns"]) / 1e6 / int(gen["n_gen"])
+        return token_ms, [by_prompt[k] for k in range(1, max_tokens + 1)]
+    except (ValueError, KeyError, TypeError) as err:
+        raise RuntimeError(f"llama-bench printed no usable JSON ({err}):\n{done.stdout[-2000:]}") from err
 
 
 def alias_gguf(alias: str = SMOLLM2_ALIAS) -> Path:

@@ -129,7 +129,7 @@ def feature_tokens(run_dir: Path) -> int:
 
 
 def trained_tokens(summary: dict[str, Any]) -> int | None:
-    """Head positions the optimiser saw: the loop's ``train_tokens_total`` (Medusa counts ``positions``), or
+    """Head positions the optimiser saw: the loop's ``train_tokens_total`` (older Medusa summaries: ``positions``), or
     from an older summary its tokens/s times its seconds; None when neither was logged."""
     for key in ("train_tokens", "positions"):
         if f"{key}_total" in summary:

@@ -108,7 +108,15 @@ def test_report_reads_back_strictly_and_json_roundtrip(bench_run, bench_result):
     assert BenchReport.from_dict(on_disk) == bench_result[0]
     assert read_report(paths["json"]) == bench_result[0]
     assert on_disk == json.loads(json.dumps(report))
-    assert list(report["methods"]) == ["baseline", "hf_prompt_lookup", "prompt_lookup", "medusa", "corrupt", "recorder"]
+    assert list(report["methods"]) == [
+        "baseline",
+        "no_draft",
+        "hf_prompt_lookup",
+        "prompt_lookup",
+        "medusa",
+        "corrupt",
+        "recorder",
+    ]
     assert report["categories"] == ["math", "writing"]
     # 2 + 1 + 1 prompt turns, in file order, turn numbers 1-based
     assert [(s["question_id"], s["turn"]) for s in report["samples"]] == [("81", 1), ("81", 2), ("82", 1), ("101", 1)]
@@ -119,7 +127,8 @@ def test_every_schema_field_is_filled_somewhere(bench_run):
     """Nullable fields must be non-null for at least one method, so the schema describes real data."""
     report, _, _, _ = bench_run
     spec_result = report["samples"][0]["results"]["medusa"]
-    assert all(v is not None for k, v in spec_result.items() if k != "first_diff")  # None: output matches
+    # None: the output matches (no first difference, so no near-tie to judge)
+    assert all(v is not None for k, v in spec_result.items() if k not in ("first_diff", "near_tie"))
     assert spec_result["matches_reference"] is True
     assert spec_result["steps"] >= 1 and spec_result["tau"] >= 1.0
     assert len(spec_result["accepted_by_depth"]) == len(spec_result["drafted_by_depth"]) >= 1
@@ -206,7 +215,43 @@ def test_markdown_has_one_row_per_method_and_category(bench_run):
     rows = [ln for ln in lines[start:end] if ln.startswith("| ") and not ln.startswith("| method")]
     pairs = [tuple(c.strip() for c in ln.strip("|").split("|")[:2]) for ln in rows]
     assert sorted(pairs) == sorted((m, c) for m in report["methods"] for c in report["categories"])
-    assert all(len(ln.strip("|").split("|")) == 11 for ln in rows)
+    assert all(len(ln.strip("|").split("|")) == 12 for ln in rows)
+
+
+def test_the_engine_only_baseline_is_generate_token_for_token_at_tau_one(bench_run, bench_result):
+    """``no_draft`` decodes through selfspec's loop and verifier with no drafts: greedy output equal to ``generate``'s
+    on every turn, exactly one token per step, and every method's engine_speedup is its ratio to it."""
+    report = bench_result[0]
+    assert report.settings.engine_reference == "no_draft" and report.methods["no_draft"].kind == "selfspec"
+    for sample in report.samples:
+        plain, ref = sample.results["no_draft"], sample.results["baseline"]
+        assert plain.tokens == ref.tokens and plain.matches_reference is True
+        assert plain.tau == 1.0 and plain.steps == plain.new_tokens - 1  # the first token comes from the prefill
+        assert plain.accepted_by_depth == [] and plain.engine_speedup == 1.0
+        for rec in sample.results.values():
+            assert rec.engine_speedup == pytest.approx(rec.tokens_per_s / plain.tokens_per_s)
+    assert report.summary["no_draft"].overall.tau == 1.0 and report.summary["no_draft"].overall.mismatches == 0
+    text = bench.summary_text(report)
+    assert "vs baseline" in text and "vs no_draft" in text
+
+
+def test_a_schema_2_report_reads_back_upgraded(bench_run):
+    """Reports written before the engine-only baseline read back, with what they did not measure left null."""
+    report = copy.deepcopy(bench_run[0])
+    report["schema_version"] = 2
+    for key in ("ties", "llamacpp"):
+        del report[key]
+    for key in ("engine_reference", "engine", "timing"):
+        del report["settings"][key]
+    for sample in report["samples"]:
+        for rec in sample["results"].values():
+            del rec["engine_speedup"], rec["near_tie"]
+    for summ in report["summary"].values():
+        for agg in [summ["overall"], *summ["by_category"].values()]:
+            del agg["engine_speedup"], agg["near_ties"]
+    old = BenchReport.from_dict(report)
+    assert old.settings.engine_reference is None and old.samples[0].results["medusa"].engine_speedup is None
+    assert "| - |" in bench.markdown_report(old) and "baseline" in bench.summary_text(old)
 
 
 def test_plots_are_valid_pngs(bench_run):
@@ -323,7 +368,7 @@ def test_cli_end_to_end(tmp_path, monkeypatch, capsys):
     assert "baseline:" in printed and "prompt_lookup" in printed and "tau" in printed
     report = json.loads((out / "report.json").read_text())
     BenchReport.from_dict(report)
-    assert list(report["methods"]) == ["baseline", "prompt_lookup"]
+    assert list(report["methods"]) == ["baseline", "no_draft", "prompt_lookup"]
     assert report["settings"]["prompts_source"] == str(prompt_file)
     assert {p.name for p in out.iterdir()} == {
         "report.json",
@@ -371,7 +416,7 @@ def test_cli_sharegpt_heldout_reads_the_heads_training_record(tmp_path, monkeypa
     report = read_report(out / "report.json")
     assert seen == ["my-chats.jsonl"]
     assert [(s.question_id, s.category) for s in report.samples] == [("c3", "sharegpt"), ("c7", "sharegpt")]
-    assert list(report.methods) == ["baseline", "medusa-tiny"] and report.settings.prompts_source == "sharegpt-heldout"
+    assert list(report.methods) == ["baseline", "no_draft", "medusa-tiny"] and report.settings.prompts_source == "sharegpt-heldout"
 
 
 def test_draft_model_method_runs():

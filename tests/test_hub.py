@@ -144,11 +144,79 @@ def test_push_with_a_bench_report_puts_its_figures_on_the_card(target, hub):
     head = make_head("eagle3", target)
     head.push_to_hub("alice/e3", token="hf_test", bench_report=REPORT, bench_method="eagle3", bench_command=command)
     text = ModelCard(hub.repos["alice/e3"].files["README.md"].decode()).text
-    assert f"| eagle3 | {e3['tau']:.2f} | {e3['speedup']:.2f}x | {e3['median_tokens_per_s']:.1f} |" in text
-    assert "tau (accepted tokens per target forward)" in text and "speedup (median per prompt)" in text
+    # a schema-2 report has no engine-only baseline: its speculation gain is "-"
+    row = f"| selfspec | eagle3 | {e3['tau']:.2f} | {e3['speedup']:.2f}x | - | {e3['median_tokens_per_s']:.1f} |"
+    assert row in text
+    assert "tau (tokens per target forward)" in text and "speedup vs reference" in text
     assert command in text and "rebuilt" not in text
     assert "Hardware: 2 CPU cores, no accelerator; Linux-" in text and "torch 2.13.0+cpu" in text
     assert "greedy, 128 new tokens, float32 on cpu, 2 threads" in text
+
+
+def test_the_card_gives_the_speculation_gain_and_the_llama_cpp_speed(target, hub, tmp_path):
+    """Two reports: selfspec's (with the engine-only baseline) and llama.cpp's; the card gives the speculation
+    gain beside the speedup over generate, and llama.cpp's figure with its verdict when it loses."""
+    from selfspec.bench.llamacpp_settings import head_setting
+    from selfspec.bench.report import BenchReport, LlamaCppRecord, read_report
+
+    old = read_report(REPORT)
+    ours = old.summary["eagle3"]
+    gained = dataclasses.replace(ours, overall=dataclasses.replace(ours.overall, engine_speedup=1.07))
+    selfspec_report = dataclasses.replace(
+        old,
+        settings=dataclasses.replace(old.settings, engine_reference="eagle2"),
+        summary={**old.summary, "eagle3": gained},
+    )
+    verdict = "slower than plain llama.cpp (0.64x): no setting swept beats plain llama.cpp on this machine"
+    llama = LlamaCppRecord(
+        "llama-cpp-python==0.3.36 (x86-64-v3)",
+        "t.gguf",
+        {"eagle3": head_setting()},
+        "sweep",
+        {},
+        None,
+        {"eagle3": verdict},
+        0.5,
+    )
+    llama_summary = dataclasses.replace(
+        ours, overall=dataclasses.replace(ours.overall, speedup=0.64, engine_speedup=0.64)
+    )
+    llama_report = dataclasses.replace(
+        old,
+        settings=dataclasses.replace(old.settings, engine="llamacpp", engine_reference="baseline"),
+        summary={**old.summary, "eagle3": llama_summary},
+        llamacpp=llama,
+    )
+    paths = []
+    for name, rep in (("selfspec", selfspec_report), ("llamacpp", llama_report)):
+        paths.append(tmp_path / f"{name}.json")
+        BenchReport.from_dict(rep.to_dict())
+        paths[-1].write_text(json.dumps(rep.to_dict()))
+    make_head("eagle3", target).push_to_hub("alice/e3", token="hf_test", bench_report=paths, bench_method="eagle3")
+    text = ModelCard(hub.repos["alice/e3"].files["README.md"].decode()).text
+    assert f"| selfspec | eagle3 | {ours.overall.tau:.2f} | {ours.overall.speedup:.2f}x | 1.07x |" in text
+    assert f"| llama.cpp | eagle3 | {ours.overall.tau:.2f} | 0.64x | - |" in text  # one reference: plain llama.cpp
+    assert verdict in text and "The speculation gain is against" in text
+    assert "selfspec bench --engine llamacpp --target" in text
+
+
+def test_pushed_files_name_the_data_and_target_never_a_local_path(target, hub, tmp_path, capsys):
+    heads = make_head("eagle3", target).save_pretrained(tmp_path / "heads")
+    record = {"format": "selfspec-training-record", "version": 1, "data": str(tmp_path / "private" / "chats.jsonl")}
+    record |= {"target": "HuggingFaceTB/SmolLM2-135M-Instruct", "target_adapter": "./adapters/mine"}
+    (heads / "training_record.json").write_text(json.dumps(record))
+    assert cli_main(["push", str(heads), "alice/paths", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"training_record.json data: the local path {str(tmp_path / 'private' / 'chats.jsonl')!r}" in out
+    assert "published as 'chats.jsonl'" in out and "published as 'mine'" in out
+    push_heads(heads, "alice/paths", token="hf_test")
+    sent = json.loads(hub.repos["alice/paths"].files["training_record.json"])
+    assert sent["data"] == "chats.jsonl" and sent["target_adapter"] == "mine"
+    assert sent["target"] == "HuggingFaceTB/SmolLM2-135M-Instruct"  # a Hub id stays as given
+    assert str(tmp_path) not in json.dumps(
+        {k: v.decode(errors="replace") for k, v in hub.repos["alice/paths"].files.items() if k.endswith(".json")}
+    )
+    assert json.loads((heads / "training_record.json").read_text())["data"] == record["data"]  # the local copy is kept
 
 
 def test_the_bench_command_is_rebuilt_and_said_so_when_not_given(target, hub):

@@ -30,10 +30,11 @@ def save_checkpoint(
     step: int,
     elapsed_s: float,
     identity: dict[str, Any],
+    trained_tokens: int = 0,
     best: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None,
 ) -> None:
     """Write ``accelerator.save_state`` to ``<out>.tmp`` with ``trainer_state.json`` (``step``,
-    ``train_elapsed_s``, ``identity``, and ``best``'s info), then put it at ``out``
+    ``train_elapsed_s``, ``train_tokens``, ``identity``, and ``best``'s info), then put it at ``out``
     (:func:`~selfspec.heads.files.replace_dir`: the old one is swapped out only once the new one is complete).
     Every process must call it (``save_state`` synchronises them).
 
@@ -48,7 +49,7 @@ def save_checkpoint(
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        state = {"step": step, "train_elapsed_s": round(elapsed_s, 3), **identity}
+        state = {"step": step, "train_elapsed_s": round(elapsed_s, 3), "train_tokens": trained_tokens, **identity}
         if best is not None:
             state["best"] = best[0]
             save_file({k: v.contiguous() for k, v in best[1].items()}, str(tmp / BEST_FILE))

@@ -178,8 +178,12 @@ class TrainConfig:
         grad_accum_steps: recipe batches whose gradients are summed into one optimiser step (the global batch is
             processes x grad_accum_steps x the recipe's batch); steps, schedule and cadence count optimiser steps.
         epochs: passes over the cached features; ``max_steps`` caps the total if set.
+        max_train_tokens: stop once the head has trained on this many tokens (each recipe's ``train_tokens``
+            count, all processes); the cosine decay follows the count when it is further along. The budget of
+            a run whose head must not depend on the machine's speed (the quickstart's).
         max_train_minutes: stop the optimisation loop after this wall time (features excluded); the cosine
-            decay then follows the clock when it is further along than the step count.
+            decay then follows the clock when it is further along. With ``max_train_tokens``, a cap: the
+            summary's ``stopped_by`` says ``"clock"`` when it cut training short.
         eval_every / save_every: in optimiser steps.
         select_head: ``"tau"``: the head saved is the evaluated one (every ``eval_every`` steps and the last)
             of the highest held-out chain tau estimate (:func:`selfspec.train.loop.chain_tau`); ``"last"``: the
@@ -221,6 +225,7 @@ class TrainConfig:
     grad_accum_steps: int = 1
     epochs: int = 4
     max_steps: int | None = None
+    max_train_tokens: int | None = None
     max_train_minutes: float | None = None
     eval_every: int = 100
     save_every: int = 100
@@ -250,6 +255,8 @@ class TrainConfig:
             )
         if self.distill_capture_gb < 0:
             raise ValueError(f"distill_capture_gb must be >= 0 (0: no capture), got {self.distill_capture_gb}")
+        if self.max_train_tokens is not None and self.max_train_tokens < 1:
+            raise ValueError(f"max_train_tokens must be >= 1 (null: no token budget), got {self.max_train_tokens}")
         if self.grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
         if not 0.0 < self.eval_fraction < 1.0:

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from selfspec.heads.config import draft_vocab_from_counts
 from selfspec.train.checkpoint import resumable_step, resumed_best, save_checkpoint
-from selfspec.train.clock import TrainClock, make_scheduler, resumed_elapsed
+from selfspec.train.clock import TrainClock, make_scheduler, resumed_clock
 from selfspec.train.config import TrainConfig
 from selfspec.train.record import RECORD_FILE, training_record
 
@@ -211,7 +211,7 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
     total = min(steps_per_epoch * cfg.epochs, cfg.max_steps or steps_per_epoch * cfg.epochs)
 
     step = resumable_step(ckpt, identity)
-    clock = TrainClock(resumed_elapsed(ckpt) if step else 0.0)
+    clock = resumed_clock(ckpt) if step else TrainClock()
     sched = make_scheduler(cfg, optim, total, clock)
     accelerator.register_for_checkpointing(sched)  # stepped once per optimiser step, by this loop
     if step:
@@ -236,7 +236,7 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
     counts: dict[str, int] = {}
     bar = tqdm(total=total, initial=step, desc=f"train {recipe.family}", disable=quiet)
     model.train()
-    stop = False
+    stop, stopped_by = False, "steps"
     while step < total and not stop:
         epoch, within = divmod(step, steps_per_epoch)
         epoch_loader = accelerator.skip_first_batches(loader, within * accum) if within else loader
@@ -251,6 +251,7 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
             micro, losses = micro + 1, [*losses, out.loss.detach().float()]
             for key, n in out.counts.items():
                 counts[key] = counts.get(key, 0) + int(n)
+            clock.tokens += int(out.counts.get("train_tokens", 0)) * world  # every process trains as many
             if not accelerator.sync_gradients:
                 continue
             used_lr = float(sched.get_last_lr()[0])
@@ -270,10 +271,13 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
                 hist.append({"step": step, "loss": loss, **out.logs, **metrics, "lr": used_lr})
                 logger.info("step %d %s", step, json.dumps({k: v for k, v in hist[-1].items() if k != "step"}))
             if step % cfg.save_every == 0 and step < total:
-                save_checkpoint(accelerator, ckpt, step, clock.elapsed(), identity, best)
-            if clock.out_of_time(cfg):
-                logger.info("max_train_minutes reached at step %d", step)
-                stop = True
+                save_checkpoint(accelerator, ckpt, step, clock.elapsed(), identity, best, clock.tokens)
+            if clock.out_of_tokens(cfg):
+                logger.info("max_train_tokens reached at step %d (%d tokens)", step, clock.tokens)
+                stopped_by, stop = "tokens", True
+            elif clock.out_of_time(cfg):
+                logger.info("max_train_minutes reached at step %d (%d tokens)", step, clock.tokens)
+                stopped_by, stop = "clock", True
             if stop or step >= total:
                 break
     bar.close()
@@ -296,6 +300,11 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
             "head": recipe.family,
             "step": step,
             "train_s": round(elapsed, 1),
+            # what ended training: "tokens" (max_train_tokens), "clock" (the max_train_minutes cap), "steps"
+            "stopped_by": stopped_by,
+            "trained_tokens": clock.tokens,
+            "max_train_tokens": cfg.max_train_tokens,
+            "max_train_minutes": cfg.max_train_minutes,
             **({"selected": {"by": "chain_tau_estimate", **best[0]}} if best is not None else {}),
             **rates,
             **totals,

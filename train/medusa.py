@@ -164,7 +164,7 @@ class MedusaRecipe(Recipe):
         return StepLoss(
             loss,
             {"per_head_loss": [round(float(x), 4) for x in per_head]},
-            {"positions": int(batch["labels"].shape[0])},
+            {"train_tokens": int(batch["labels"].shape[0])},
         )
 
     def evaluate(self) -> dict[str, Any]:

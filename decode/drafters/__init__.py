@@ -15,6 +15,7 @@ from selfspec.decode.drafters.draft_model import DraftModelDrafter
 from selfspec.decode.drafters.eagle import EagleDrafter
 from selfspec.decode.drafters.hybrid import HybridDrafter
 from selfspec.decode.drafters.medusa import MedusaDrafter
+from selfspec.decode.drafters.no_draft import NoDraftDrafter
 from selfspec.decode.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.decode.tree import DraftTree
 
@@ -28,6 +29,7 @@ __all__ = [
     "EagleDrafter",
     "HybridDrafter",
     "MedusaDrafter",
+    "NoDraftDrafter",
     "PromptLookupDrafter",
     "context_length",
 ]

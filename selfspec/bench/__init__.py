@@ -8,7 +8,9 @@ apart on the same machine state, and the reported speedup is the median of those
 
 Methods (:mod:`selfspec.bench.methods`):
 
-* ``baseline``: ``model.generate`` (``transformers``), the reference every ratio is taken against.
+* ``baseline``: ``model.generate`` (``transformers``), the reference every ``speedup`` is taken against.
+* ``no_draft``: selfspec's own loop and verification kernels with no drafts (one token per step), the
+  engine-only baseline every ``engine_speedup`` is taken against: the gain of speculation alone.
 * ``hf_prompt_lookup``: ``model.generate(prompt_lookup_num_tokens=...)`` (``transformers``' own prompt lookup).
 * ``prompt_lookup``, ``draft_model``: selfspec's own drafters through the lossless verifier.
 * one method per head directory (``--heads``).
@@ -25,19 +27,25 @@ Outputs (``--out DIR``): ``report.json`` (every per-prompt number; layout: the d
 :mod:`selfspec.bench.report`, read back strictly by :func:`read_report`), ``report.md`` (tables),
 ``speedup.png``, ``accepted_tokens_hist.png``, ``acceptance_by_depth.png``; a short summary goes to stdout.
 
+``--engine llamacpp`` runs the same prompts through llama.cpp instead (:mod:`selfspec.bench.llamacpp`): plain
+llama.cpp, each EAGLE-3 head exported to GGUF, and llama.cpp's n-gram drafters, with settings swept once per
+machine (:mod:`selfspec.bench.llamacpp_settings`), into the same report layout.
+
 Files: ``methods.py`` (settings and methods), ``run.py`` (the measured run and its aggregates),
 ``report.py`` (the report's dataclasses and strict reading), ``outputs.py`` (``report.md``, the summary,
-writing), ``plots.py``, ``cli.py``.
+writing), ``plots.py``, ``llamacpp.py`` and ``llamacpp_settings.py`` (the llama.cpp engine), ``cli.py``.
 
 Usage::
 
     selfspec bench --prompts mt_bench.jsonl --heads runs/medusa-smollm2/heads --out runs/bench
     selfspec bench --prompts sharegpt-heldout --num-prompts 20 --temperature 0.7 --dtype bfloat16
+    selfspec bench --engine llamacpp --prompts mt_bench.jsonl --max-turns 1 --heads runs/eagle3-smollm2/heads
 """
 
 from __future__ import annotations
 
 from selfspec.bench.cli import main
+from selfspec.bench.llamacpp import run_llamacpp_bench
 from selfspec.bench.methods import BenchMethod, BenchSettings, build_methods
 from selfspec.bench.outputs import markdown_report, summary_text, write_report
 from selfspec.bench.report import SCHEMA_VERSION, BenchReport, read_report
@@ -55,6 +63,7 @@ __all__ = [
     "markdown_report",
     "read_report",
     "run_bench",
+    "run_llamacpp_bench",
     "summary_text",
     "write_report",
 ]

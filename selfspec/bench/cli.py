@@ -12,11 +12,14 @@ import torch
 
 from selfspec.api import SpeculativeModel, make_verifier, plan_drafter
 from selfspec.bench.batched import run_batch_bench, write_batch_report
+from selfspec.bench.llamacpp import run_llamacpp_bench
 from selfspec.bench.methods import BUILTIN_METHODS, DEFAULT_METHODS, BenchSettings, build_methods, eagle_kwargs
 from selfspec.bench.outputs import summary_text, write_report
 from selfspec.bench.run import run_bench
+from selfspec.export.common import ExportError
+from selfspec.llamacpp import alias_gguf, find_llamacpp
 from selfspec.prompts import SHAREGPT_HELDOUT, load_prompts
-from selfspec.target import load_target
+from selfspec.target import load_target, resolve_target
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +142,29 @@ def build_parser() -> argparse.ArgumentParser:
         "generate vs each head and prompt_lookup with the batch tree rule, heads also with their fixed tree; "
         "writes batch_report.json/.md",
     )
+    p.add_argument(
+        "--engine",
+        choices=("selfspec", "llamacpp"),
+        default="selfspec",
+        help="selfspec (default): its own decoder against transformers generate and its no-draft decoding; "
+        "llamacpp: plain llama.cpp against each --heads (EAGLE-3, exported to GGUF) and llama.cpp's n-gram drafts, "
+        "with settings swept once per machine (needs `python -m selfspec.llamacpp` and selfspec[llamacpp])",
+    )
+    p.add_argument(
+        "--ngram",
+        nargs="*",
+        default=["ngram_simple", "ngram_mod"],
+        metavar="METHOD",
+        help="--engine llamacpp: llama.cpp n-gram drafters to run (ngram_simple, ngram_mod; none: --ngram)",
+    )
+    p.add_argument(
+        "--target-gguf",
+        default=None,
+        help="--engine llamacpp: the target's GGUF (default: the file the smollm2-135m-instruct alias is made from)",
+    )
+    p.add_argument(
+        "--fresh-sweep", action="store_true", help="--engine llamacpp: sweep the settings again, ignoring the cache"
+    )
     p.add_argument("--out", default="runs/bench", help="directory for report.json, report.md and PNG plots")
     return p
 
@@ -164,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
     if args.batch_size:
         return _batch_main(parser, args, heads, methods, prompts, settings, target, tokenizer)
+    if args.engine == "llamacpp":
+        return _llamacpp_main(parser, args, heads, prompts, settings, target, tokenizer)
     draft = load_target(args.draft_model, dtype=args.dtype, device=args.device)[0] if args.draft_model else None
     try:
         eagle_options = {"depth": args.eagle_depth, "top_k": args.eagle_top_k, "total_tokens": args.eagle_total_tokens}
@@ -182,6 +210,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(err))
     logger.info("bench: %d questions, methods %s", len(prompts), ", ".join(bench_methods))
     report = run_bench(target, tokenizer, bench_methods, prompts, settings)
+    paths = write_report(report, args.out)
+    print(summary_text(report))
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def _llamacpp_main(parser, args, heads, prompts, settings, target, tokenizer) -> int:
+    """``--engine llamacpp``: :func:`selfspec.bench.llamacpp.run_llamacpp_bench` with the cached build."""
+    if args.methods:
+        parser.error("--methods names selfspec methods; with --engine llamacpp use --heads and --ngram")
+    build = find_llamacpp()
+    if build is None:
+        parser.error(
+            "--engine llamacpp needs a llama.cpp build: run `python -m selfspec.llamacpp` once (about 5-12 minutes "
+            "on 2 cores; needs cmake and a C++ compiler) and `pip install 'selfspec[llamacpp]'`"
+        )
+    try:
+        gguf = Path(args.target_gguf) if args.target_gguf else alias_gguf(args.target)
+    except (KeyError, FileNotFoundError) as err:
+        parser.error(f"--engine llamacpp needs the target's GGUF: pass --target-gguf FILE ({err})")
+    try:
+        report = run_llamacpp_bench(
+            target,
+            tokenizer,
+            prompts,
+            settings,
+            build=build,
+            target_gguf=gguf,
+            target_dir=Path(resolve_target(args.target)),
+            heads=heads,
+            ngram=args.ngram,
+            threads=args.threads or 2,
+            fresh_sweep=args.fresh_sweep,
+        )
+    except (ValueError, ExportError) as err:
+        parser.error(str(err))
     paths = write_report(report, args.out)
     print(summary_text(report))
     print(f"wrote {', '.join(str(p) for p in paths.values())}")

@@ -15,7 +15,7 @@ import torch
 
 from selfspec.api import DrafterPlan, SpeculativeModel, make_drafter, make_verifier, plan_drafter
 from selfspec.bench.report import TreeBudgetRecord
-from selfspec.decode.drafters import PromptLookupDrafter
+from selfspec.decode.drafters import NoDraftDrafter, PromptLookupDrafter
 from selfspec.decode.drafters.eagle import EagleDrafter
 from selfspec.decode.drafters.hybrid import HybridDrafter
 from selfspec.decode.drafters.suffix_index import SuffixIndex
@@ -28,7 +28,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 REFERENCE = "baseline"
-BUILTIN_METHODS = ("baseline", "hf_prompt_lookup", "prompt_lookup", "draft_model", "hybrid")
+ENGINE_REFERENCE = "no_draft"
+"""selfspec's own loop and verifier (the same kernels as every selfspec method) with no drafts: one token per
+step. Speedups over it are the gain of speculation alone; over ``baseline`` they include the kernels' gain."""
+BUILTIN_METHODS = ("baseline", "no_draft", "hf_prompt_lookup", "prompt_lookup", "draft_model", "hybrid")
 DEFAULT_METHODS = ("baseline", "hf_prompt_lookup", "prompt_lookup")
 
 
@@ -46,6 +49,7 @@ class BenchSettings:
             with the rest of their question; None = no limit.
         eos_token_ids: stop ids for every method; None = the target's generation config (or tokenizer).
         reference: the method every speedup and every greedy mismatch is measured against.
+        engine_reference: the method ``engine_speedup`` is measured against (the engine with no drafts).
         target_name, prompts_source, tree_nodes, draft_model: recorded in the report only.
     """
 
@@ -57,6 +61,7 @@ class BenchSettings:
     max_prompt_tokens: int | None = None
     eos_token_ids: tuple[int, ...] | None = None
     reference: str = REFERENCE
+    engine_reference: str = ENGINE_REFERENCE
     target_name: str = ""
     prompts_source: str = ""
     tree_nodes: int | None = None
@@ -238,7 +243,8 @@ def build_methods(
         target: the frozen target (``transformers`` causal LM).
         tokenizer: its tokenizer (or any object with ``decode``); used for decoded text only.
         settings: generation settings (for the ``transformers`` keyword arguments and the EOS ids).
-        methods: a subset of :data:`BUILTIN_METHODS`; the reference (``baseline``) is always added.
+        methods: a subset of :data:`BUILTIN_METHODS`; the reference (``baseline``) and the engine-only
+            baseline (``no_draft``, :data:`ENGINE_REFERENCE`) are always added.
         heads: method name -> head directory or head module, each one method.
         draft_model: a loaded small causal LM (same tokenizer) for the ``draft_model`` method.
         tree_nodes: tree size for Medusa heads without an explicit tree (None = selfspec's default).
@@ -269,7 +275,8 @@ def build_methods(
     eos = settings.stop_ids(target, tokenizer)
     pad = getattr(target.generation_config, "pad_token_id", None)
     pad = pad if pad is not None else (eos[0] if eos else None)
-    chosen = [REFERENCE] + [m for m in BUILTIN_METHODS if m in methods and m != REFERENCE]
+    always = (REFERENCE, ENGINE_REFERENCE)
+    chosen = [*always] + [m for m in BUILTIN_METHODS if m in methods and m not in always]
     for name in heads or {}:
         if name in chosen or (suffix_index is not None and name == "hybrid_suffix"):
             raise ValueError(f"head method name {name!r} is taken; pass it as NAME=DIR with another name")
@@ -286,6 +293,11 @@ def build_methods(
     for name in chosen:
         if name == "baseline":
             out[name] = hf_method(target, settings, eos, pad)
+        elif name == ENGINE_REFERENCE:
+            out[name] = dataclasses.replace(
+                selfspec_method(SpeculativeModel(target, tokenizer, NoDraftDrafter(), verifier), settings, eos),
+                description="selfspec with no drafts: its loop and verification kernels, one token per step",
+            )
         elif name == "hf_prompt_lookup":
             # the same proposal length and n-gram size as selfspec's prompt lookup
             out[name] = hf_method(

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from selfspec.bench.plots import write_plots
-from selfspec.bench.report import Aggregate, BenchReport, TreeBudgetRecord
+from selfspec.bench.report import Aggregate, BenchReport, LlamaCppRecord, TreeBudgetRecord
 
 
 def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
@@ -17,14 +17,19 @@ def _depth_text(rates: list[float | None] | None) -> str:
     return "-" if not rates else " / ".join(_fmt(r, ".2f") for r in rates)
 
 
-_COLUMNS = (
-    "tokens/s (median) | speedup (median) | tau | acceptance by depth | draft share | verify share | peak MiB | "
-    "mismatches"
-)
+def _columns(report: BenchReport) -> str:
+    s = report.settings
+    return (
+        f"tokens/s (median) | speedup vs {s.reference} | speedup vs {s.engine_reference} | tau | acceptance by depth "
+        "| draft share | verify share | peak MiB | mismatches"
+    )
 
 
 def _mismatch_text(agg: Aggregate) -> str:
-    return "-" if agg.mismatches is None else f"{agg.mismatches}/{agg.num_samples}"
+    if agg.mismatches is None:
+        return "-"
+    ties = f" (+{agg.near_ties} at near-ties)" if agg.near_ties else ""
+    return f"{agg.mismatches}/{agg.num_samples}{ties}"
 
 
 def _row(agg: Aggregate) -> str:
@@ -33,6 +38,7 @@ def _row(agg: Aggregate) -> str:
             str(agg.num_samples),
             _fmt(agg.median_tokens_per_s, ".1f"),
             _fmt(agg.speedup, ".2f", "x"),
+            _fmt(agg.engine_speedup, ".2f", "x"),
             _fmt(agg.tau),
             _depth_text(agg.acceptance_by_depth),
             _fmt(agg.draft_share, ".0%"),
@@ -57,26 +63,30 @@ def _budget_text(budget: TreeBudgetRecord | None) -> str:
 
 
 def markdown_report(report: BenchReport) -> str:
-    """``report.md``: settings, a table by method x category, an overall table, and the greedy mismatches."""
+    """``report.md``: settings, a table by method x category, an overall table, the greedy mismatches and, for the
+    llama.cpp engine, the settings chosen, the sweep and the cost decomposition."""
     s = report.settings
     mode = "greedy" if not s.do_sample else f"sampling T={s.temperature} top_p={s.top_p}"
+    engine = "llama.cpp" if s.engine == "llamacpp" else "selfspec"
     lines = [
-        "# selfspec bench",
+        f"# {engine} bench",
         "",
         f"Target `{s.target}` ({s.dtype}, {s.device}, {s.threads} threads), {mode}, "
         f"max {s.max_new_tokens} new tokens, prompts `{s.prompts_source or 'given in code'}` "
-        f"({len(report.samples)} prompt turns), reference `{s.reference}`. Speedup: median over prompt "
-        "turns of tokens/s divided by the reference's tokens/s on the same turn, same run.",
+        f"({len(report.samples)} prompt turns), reference `{s.reference}`, engine-only baseline "
+        f"`{s.engine_reference}`. Speedup: median over prompt turns of tokens/s divided by the reference's (or the "
+        f"engine-only baseline's: the gain of speculation alone) tokens/s on the same turn, same run. tokens/s: "
+        f"{s.timing}.",
         "",
         "## By category",
         "",
-        f"| method | category | n | {_COLUMNS} |",
-        "|" + "---|" * 11,
+        f"| method | category | n | {_columns(report)} |",
+        "|" + "---|" * 12,
     ]
     for name, summ in report.summary.items():
         for cat in report.categories:
             lines.append(f"| {name} | {cat} | {_row(summ.by_category[cat])} |")
-    lines += ["", "## Overall", "", f"| method | n | {_COLUMNS} |", "|" + "---|" * 10]
+    lines += ["", "## Overall", "", f"| method | n | {_columns(report)} |", "|" + "---|" * 11]
     for name, summ in report.summary.items():
         lines.append(f"| {name} | {_row(summ.overall)} |")
     lines += ["", "## Methods", ""]
@@ -89,25 +99,84 @@ def markdown_report(report: BenchReport) -> str:
                 lines.append(f"| {m.method} | {m.question_id} | {m.category} | {m.turn} | {m.first_diff} |")
         else:
             lines.append("None: every method produced the reference's tokens on every prompt turn.")
+        if report.ties:
+            lines += ["", "Outputs differing first at a near-tie of the target (reported, not counted):", ""]
+            lines += [
+                f"- {m.method}: question {m.question_id} turn {m.turn}, position {m.first_diff}" for m in report.ties
+            ]
+    if report.llamacpp is not None:
+        lines += llamacpp_lines(report.llamacpp)
     if report.skipped:
         lines += ["", f"Skipped {len(report.skipped)} prompt turns longer than {s.max_prompt_tokens} tokens."]
     return "\n".join(lines) + "\n"
 
 
-def summary_text(report: BenchReport) -> str:
-    """The short stdout summary: reference tokens/s, then tau, speedup and mismatches per method."""
-    ref = report.settings.reference
-    overall = {n: s.overall for n, s in report.summary.items()}
+def llamacpp_lines(rec: LlamaCppRecord) -> list[str]:
+    """The llama.cpp section of ``report.md``: build, chosen settings, verdicts, sweep, cost decomposition."""
     lines = [
-        f"{ref}: {_fmt(overall[ref].median_tokens_per_s, '.1f')} tokens/s (median over "
-        f"{overall[ref].num_samples} prompt turns)",
-        f"{'method':<24} {'tau':>6} {'speedup':>8} {'tokens/s':>9} {'mismatches':>11}",
+        "",
+        "## llama.cpp",
+        "",
+        f"Build {rec.build}; target `{rec.target_gguf}`; settings chosen by {rec.chosen_by}.",
+        "",
+    ]
+    lines += [
+        "| method | spec type | draft max | p_min | draft threads | head GGUF | n-gram size |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, st in rec.chosen.items():
+        cells = [st.spec_type, str(st.draft_max), _fmt(st.p_min), _fmt(st.draft_threads, "d"), st.outtype or "-"]
+        lines.append(f"| {name} | " + " | ".join([*cells, _fmt(st.ngram_size, "d")]) + " |")
+    lines += [""] + [f"- {name}: {text}" for name, text in rec.verdicts.items()]
+    if rec.costs is not None:
+        c = rec.costs
+        verify = ", ".join(f"{k + 1}: {u:.2f}" for k, u in enumerate(c.verify_units))
+        lines += [
+            "",
+            f"Cost decomposition (one target decode step = {c.token_ms:.2f} ms = 1 unit): a target forward over k "
+            f"tokens costs {verify} units (llama-bench).",
+        ]
+        for name, units in c.draft_units.items():
+            lines.append(
+                f"- {name}: draft {_fmt(units)} units per cycle (llama.cpp's draft timer); break-even tokens per "
+                f"step {_fmt(c.break_even_tau.get(name))}"
+            )
+    for name, points in rec.sweep.items():
+        if not points:
+            continue
+        lines += ["", f"Sweep of {name} (calibration prompts, speedup over plain llama.cpp):", ""]
+        lines += ["| draft max | p_min | draft threads | head GGUF | speedup | tokens/step | acceptance | draft ms |"]
+        lines += ["|---|---|---|---|---|---|---|---|"]
+        for pt in points:
+            st = pt.setting
+            lines.append(
+                f"| {st.draft_max} | {_fmt(st.p_min)} | {_fmt(st.draft_threads, 'd')} | {st.outtype or '-'} | "
+                f"{pt.speedup:.2f}x | {pt.tokens_per_step:.2f} | {_fmt(pt.acceptance, '.1%')} | "
+                f"{_fmt(pt.draft_ms_per_cycle)} |"
+            )
+    return lines
+
+
+def summary_text(report: BenchReport) -> str:
+    """The short stdout summary: reference tokens/s, then tau, both speedups and mismatches per method."""
+    s = report.settings
+    overall = {n: summ.overall for n, summ in report.summary.items()}
+    ref = overall[s.reference]
+    engine = overall[s.engine_reference] if s.engine_reference is not None else None
+    lines = [
+        f"{s.reference}: {_fmt(ref.median_tokens_per_s, '.1f')} tokens/s, {s.engine_reference}: "
+        f"{_fmt(engine and engine.median_tokens_per_s, '.1f')} tokens/s (medians over {ref.num_samples} prompt turns)",
+        f"{'method':<24} {'tau':>6} {'vs ' + s.reference:>14} {'vs ' + str(s.engine_reference):>14} {'tokens/s':>9} "
+        f"{'mismatches':>11}",
     ]
     for name, agg in overall.items():
         lines.append(
-            f"{name:<24} {_fmt(agg.tau):>6} {_fmt(agg.speedup, '.2f', 'x'):>8} "
-            f"{_fmt(agg.median_tokens_per_s, '.1f'):>9} {_mismatch_text(agg):>11}"
+            f"{name:<24} {_fmt(agg.tau):>6} {_fmt(agg.speedup, '.2f', 'x'):>14} "
+            f"{_fmt(agg.engine_speedup, '.2f', 'x'):>14} {_fmt(agg.median_tokens_per_s, '.1f'):>9} "
+            f"{_mismatch_text(agg):>11}"
         )
+    if report.llamacpp is not None:
+        lines += [f"{name}: {text}" for name, text in report.llamacpp.verdicts.items()]
     return "\n".join(lines)
 
 

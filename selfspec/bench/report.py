@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from selfspec.heads.files import read_dataclass, read_json
 
-SCHEMA_VERSION = 2  # 2: methods[name].tree_budget
+SCHEMA_VERSION = 3  # 2: methods[name].tree_budget; 3: the engine reference (engine_speedup), ties, llamacpp
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,9 @@ class TreeBudgetRecord:
 
 @dataclass(frozen=True)
 class MethodRecord:
-    """What a method is. ``kind``: ``"hf"``, ``"selfspec"`` or ``"custom"``."""
+    """What a method is. ``kind``: ``"hf"`` (``transformers``), ``"selfspec"``, ``"llamacpp"`` or ``"custom"``."""
 
-    kind: Literal["hf", "selfspec", "custom"]
+    kind: Literal["hf", "selfspec", "llamacpp", "custom"]
     description: str
     tree_budget: TreeBudgetRecord | None
 
@@ -63,7 +63,13 @@ class SettingsRecord:
         seed: prompt turn i used ``seed + i``; warmup: prompts run once untimed by every method first.
         max_prompt_tokens: longer prompt turns were skipped (None = no limit).
         eos_token_ids: stop ids used by every method (sorted).
-        reference: the method speedups and mismatches are measured against.
+        reference: the method speedups and mismatches are measured against (``transformers`` ``generate`` in
+            the selfspec engine, plain llama.cpp in the llama.cpp engine).
+        engine_reference: the engine's own decoding with no drafts (``no_draft``: selfspec's loop and
+            kernels, one token per step; plain llama.cpp in the llama.cpp engine): ``engine_speedup`` is
+            against it, the gain of speculation alone. None only in reports of schema 2, read back upgraded.
+        engine: ``"selfspec"`` or ``"llamacpp"``: which engine decoded the methods.
+        timing: what ``tokens_per_s`` divides by (the whole call's wall time, or the engine's decode timer).
         prompts_source: prompt file or ``"sharegpt-heldout"``.
         tree_nodes: tree size asked for Medusa heads (None: default); draft_model: its name, if any.
         memory_source: what ``peak_memory_mb`` measures.
@@ -83,6 +89,9 @@ class SettingsRecord:
     max_prompt_tokens: int | None
     eos_token_ids: list[int]
     reference: str
+    engine_reference: str | None
+    engine: Literal["selfspec", "llamacpp"]
+    timing: str
     prompts_source: str
     tree_nodes: int | None
     draft_model: str | None
@@ -111,6 +120,7 @@ class Result:
         wall_s: seconds for the whole call, prefill included (CUDA synchronised before and after).
         tokens_per_s: ``new_tokens / wall_s``.
         speedup: ``tokens_per_s`` / the reference's ``tokens_per_s`` on this same prompt turn.
+        engine_speedup: ``tokens_per_s`` / the engine reference's on this turn (the gain of speculation).
         peak_memory_mb: MiB; see ``settings.memory_source``.
         finish_reason: ``"stop"`` (EOS) or ``"length"``.
         tau: mean accepted tokens per target verification forward (None: no speculation stats).
@@ -123,6 +133,9 @@ class Result:
             forward, acceptance, KV compaction), by selfspec's own timers.
         matches_reference: greedy: output equals the reference's; None under sampling.
         first_diff: greedy: first position differing from the reference; None if equal or sampling.
+        near_tie: greedy, output differing: True when the reference's own choice at ``first_diff`` was a
+            near-tie of the target (top-2 logit margin under ``llamacpp.tie_margin``), where another
+            arithmetic may rightly choose otherwise: reported, not counted as a mismatch. None otherwise.
         tokens: the generated token ids.
     """
 
@@ -130,6 +143,7 @@ class Result:
     wall_s: float
     tokens_per_s: float
     speedup: float | None
+    engine_speedup: float | None
     peak_memory_mb: float
     finish_reason: str
     tau: float | None
@@ -143,6 +157,7 @@ class Result:
     verify_s: float | None
     matches_reference: bool | None
     first_diff: int | None
+    near_tie: bool | None
     tokens: list[int]
 
 
@@ -190,22 +205,115 @@ class Aggregate:
         num_samples: prompt turns aggregated.
         median_tokens_per_s: median of per-turn ``tokens_per_s``.
         speedup: median of per-turn speedups (ratios measured in this run).
+        engine_speedup: median of per-turn speedups over the engine reference (the gain of speculation).
         tau: accepted tokens per verification forward, pooled over all steps.
         acceptance_by_depth: ``[d]``: sum ``accepted_by_depth[d]`` / sum ``drafted_by_depth[d]``.
         draft_share, verify_share: sum ``draft_s`` (``verify_s``) / sum ``wall_s``.
         peak_memory_mb: max ``peak_memory_mb``, MiB.
-        mismatches: greedy: prompt turns whose output differs from the reference; None under sampling.
+        mismatches: greedy: prompt turns whose output differs from the reference, near-ties not counted
+            (:attr:`Result.near_tie`); None under sampling.
+        near_ties: greedy: prompt turns whose output differs first at a near-tie; None under sampling.
     """
 
     num_samples: int
     median_tokens_per_s: float | None
     speedup: float | None
+    engine_speedup: float | None
     tau: float | None
     acceptance_by_depth: list[float | None] | None
     draft_share: float | None
     verify_share: float | None
     peak_memory_mb: float | None
     mismatches: int | None
+    near_ties: int | None
+
+
+@dataclass(frozen=True)
+class LlamaCppSetting:
+    """One way of running llama.cpp's speculation (``llama-speculative-simple``).
+
+    Attributes:
+        spec_type: ``--spec-type``: ``"draft-eagle3"`` (a head exported to GGUF), ``"ngram-simple"``, ``"ngram-mod"``.
+        draft_max: the longest draft per cycle: ``--spec-draft-n-max`` (heads), ``--spec-ngram-simple-size-m``
+            or ``--spec-ngram-mod-n-max`` (n-gram drafts).
+        p_min: heads: ``--spec-draft-p-min``, drafting stops below this top probability (0: never).
+        draft_threads: heads: ``--spec-draft-threads`` (None: the target's thread count).
+        outtype: heads: the converter's ``--outtype`` of the head's GGUF (``"f16"``, ``"q8_0"``).
+        ngram_size: n-gram drafts: the match length (``--spec-ngram-simple-size-n`` / ``--spec-ngram-mod-n-match``).
+    """
+
+    spec_type: str
+    draft_max: int
+    p_min: float | None
+    draft_threads: int | None
+    outtype: str | None
+    ngram_size: int | None
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One setting measured on the sweep's calibration prompts, interleaved with plain llama.cpp.
+
+    Attributes:
+        setting: what ran.
+        speedup: median over the calibration prompts of decode tokens/s over plain llama.cpp's.
+        tokens_per_step: generated tokens per target verification (tau).
+        acceptance: accepted / drafted tokens (None: nothing drafted).
+        draft_ms_per_cycle: llama.cpp's draft timer per drafting call (None: not reported).
+    """
+
+    setting: LlamaCppSetting
+    speedup: float
+    tokens_per_step: float
+    acceptance: float | None
+    draft_ms_per_cycle: float | None
+
+
+@dataclass(frozen=True)
+class CostDecomposition:
+    """What a llama.cpp speculation cycle costs on this machine, in target-token units (one plain decode step
+    of the target = 1), from ``llama-bench`` and llama.cpp's own timers.
+
+    Attributes:
+        token_ms: one target decode step (``llama-bench -n``), ms.
+        verify_units: ``[k - 1]``: one target forward over k tokens (``llama-bench -p k``, k = 1..), in
+            units of ``token_ms``: the verification cost of a draft of k - 1 tokens.
+        draft_units: method -> the draft cost per cycle (llama.cpp's draft timer), in units of ``token_ms``;
+            None where llama.cpp reports none.
+        break_even_tau: method -> the tokens per step at which a cycle of its chosen draft length costs what
+            plain decoding of the same tokens does: ``draft_units + verify_units[draft_max]``.
+    """
+
+    token_ms: float
+    verify_units: list[float]
+    draft_units: dict[str, float | None]
+    break_even_tau: dict[str, float | None]
+
+
+@dataclass(frozen=True)
+class LlamaCppRecord:
+    """The llama.cpp engine's run: its build, the settings chosen per method and how, and the cost decomposition.
+
+    Attributes:
+        build: the ``llama-cpp-python`` sdist and CPU key of the build (``selfspec.llamacpp``).
+        target_gguf: the target's GGUF file name.
+        chosen: method -> the setting it decoded with.
+        chosen_by: ``"sweep"`` (measured in this run), ``"cache"`` (the sweep cached for this machine) or
+            ``"given"`` (fixed by the caller).
+        sweep: method -> every setting measured (empty unless ``chosen_by`` is ``"sweep"`` or ``"cache"``).
+        costs: the cost decomposition.
+        verdicts: method -> one plain sentence: how it compares with plain llama.cpp, and why when it loses.
+        tie_margin: logit margin under which the reference's choice counts as a near-tie (:attr:`Result.near_tie`).
+    """
+
+    build: str
+    target_gguf: str
+    chosen: dict[str, LlamaCppSetting]
+    chosen_by: Literal["sweep", "cache", "given"]
+    sweep: dict[str, list[SweepPoint]]
+    costs: CostDecomposition | None
+    verdicts: dict[str, str]
+    tie_margin: float
 
 
 @dataclass(frozen=True)
@@ -228,8 +336,10 @@ class BenchReport:
         categories: categories present, sorted.
         samples: one entry per prompt turn, in run order.
         skipped: prompt turns longer than ``max_prompt_tokens``.
-        mismatches: greedy runs: every differing (method, prompt turn).
+        mismatches: greedy runs: every differing (method, prompt turn), near-ties excluded.
+        ties: greedy runs: every (method, prompt turn) differing first at a near-tie of the target.
         summary: method name -> aggregates.
+        llamacpp: the llama.cpp engine's record (None in the selfspec engine).
     """
 
     schema_version: int
@@ -241,7 +351,9 @@ class BenchReport:
     samples: list[Sample]
     skipped: list[Skipped]
     mismatches: list[Mismatch]
+    ties: list[Mismatch]
     summary: dict[str, MethodSummary]
+    llamacpp: LlamaCppRecord | None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON layout: :func:`dataclasses.asdict`."""
@@ -255,7 +367,7 @@ class BenchReport:
         Raises:
             ValueError: listing every problem found, each with its path (``report.samples[0].results...``).
         """
-        report = read_dataclass(cls, data, where, root="report")
+        report = read_dataclass(cls, upgrade(data), where, root="report")
         report.check()
         return report
 
@@ -264,8 +376,12 @@ class BenchReport:
         of them, and categories agree."""
         errors = []
         names = set(self.methods)
-        if self.settings.reference not in names:
-            errors.append("report.settings.reference: not one of report.methods")
+        for field, name in (
+            ("reference", self.settings.reference),
+            ("engine_reference", self.settings.engine_reference),
+        ):
+            if name not in names and (field == "reference" or name is not None):
+                errors.append(f"report.settings.{field}: not one of report.methods")
         if set(self.summary) != names:
             errors.append("report.summary: keys differ from report.methods")
         for i, sample in enumerate(self.samples):
@@ -278,6 +394,44 @@ class BenchReport:
                 errors.append(f"report.summary.{name}.by_category: keys differ from report.categories")
         if errors:
             raise ValueError("invalid bench report:\n  " + "\n  ".join(errors))
+
+
+def upgrade(data: Any) -> Any:
+    """A schema-2 report's layout in schema 3 (what it did not measure is null: no engine-only baseline, no
+    near-tie check, the selfspec engine's wall-time timing); any other layout is returned as it is."""
+    if not isinstance(data, dict) or data.get("schema_version") != 2:
+        return data
+    data = dict(data, schema_version=SCHEMA_VERSION, ties=[], llamacpp=None)
+    data["settings"] = dict(
+        data.get("settings") or {},
+        engine_reference=None,
+        engine="selfspec",
+        timing="wall time of the whole call, prefill included",
+    )
+
+    def result(r: Any) -> Any:
+        return dict(r, engine_speedup=None, near_tie=None) if isinstance(r, dict) else r
+
+    def agg(a: Any) -> Any:
+        return (
+            dict(a, engine_speedup=None, near_ties=None if a.get("mismatches") is None else 0)
+            if isinstance(a, dict)
+            else a
+        )
+
+    data["samples"] = [
+        dict(x, results={k: result(v) for k, v in (x.get("results") or {}).items()}) if isinstance(x, dict) else x
+        for x in data.get("samples") or []
+    ]
+    data["summary"] = {
+        name: dict(
+            m, overall=agg(m.get("overall")), by_category={c: agg(a) for c, a in (m.get("by_category") or {}).items()}
+        )
+        if isinstance(m, dict)
+        else m
+        for name, m in (data.get("summary") or {}).items()
+    }
+    return data
 
 
 def read_report(path: str | Path) -> BenchReport:

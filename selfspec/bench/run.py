@@ -11,7 +11,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -93,6 +93,7 @@ def _result(tokens: list[int], stats: GenerationStats | None, wall_s: float, mem
         wall_s=wall_s,
         tokens_per_s=len(tokens) / wall_s if wall_s > 0 else 0.0,
         speedup=None,
+        engine_speedup=None,
         peak_memory_mb=memory_mb,
         finish_reason=stats.finish_reason if spec else ("stop" if tokens and tokens[-1] in eos else "length"),
         tau=stats.mean_accepted_tokens if spec and stats.steps else None,
@@ -106,6 +107,7 @@ def _result(tokens: list[int], stats: GenerationStats | None, wall_s: float, mem
         verify_s=stats.verify_s if spec else None,
         matches_reference=None,
         first_diff=None,
+        near_tie=None,
         tokens=list(tokens),
     )
 
@@ -114,32 +116,46 @@ def _token_at(tokens: Sequence[int], i: int) -> int | None:
     return tokens[i] if i < len(tokens) else None
 
 
-def _compare_to_reference(sample: Sample, settings: BenchSettings) -> tuple[Sample, list[Mismatch]]:
-    """Fill ``speedup`` (always) and ``matches_reference`` / ``first_diff`` (greedy) for one sample; return
-    it with the greedy mismatches found."""
-    ref = sample.results[settings.reference]
-    found = []
+def compare_to_reference(
+    sample: Sample,
+    reference: str,
+    engine_reference: str,
+    do_sample: bool,
+    near_tie: Callable[[int], bool] | None = None,
+    first_diff: Callable[[str], int | None] | None = None,
+) -> tuple[Sample, list[Mismatch], list[Mismatch]]:
+    """Fill ``speedup`` and ``engine_speedup`` (always) and ``matches_reference`` / ``first_diff`` /
+    ``near_tie`` (greedy) for one sample.
+
+    Args:
+        sample: one prompt turn with every method's raw :class:`Result`.
+        reference, engine_reference: the method names the two speedups are against.
+        do_sample: sampled outputs legitimately differ (losslessness is a distribution property): no comparison.
+        near_tie: ``near_tie(i)``: whether the reference's token at position i was a near-tie of the target;
+            None: no difference is a near-tie (selfspec's engine, which must match exactly).
+        first_diff: ``first_diff(method)``: where a method's output parts from the reference's (None: they
+            agree); None: the first differing token (:func:`first_difference`).
+
+    Returns:
+        ``(sample, mismatches, ties)``: the filled sample, the greedy differences, and those at near-ties.
+    """
+    ref, engine = sample.results[reference], sample.results[engine_reference]
+    found, ties = [], []
     results = {}
     for name, rec in sample.results.items():
         speedup = rec.tokens_per_s / ref.tokens_per_s if ref.tokens_per_s > 0 else None
-        if settings.do_sample:  # sampled outputs legitimately differ; losslessness is a distribution property
-            results[name] = dataclasses.replace(rec, speedup=speedup)
+        engine_speedup = rec.tokens_per_s / engine.tokens_per_s if engine.tokens_per_s > 0 else None
+        rec = dataclasses.replace(rec, speedup=speedup, engine_speedup=engine_speedup)
+        if do_sample:
+            results[name] = rec
             continue
-        diff = first_difference(ref.tokens, rec.tokens)
-        results[name] = dataclasses.replace(rec, speedup=speedup, matches_reference=diff is None, first_diff=diff)
+        diff = first_difference(ref.tokens, rec.tokens) if first_diff is None else first_diff(name)
+        tie = None if diff is None else bool(near_tie is not None and near_tie(diff))
+        results[name] = dataclasses.replace(rec, matches_reference=diff is None, first_diff=diff, near_tie=tie)
         if diff is not None:
-            found.append(
-                Mismatch(
-                    name,
-                    sample.question_id,
-                    sample.category,
-                    sample.turn,
-                    diff,
-                    _token_at(ref.tokens, diff),
-                    _token_at(rec.tokens, diff),
-                )
-            )
-    return dataclasses.replace(sample, results=results), found
+            where = (name, sample.question_id, sample.category, sample.turn, diff)
+            (ties if tie else found).append(Mismatch(*where, _token_at(ref.tokens, diff), _token_at(rec.tokens, diff)))
+    return dataclasses.replace(sample, results=results), found, ties
 
 
 def prompt_limit(target: PreTrainedModel, settings: BenchSettings) -> int | None:
@@ -228,7 +244,9 @@ def run_bench(
             sample = Sample(
                 prompt.question_id, prompt.category, turn, ids.numel(), seed, {name: results[name] for name in names}
             )
-            sample, found = _compare_to_reference(sample, settings)
+            sample, found, _ = compare_to_reference(
+                sample, settings.reference, settings.engine_reference, settings.do_sample
+            )
             mismatches += found
             samples.append(sample)
             logger.info(
@@ -247,13 +265,15 @@ def run_bench(
         schema_version=SCHEMA_VERSION,
         created_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         settings=_settings_record(settings, target, device, eos),
-        environment=_environment(device),
+        environment=environment_record(device),
         methods={n: MethodRecord(m.kind, m.description, m.tree_budget) for n, m in methods.items()},
         categories=categories,
         samples=samples,
         skipped=skipped,
         mismatches=mismatches,
+        ties=[],
         summary={n: summarize(samples, n, categories, settings.do_sample) for n in names},
+        llamacpp=None,
     )
 
 
@@ -275,6 +295,9 @@ def _settings_record(
         max_prompt_tokens=settings.max_prompt_tokens,
         eos_token_ids=sorted(eos),
         reference=settings.reference,
+        engine_reference=settings.engine_reference,
+        engine="selfspec",
+        timing="wall time of the whole call, prefill included (time.perf_counter; CUDA synchronised)",
         prompts_source=settings.prompts_source,
         tree_nodes=settings.tree_nodes,
         draft_model=settings.draft_model,
@@ -282,7 +305,7 @@ def _settings_record(
     )
 
 
-def _environment(device: torch.device) -> EnvironmentRecord:
+def environment_record(device: torch.device) -> EnvironmentRecord:
     return EnvironmentRecord(
         python=platform.python_version(),
         platform=platform.platform(),
@@ -308,25 +331,37 @@ def summarize(samples: Sequence[Sample], method: str, categories: Sequence[str],
     )
 
 
+def _produced(record: Result) -> float:
+    """Tokens a record's verification steps produced: the sum of its per-step counts, or (an engine that reports
+    only totals) its tau times its steps."""
+    if record.accepted_per_step is not None:
+        return sum(record.accepted_per_step)
+    return (record.tau or 0.0) * (record.steps or 0)
+
+
 def aggregate(records: Sequence[Result], do_sample: bool) -> Aggregate:
     """One method over a set of prompt turns: medians of tokens/s and speedup, tau pooled over steps
     (accepted tokens per target verification forward), acceptance by depth, time shares, peak memory, and
     (greedy) the count of outputs differing from the reference."""
     with_stats = [r for r in records if r.steps is not None]
     steps = sum(r.steps for r in with_stats)
-    wall = sum(r.wall_s for r in with_stats)
-    depth = max((len(r.drafted_by_depth) for r in with_stats), default=0)
-    accepted = [sum(r.accepted_by_depth[d] for r in with_stats if d < len(r.accepted_by_depth)) for d in range(depth)]
-    drafted = [sum(r.drafted_by_depth[d] for r in with_stats if d < len(r.drafted_by_depth)) for d in range(depth)]
-    by_depth = [a / d if d else None for a, d in zip(accepted, drafted, strict=True)]
+    by_depth = [r for r in with_stats if r.drafted_by_depth is not None and r.accepted_by_depth is not None]
+    timed = [r for r in with_stats if r.draft_s is not None and r.verify_s is not None]
+    wall = sum(r.wall_s for r in timed)
+    depth = max((len(r.drafted_by_depth) for r in by_depth), default=0)
+    accepted = [sum(r.accepted_by_depth[d] for r in by_depth if d < len(r.accepted_by_depth)) for d in range(depth)]
+    drafted = [sum(r.drafted_by_depth[d] for r in by_depth if d < len(r.drafted_by_depth)) for d in range(depth)]
+    rates = [a / d if d else None for a, d in zip(accepted, drafted, strict=True)]
     return Aggregate(
         num_samples=len(records),
         median_tokens_per_s=_median([r.tokens_per_s for r in records]),
         speedup=_median([r.speedup for r in records]),
-        tau=sum(sum(r.accepted_per_step) for r in with_stats) / steps if steps else None,
-        acceptance_by_depth=by_depth if with_stats else None,
-        draft_share=sum(r.draft_s for r in with_stats) / wall if with_stats and wall > 0 else None,
-        verify_share=sum(r.verify_s for r in with_stats) / wall if with_stats and wall > 0 else None,
+        engine_speedup=_median([r.engine_speedup for r in records]),
+        tau=sum(_produced(r) for r in with_stats) / steps if steps else None,
+        acceptance_by_depth=rates if by_depth else None,
+        draft_share=sum(r.draft_s for r in timed) / wall if timed and wall > 0 else None,
+        verify_share=sum(r.verify_s for r in timed) / wall if timed and wall > 0 else None,
         peak_memory_mb=max(r.peak_memory_mb for r in records) if records else None,
-        mismatches=None if do_sample else sum(1 for r in records if r.matches_reference is False),
+        mismatches=None if do_sample else sum(1 for r in records if r.matches_reference is False and not r.near_tie),
+        near_ties=None if do_sample else sum(1 for r in records if r.near_tie),
     )

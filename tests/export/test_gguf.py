@@ -101,8 +101,9 @@ def test_check_gguf_accepts_the_layout_and_names_each_difference(target, tmp_pat
 
 
 def test_llamacpp_build_is_found_only_when_finished(tmp_path, monkeypatch):
-    """The cache entry counts once its stamp is written and lists every tool (a killed build never does); $SELFSPEC_LLAMA_CPP names a
-    build of one's own and is refused, naming the layout, when it lacks the tools or the converter."""
+    """The cache entry counts once its stamp is written and lists every tool (a killed build never does);
+    $SELFSPEC_LLAMA_CPP names a build of one's own and is refused, naming the layout, when it lacks the tools or
+    the converter."""
     from selfspec import llamacpp
 
     monkeypatch.delenv("SELFSPEC_LLAMA_CPP", raising=False)

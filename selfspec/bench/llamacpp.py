@@ -1,0 +1,383 @@
+"""``selfspec bench --engine llamacpp``: the same prompts, report and plots as the selfspec bench, decoded by llama.cpp.
+
+Methods, interleaved per prompt turn in one run (the order rotated from turn to turn):
+
+* ``llamacpp``: plain llama.cpp (``llama-completion``), the reference and the engine-only baseline at once;
+* each head, exported on the fly to GGUF by llama.cpp's own converter (:func:`selfspec.export.gguf.export_gguf`;
+  EAGLE-3 heads: llama.cpp's ``draft-eagle3``), through ``llama-speculative-simple``;
+* llama.cpp's own n-gram drafters (``ngram_simple``, ``ngram_mod``) with settings that fire on chat prompts.
+
+Every speculative method runs with the settings measured best on this machine
+(:mod:`selfspec.bench.llamacpp_settings`; swept once and cached). tokens/s is llama.cpp's own decode timer
+(prefill excluded); ``wall_s`` is the whole process, model loading included. Greedy only (``--temp 0``).
+
+Exactness: each output's text is compared with plain llama.cpp's; texts agree when one is a prefix of the other
+(``llama-speculative-simple`` may decode one token past ``-n``). Where they part, the position is the
+reference's token count before the first differing character, and the difference is a near-tie when the
+target's two best logits there, after the reference's prefix, are within :data:`TIE_MARGIN` (llama.cpp's
+batched verification does other arithmetic than its one-token decode, so it may rightly choose the other
+token): reported as such, not counted as a mismatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from selfspec.bench import llamacpp_settings as tuning
+from selfspec.bench.methods import BenchSettings
+from selfspec.bench.report import (
+    SCHEMA_VERSION,
+    BenchReport,
+    LlamaCppRecord,
+    LlamaCppSetting,
+    MethodRecord,
+    Result,
+    Sample,
+    SettingsRecord,
+    Skipped,
+)
+from selfspec.bench.run import compare_to_reference, environment_record, prompt_limit, summarize
+from selfspec.export.gguf import export_gguf
+from selfspec.heads import load_heads
+from selfspec.llamacpp import Generation, LlamaCpp, build_info, completion, forward_costs, speculative_simple
+from selfspec.prompts import BenchPrompt, Message, encode_messages
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+logger = logging.getLogger(__name__)
+
+PLAIN = "llamacpp"
+NGRAM_METHODS = {"ngram_simple": "ngram-simple", "ngram_mod": "ngram-mod"}
+TIE_MARGIN = 0.5
+"""Logit margin (top-1 minus top-2 of the target, fp32) under which plain llama.cpp's choice is a near-tie."""
+
+
+@dataclasses.dataclass
+class _Engine:
+    """What every llama.cpp call of a run shares: the build, the target's GGUF, threads, and the heads' GGUFs."""
+
+    build: LlamaCpp
+    target_gguf: Path
+    target_dir: Path
+    threads: int
+    heads: dict[str, Any]
+    tmp: Path
+    drafts: dict[tuple[str, str], Path] = dataclasses.field(default_factory=dict)
+
+    def draft(self, name: str, outtype: str) -> Path:
+        """The head ``name`` as llama.cpp's GGUF of ``outtype``, exported once per run."""
+        if (name, outtype) not in self.drafts:
+            path = export_gguf(
+                self.heads[name],
+                self.tmp / f"{name}-{outtype}",
+                target_dir=self.target_dir,
+                name=name,
+                outtype=outtype,
+                llamacpp=self.build,
+            )
+            self.drafts[name, outtype] = path
+        return self.drafts[name, outtype]
+
+    def plain(self, text: str, n: int) -> Generation:
+        return completion(self.build, self.target_gguf, text, n_predict=n, threads=self.threads)
+
+    def speculative(self, name: str, setting: LlamaCppSetting, text: str, n: int) -> Generation:
+        draft = self.draft(name, setting.outtype or "f16") if setting.spec_type.startswith("draft-") else None
+        return speculative_simple(
+            self.build,
+            self.target_gguf,
+            text,
+            spec_type=setting.spec_type,
+            draft=draft,
+            n_predict=n,
+            threads=self.threads,
+            extra=tuning.setting_args(setting, self.threads),
+        )
+
+
+def _result(g: Generation, tokens: list[int], spec: bool, max_new_tokens: int, eos: set[int]) -> Result:
+    """One llama.cpp call's record (speedups and the comparison filled later)."""
+    new = min(g.new_tokens, max_new_tokens)  # llama-speculative-simple may decode one past -n
+    steps = max(1, g.new_tokens - g.accepted) if spec else None
+    draft_s = g.draft_seconds if spec else None
+    return Result(
+        new_tokens=new,
+        wall_s=g.wall_seconds,
+        tokens_per_s=g.tokens_per_second,
+        speedup=None,
+        engine_speedup=None,
+        peak_memory_mb=0.0,
+        finish_reason="stop" if new < max_new_tokens or (tokens and tokens[-1] in eos) else "length",
+        tau=g.tokens_per_step if spec else None,
+        steps=steps,
+        accepted_per_step=None,
+        accepted_by_depth=None,
+        drafted_by_depth=None,
+        tree_nodes=(g.new_tokens - g.accepted + g.drafted) if spec else None,
+        prefill_s=g.prefill_seconds,
+        draft_s=draft_s,
+        verify_s=(g.decode_seconds - draft_s) if spec and draft_s is not None else None,
+        matches_reference=None,
+        first_diff=None,
+        near_tie=None,
+        tokens=tokens,
+    )
+
+
+def text_difference(reference: str, other: str, tokenizer: Any) -> int | None:
+    """Where ``other`` parts from ``reference``: None when one is a prefix of the other, else the number of the
+    reference's tokens (``tokenizer``, no special tokens) before the first differing character."""
+    if reference.startswith(other) or other.startswith(reference):
+        return None
+    i = next(k for k, (a, b) in enumerate(zip(reference, other, strict=False)) if a != b)
+    return len(tokenizer(reference[:i], add_special_tokens=False).input_ids)
+
+
+def is_near_tie(target: PreTrainedModel, prompt_ids: torch.Tensor, reference: list[int], position: int) -> bool:
+    """Whether the target's two best next-token logits after ``prompt + reference[:position]`` are within
+    :data:`TIE_MARGIN` (fp32, one forward)."""
+    ids = torch.cat([prompt_ids.cpu(), torch.tensor(reference[:position], dtype=torch.long)]).unsqueeze(0)
+    device = next(target.parameters()).device
+    with torch.inference_mode():
+        logits = target(input_ids=ids.to(device)).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1]) < TIE_MARGIN
+
+
+def _verdict(name: str, speedup: float | None, tau: float | None, costs, setting: LlamaCppSetting) -> str:
+    """One sentence on a method against plain llama.cpp, with the reason from the cost decomposition if it loses."""
+    if speedup is None:
+        return "not measured"
+    if speedup >= 1.0:
+        return f"{speedup:.2f}x plain llama.cpp (tokens per step {tau or 0:.2f}) with {setting}"
+    text = f"slower than plain llama.cpp ({speedup:.2f}x): no setting swept beats plain llama.cpp on this machine"
+    if costs is not None and costs.break_even_tau.get(name) is not None:
+        draft = costs.draft_units.get(name)
+        k = min(setting.draft_max, len(costs.verify_units) - 1)
+        text += (
+            f"; a cycle costs {costs.break_even_tau[name]:.2f} plain steps (verification of {k + 1} tokens "
+            f"{costs.verify_units[k]:.2f}, draft {draft if draft is not None else 0:.2f}) and yields {tau or 0:.2f} "
+            "tokens, so it pays only above that many tokens per step"
+        )
+    return text
+
+
+def run_llamacpp_bench(
+    target: PreTrainedModel,
+    tokenizer: Any,
+    prompts: Sequence[BenchPrompt],
+    settings: BenchSettings,
+    *,
+    build: LlamaCpp,
+    target_gguf: Path,
+    target_dir: Path,
+    heads: Mapping[str, str | Path] | None = None,
+    ngram: Sequence[str] = tuple(NGRAM_METHODS),
+    threads: int = 2,
+    given: Mapping[str, LlamaCppSetting] | None = None,
+    fresh_sweep: bool = False,
+) -> BenchReport:
+    """Run plain llama.cpp, each head and llama.cpp's n-gram drafters on every prompt turn, interleaved.
+
+    Args:
+        target: the target as ``transformers`` loads it (the near-tie check and the context limit only).
+        tokenizer: its tokenizer (chat template, the texts' token counts).
+        prompts: the questions; later turns are conditioned on plain llama.cpp's answers.
+        settings: greedy settings (``max_new_tokens``, ``warmup``, ``max_prompt_tokens``, report metadata).
+        build: the llama.cpp build (:func:`selfspec.llamacpp.ensure_llamacpp`).
+        target_gguf: the target's GGUF (:func:`selfspec.llamacpp.alias_gguf` for the SmolLM2 alias).
+        target_dir: the target's Hugging Face directory, for the converter.
+        heads: method name -> head directory (EAGLE-3 heads: the only family llama.cpp drafts with).
+        ngram: which of :data:`NGRAM_METHODS` to run.
+        threads: llama.cpp's threads (``-t`` / ``-tb``).
+        given: method -> a fixed setting instead of the sweep's.
+        fresh_sweep: measure the settings again even when a sweep is cached.
+
+    Returns:
+        The :class:`BenchReport` (``settings.engine == "llamacpp"``, ``llamacpp`` filled).
+
+    Raises:
+        ValueError: sampling asked for (llama.cpp runs greedy here), an unknown n-gram method, a taken name,
+            no prompt turn fits.
+        selfspec.export.common.ExportError: a head llama.cpp cannot load (not EAGLE-3, not a Llama layer, another
+            target); the message names the fix. Nothing falls back to another engine.
+    """
+    if settings.do_sample:
+        raise ValueError("the llama.cpp bench decodes greedily (--temp 0): pass --temperature 0")
+    unknown = sorted(set(ngram) - set(NGRAM_METHODS))
+    if unknown:
+        raise ValueError(f"unknown llama.cpp n-gram methods {unknown}; choose among {list(NGRAM_METHODS)}")
+    heads = dict(heads or {})
+    for name in heads:
+        if name == PLAIN or name in NGRAM_METHODS:
+            raise ValueError(f"head method name {name!r} is taken; pass it as NAME=DIR with another name")
+    loaded = {name: load_heads(path) for name, path in heads.items()}
+    with tempfile.TemporaryDirectory(prefix="selfspec-llamacpp-") as tmp:
+        engine = _Engine(build, Path(target_gguf), Path(target_dir), threads, loaded, Path(tmp))
+        kinds = {name: (tuning.HEAD_SPEC_TYPE, engine.draft(name, "f16")) for name in heads}  # refuses bad heads now
+        kinds.update({name: (NGRAM_METHODS[name], None) for name in ngram})
+        choice, chosen_by = _settings(engine, tokenizer, kinds, given, fresh_sweep)
+        return _measure(target, tokenizer, prompts, settings, engine, choice, chosen_by, kinds)
+
+
+def _render(tokenizer: Any, messages: Sequence[Message]) -> tuple[torch.Tensor, str]:
+    """A prompt's token ids (chat template) and the text llama.cpp is given (its special tokens parsed back)."""
+    ids = encode_messages(tokenizer, messages)
+    return ids, tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _settings(engine, tokenizer, kinds, given, fresh) -> tuple[tuning.SettingsChoice, str]:
+    if given is not None and set(given) >= set(kinds):
+        longest = max([st.draft_max for st in given.values()] + [1]) + 1
+        token_ms, forward_ms = forward_costs(
+            engine.build, engine.target_gguf, max_tokens=longest, threads=engine.threads
+        )
+        chosen = {name: given[name] for name in kinds}
+        return tuning.SettingsChoice(tuning.SWEEP_VERSION, "given", chosen, {}, token_ms, forward_ms, {}), "given"
+    texts = [_render(tokenizer, [{"role": "user", "content": p}])[1] for p in tuning.CALIBRATION_PROMPTS]
+
+    def run(name: str, setting: LlamaCppSetting, text: str) -> Generation:
+        return engine.speculative(name, setting, text, tuning.CALIBRATION_TOKENS)
+
+    return tuning.choose_settings(
+        engine.build, engine.target_gguf, texts, kinds, run, threads=engine.threads, fresh=fresh
+    )
+
+
+def _measure(target, tokenizer, prompts, settings, engine, choice, chosen_by, kinds) -> BenchReport:
+    n = settings.max_new_tokens
+    eos = set(settings.stop_ids(target, tokenizer))
+    names = [PLAIN, *kinds]
+    limit = prompt_limit(target, settings)
+
+    def call(name: str, text: str) -> Generation:
+        return engine.plain(text, n) if name == PLAIN else engine.speculative(name, choice.chosen[name], text, n)
+
+    for prompt in prompts[: settings.warmup]:
+        text = _render(tokenizer, prompt.first_turn_messages())[1]
+        for name in names:
+            call(name, text)
+    samples, skipped, mismatches, ties = [], [], [], []
+    draft_ms: dict[str, list[float]] = {name: [] for name in kinds}
+    for prompt in prompts:
+        history: list[Message] = list(prompt.preamble)
+        for turn, content in enumerate(prompt.turns, start=1):
+            messages = history + [{"role": "user", "content": content}]
+            ids, text = _render(tokenizer, messages)
+            if limit is not None and ids.numel() > limit:
+                skipped.append(Skipped(prompt.question_id, turn, ids.numel()))
+                break
+            k = len(samples) % len(names)
+            gens = {}
+            for name in names[k:] + names[:k]:
+                gens[name] = call(name, text)
+                if gens[name].prompt_tokens != ids.numel():
+                    raise RuntimeError(
+                        f"llama.cpp tokenised question {prompt.question_id} turn {turn} into "
+                        f"{gens[name].prompt_tokens} tokens, transformers into {ids.numel()}: the GGUF's vocabulary "
+                        "is not the target's"
+                    )
+            texts = {name: gens[name].text for name in names}
+            results = {}
+            for name in names:
+                g = gens[name]
+                tokens = tokenizer(g.text, add_special_tokens=False).input_ids[:n]
+                results[name] = _result(g, tokens, name != PLAIN, n, eos)
+                if g.draft_seconds is not None and g.draft_calls:
+                    draft_ms[name].append(1000.0 * g.draft_seconds / g.draft_calls)
+            sample = Sample(prompt.question_id, prompt.category, turn, ids.numel(), settings.seed, results)
+            reference = results[PLAIN].tokens
+            diffs = {name: text_difference(texts[PLAIN], texts[name], tokenizer) for name in names}
+            sample, found, tied = compare_to_reference(
+                sample,
+                PLAIN,
+                PLAIN,
+                False,
+                near_tie=lambda i, ids=ids, reference=reference: is_near_tie(target, ids, reference, i),
+                first_diff=diffs.get,
+            )
+            mismatches += found
+            ties += tied
+            samples.append(sample)
+            logger.info(
+                "%s turn %d: %s",
+                prompt.question_id,
+                turn,
+                ", ".join(f"{m} {r.tokens_per_s:.1f} tok/s" for m, r in sample.results.items()),
+            )
+            answer = texts[PLAIN]
+            history = messages + [{"role": "assistant", "content": answer}]
+    if not samples:
+        raise ValueError("no prompt turn was run: every prompt is longer than max_prompt_tokens, or no prompts")
+    categories = sorted({s.category for s in samples})
+    summary = {name: summarize(samples, name, categories, False) for name in names}
+    measured = {name: (sum(v) / len(v) if v else None) for name, v in draft_ms.items()}
+    costs = tuning.decomposition(choice, measured)
+    verdicts = {
+        name: _verdict(name, summary[name].overall.speedup, summary[name].overall.tau, costs, choice.chosen[name])
+        for name in kinds
+    }
+    stamp = build_info(engine.build)
+    record = LlamaCppRecord(
+        build=f"{stamp.get('sdist', 'own build')} ({stamp.get('cpu', engine.build.root)})",
+        target_gguf=engine.target_gguf.name,
+        chosen=dict(choice.chosen),
+        chosen_by=chosen_by,
+        sweep=dict(choice.sweep),
+        costs=costs,
+        verdicts=verdicts,
+        tie_margin=TIE_MARGIN,
+    )
+    methods = {PLAIN: MethodRecord("llamacpp", "plain llama.cpp (llama-completion), no drafts", None)}
+    for name, (spec_type, _) in kinds.items():
+        what = "the head exported to GGUF" if spec_type.startswith("draft-") else "llama.cpp's n-gram drafter"
+        methods[name] = MethodRecord("llamacpp", f"llama-speculative-simple --spec-type {spec_type} ({what})", None)
+    return BenchReport(
+        schema_version=SCHEMA_VERSION,
+        created_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        settings=_settings_record(settings, target, engine, eos),
+        environment=environment_record(torch.device("cpu")),
+        methods=methods,
+        categories=categories,
+        samples=samples,
+        skipped=skipped,
+        mismatches=mismatches,
+        ties=ties,
+        summary=summary,
+        llamacpp=record,
+    )
+
+
+def _settings_record(settings: BenchSettings, target, engine: _Engine, eos: set[int]) -> SettingsRecord:
+    return SettingsRecord(
+        target=settings.target_name or type(target).__name__,
+        dtype=engine.target_gguf.suffixes[-2].lstrip(".") if len(engine.target_gguf.suffixes) > 1 else "gguf",
+        device="cpu",
+        threads=engine.threads,
+        max_new_tokens=settings.max_new_tokens,
+        do_sample=False,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        seed=settings.seed,
+        warmup=settings.warmup,
+        max_prompt_tokens=settings.max_prompt_tokens,
+        eos_token_ids=sorted(eos),
+        reference=PLAIN,
+        engine_reference=PLAIN,
+        engine="llamacpp",
+        timing="llama.cpp's own decode timer (prefill excluded); wall_s is the whole process, loading included",
+        prompts_source=settings.prompts_source,
+        tree_nodes=None,
+        draft_model=None,
+        memory_source="not measured (llama.cpp runs in its own process)",
+    )
