@@ -19,6 +19,7 @@ import os
 import platform
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -427,14 +428,15 @@ def completion(
 
 
 def forward_costs(
-    build: LlamaCpp, model: Path, *, max_tokens: int, threads: int = 2, repetitions: int = 3, timeout: float = 600.0
+    build: LlamaCpp, model: Path, *, max_tokens: int, threads: int = 2, repetitions: int = 5, timeout: float = 600.0
 ) -> tuple[float, list[float]]:
     """What one target forward costs on this machine, by ``llama-bench`` (``tools/llama-bench``):
-    ``-p 1,2,...,max_tokens -n 16 -t THREADS -r REPETITIONS -o json``.
+    ``-p 1,2,...,max_tokens -n 16 -t THREADS -r REPETITIONS -o json``; each figure is the median of its
+    repetitions (``samples_ns``), which a busy machine's outliers move less than the mean.
 
     Returns:
-        ``(token_ms, forward_ms)``: one decode step (the ``-n 16`` test's mean per token), and ``[k - 1]`` the
-        mean ms of one forward over a batch of k tokens (the ``-p k`` tests), k = 1..``max_tokens``.
+        ``(token_ms, forward_ms)``: one decode step (the ``-n 16`` test per token), and ``[k - 1]`` the ms of one
+        forward over a batch of k tokens (the ``-p k`` tests), k = 1..``max_tokens``.
 
     Raises:
         RuntimeError: the tool failed or its JSON lacks a test.
@@ -444,9 +446,9 @@ def forward_costs(
     done, _ = _run_tool([*cmd, "-r", str(repetitions), "-o", "json"], timeout)
     try:
         tests = json.loads(done.stdout)
-        by_prompt = {int(t["n_prompt"]): float(t["avg_ns"]) / 1e6 for t in tests if int(t["n_gen"]) == 0}
+        by_prompt = {int(t["n_prompt"]): statistics.median(t["samples_ns"]) / 1e6 for t in tests if not t["n_gen"]}
         (gen,) = [t for t in tests if int(t["n_gen"]) > 0]
-        token_ms = float(gen["avg_ns"]) / 1e6 / int(gen["n_gen"])
+        token_ms = statistics.median(gen["samples_ns"]) / 1e6 / int(gen["n_gen"])
         return token_ms, [by_prompt[k] for k in range(1, max_tokens + 1)]
     except (ValueError, KeyError, TypeError) as err:
         raise RuntimeError(f"llama-bench printed no usable JSON ({err}):\n{done.stdout[-2000:]}") from err

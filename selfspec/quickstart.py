@@ -5,9 +5,15 @@
    regenerates the answers (self-distillation), its features are computed once, the head is trained, and
    the acceptance of every tree budget is measured on held-out prompts (calibration), so the tree is
    sized to this machine),
-3. bench it against plain ``transformers`` ``generate`` on the prompts that training held out, beside
+3. bench it against plain ``transformers`` ``generate`` and against selfspec's own decoding with no drafts
+   (the engine-only baseline: the gain of speculation alone) on the prompts that training held out, beside
    prompt lookup and the hybrid of the two (the head's tree merged with n-gram continuations,
-   :mod:`selfspec.decode.drafters.hybrid`), and print tau and the speedup of each.
+   :mod:`selfspec.decode.drafters.hybrid`), and print tau and both speedups of each,
+4. when a llama.cpp build is cached (``python -m selfspec.llamacpp``) or ``--llamacpp`` asks for one, bench the
+   EAGLE-3 head in llama.cpp too, against plain llama.cpp (``selfspec bench --engine llamacpp``).
+
+Training is budgeted in trained tokens (``max_train_tokens``), so the head is the same on a slow machine as on a
+fast one; the clock (``max_train_minutes``) is a cap, and the summary says when it cut training short.
 
 ``--head eagle`` runs the same with an EAGLE-2 head (``configs/eagle-smollm2.yaml``), ``--head medusa`` with Medusa
 heads (``configs/medusa-smollm2.yaml``). ``--target``,
@@ -28,6 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.bench import main as bench_main
+from selfspec.bench.report import read_report
+from selfspec.llamacpp import ensure_llamacpp, find_llamacpp
+from selfspec.target import ALIASES
 from selfspec.train.__main__ import run
 from selfspec.train.config import load_config
 
@@ -56,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bench-prompts", type=int, default=12, help="held-out prompts to bench")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per benched prompt")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads, training and bench")
+    parser.add_argument(
+        "--llamacpp",
+        action="store_true",
+        help="also bench the head in llama.cpp, building llama.cpp first if none is cached (5-12 minutes; needs cmake, "
+        "a C++ compiler and selfspec[llamacpp]); without it, llama.cpp runs only when a build is cached",
+    )
     return parser
 
 
@@ -85,6 +100,26 @@ def training_line(summary: dict[str, Any]) -> str:
     if topk:
         return f"held-out top-1 per head {[a[0] for a in topk]}"
     return "no held-out evaluation in the summary"
+
+
+def budget_line(summary: dict[str, Any]) -> str | None:
+    """A warning when the clock cap, not the token budget, ended training (``train_summary.json``), else None."""
+    if summary.get("stopped_by") != "clock" or not summary.get("max_train_tokens"):
+        return None
+    return (
+        f"training stopped at the clock cap (max_train_minutes={summary.get('max_train_minutes')}) after "
+        f"{summary.get('trained_tokens')} of its {summary['max_train_tokens']} tokens: this machine trains slower "
+        "than the budget assumes and the head is under-trained; pass max_train_minutes=null to train it whole"
+    )
+
+
+def speed_line(report_path: Path, method: str) -> str:
+    """One line of a bench report's figures for ``method``: tau and the speedups against both references."""
+    report = read_report(report_path)
+    s, agg = report.settings, report.summary[method].overall
+    engine = "llama.cpp" if s.engine == "llamacpp" else "selfspec"
+    gain = "" if s.engine_reference in (None, s.reference) else f", {agg.engine_speedup:.2f}x vs {s.engine_reference}"
+    return f"{engine}: {method} tau {agg.tau:.2f}, {agg.speedup:.2f}x vs {s.reference}{gain}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,8 +155,31 @@ def main(argv: list[str] | None = None) -> int:
             str(out),
         ]
     )
+    lines = [speed_line(out / "report.json", cfg.head)] if code == 0 else []
+    gguf = cfg.target in ALIASES  # llama.cpp needs the target as GGUF: the alias's file
+    if code == 0 and cfg.head == "eagle3" and gguf and (args.llamacpp or find_llamacpp() is not None):
+        ensure_llamacpp()  # found, or built because --llamacpp asked for it
+        llama_out = Path(cfg.output_dir) / "bench-llamacpp"
+        llama_args = ["--engine", "llamacpp", "--prompts", "sharegpt-heldout", "--target", cfg.target]
+        llama_args += ["--heads", f"{cfg.head}={heads_dir}", "--num-prompts", str(args.bench_prompts)]
+        llama_args += ["--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
+        code = bench_main([*llama_args, "--out", str(llama_out)])
+        lines.append(speed_line(llama_out / "report.json", cfg.head))
+    elif cfg.head != "eagle3":
+        lines.append(f"llama.cpp: not run (llama.cpp drafts with EAGLE-3 heads only; this is a {cfg.head} head)")
+    elif not gguf:
+        lines.append(
+            f"llama.cpp: not run (no GGUF of the target {cfg.target}: `selfspec bench --engine llamacpp --target-gguf "
+            "FILE` benches it)"
+        )
+    else:
+        lines.append("llama.cpp: not run (no cached build; pass --llamacpp to build one and bench the head there)")
     summary = json.loads((Path(cfg.output_dir) / "train_summary.json").read_text())
     print(f"\ntraining: {train_min:.1f} min; {training_line(summary)}")
+    warning = budget_line(summary)
+    if warning:
+        print(warning)
+    print("\n".join(lines))
     print(f"total: {(time.perf_counter() - t0) / 60:.1f} min; bench report: {out / 'report.md'}")
     return code
 

@@ -416,7 +416,8 @@ def test_cli_sharegpt_heldout_reads_the_heads_training_record(tmp_path, monkeypa
     report = read_report(out / "report.json")
     assert seen == ["my-chats.jsonl"]
     assert [(s.question_id, s.category) for s in report.samples] == [("c3", "sharegpt"), ("c7", "sharegpt")]
-    assert list(report.methods) == ["baseline", "no_draft", "medusa-tiny"] and report.settings.prompts_source == "sharegpt-heldout"
+    assert list(report.methods) == ["baseline", "no_draft", "medusa-tiny"]
+    assert report.settings.prompts_source == "sharegpt-heldout"
 
 
 def test_draft_model_method_runs():

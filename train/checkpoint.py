@@ -30,8 +30,8 @@ def save_checkpoint(
     step: int,
     elapsed_s: float,
     identity: dict[str, Any],
-    trained_tokens: int = 0,
     best: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None,
+    trained_tokens: int = 0,
 ) -> None:
     """Write ``accelerator.save_state`` to ``<out>.tmp`` with ``trainer_state.json`` (``step``,
     ``train_elapsed_s``, ``train_tokens``, ``identity``, and ``best``'s info), then put it at ``out``

@@ -201,3 +201,48 @@ def test_llamacpp_runs_our_eagle3_head_exactly(smollm2, smollm2_gguf, llamacpp, 
         assert ours.text.startswith(plain.text), (ours.text, plain.text)
         assert ours.drafted > 0 and ours.acceptance > 0.5, ours
         assert ours.tokens_per_step > 2.0, ours
+
+
+@pytest.mark.slow
+def test_the_llamacpp_bench_engine_runs_plain_our_head_and_ngram_drafts(smollm2, smollm2_gguf, llamacpp, tmp_path):
+    """``run_llamacpp_bench`` on the real build: plain llama.cpp, our EAGLE-3 head exported on the fly and
+    llama.cpp's n-gram drafter, interleaved, with fixed settings (the sweep is tested on rigged timers); the
+    report reads back strictly, the head's texts agree with plain llama.cpp's, and llama-bench's costs are sane."""
+    from selfspec.bench import BenchSettings, read_report, run_llamacpp_bench, write_report
+    from selfspec.bench.llamacpp_settings import head_setting, ngram_setting
+    from selfspec.llamacpp import completion
+    from selfspec.prompts import BenchPrompt
+    from selfspec.target import resolve_target
+    from tests.helpers.smollm2 import memorising_eagle3_head
+
+    model, tok = smollm2
+    messages = [[{"role": "user", "content": p}] for p in PROMPTS]
+    texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+    plains = [completion(llamacpp, smollm2_gguf, text, n_predict=NEW_TOKENS, threads=1) for text in texts]
+    seqs = [
+        tok(text + plain.text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+        for text, plain in zip(texts, plains, strict=True)
+    ]
+    heads = memorising_eagle3_head(model, seqs).save_pretrained(tmp_path / "heads")
+    given = {"eagle3": head_setting(draft_max=3), "ngram_simple": ngram_setting("ngram-simple", 8, 3)}
+    report = run_llamacpp_bench(
+        model,
+        tok,
+        [BenchPrompt(str(i), "writing", [p]) for i, p in enumerate(PROMPTS)],
+        BenchSettings(max_new_tokens=32, warmup=0, target_name="smollm2-135m-instruct"),
+        build=llamacpp,
+        target_gguf=smollm2_gguf,
+        target_dir=Path(resolve_target("smollm2-135m-instruct")),
+        heads={"eagle3": heads},
+        ngram=["ngram_simple"],
+        threads=1,
+        given=given,
+    )
+    assert read_report(write_report(report, tmp_path / "out")["json"]) == report
+    assert list(report.methods) == ["llamacpp", "eagle3", "ngram_simple"] and report.llamacpp.chosen_by == "given"
+    head = report.summary["eagle3"].overall
+    assert head.mismatches == 0 and head.tau > 1.5 and head.median_tokens_per_s > 0
+    assert all(s.results["eagle3"].draft_s is not None for s in report.samples)  # llama.cpp's draft timer, parsed
+    costs = report.llamacpp.costs
+    assert 0.3 < costs.verify_units[0] < 3.0 and costs.verify_units[-1] >= 0.5 * costs.verify_units[0]
+    assert costs.draft_units["eagle3"] is not None and report.llamacpp.verdicts["eagle3"]

@@ -167,7 +167,17 @@ def test_tiny_training_run_learns_saves_and_resumes_exactly(tmp_path, monkeypatc
     shutil.copytree(run_a, learn)
     heads_dir = _run(TrainConfig(**base, max_steps=200, save_every=1000, output_dir=str(learn)), target)
     summary = json.loads((learn / "train_summary.json").read_text())
-    assert summary["train_tokens_per_s"] > 0 and summary["step"] == 200
+    assert summary["train_tokens_per_s"] > 0 and summary["step"] == 200 and summary["stopped_by"] == "steps"
+    assert summary["trained_tokens"] == summary["train_tokens_total"]
+
+    # A token budget ends the run once the head has trained on that many tokens, whatever the machine's speed.
+    budget = tmp_path / "budget"
+    shutil.copytree(run_a, budget)
+    _run(TrainConfig(**base, max_train_tokens=1500, save_every=1000, output_dir=str(budget)), target)
+    by_tokens = json.loads((budget / "train_summary.json").read_text())
+    assert by_tokens["stopped_by"] == "tokens" and by_tokens["max_train_tokens"] == 1500
+    per_step = summary["train_tokens_total"] / summary["step"]
+    assert 1500 <= by_tokens["trained_tokens"] < 1500 + 2 * per_step and by_tokens["step"] < 200
     untrained = _untrained(target, held)
     assert summary["heldout"]["top1"] > max(0.1, 5 * untrained["top1"]), (summary["heldout"], untrained)
     assert summary["heldout"]["feature_loss"] < 0.8 * untrained["feature_loss"], (summary["heldout"], untrained)
@@ -308,6 +318,11 @@ def test_lr_factor_anneals_by_time_or_steps():
     assert lr_factor(cfg, 20, 1010, 90.0) == pytest.approx(0.0, abs=1e-12)
     no_limit = TrainConfig(warmup_steps=10)
     assert lr_factor(no_limit, 20, 1010, 1e9) == pytest.approx(0.5 * (1 + math.cos(math.pi * 10 / 1000)))
+    # a token budget: 3 of 4 million tokens trained -> 0.5 (1 + cos(0.75 pi)); the clock (1 of 60 s) is behind
+    tokens = TrainConfig(warmup_steps=10, max_train_tokens=4_000_000, max_train_minutes=1.0)
+    assert lr_factor(tokens, 20, 1010, 1.0, 3_000_000) == pytest.approx(0.5 * (1 + math.cos(0.75 * math.pi)))
+    with pytest.raises(ValueError, match="max_train_tokens must be >= 1"):
+        TrainConfig(max_train_tokens=0)
 
 
 def test_one_scheduler_reads_the_step_and_the_clock():
