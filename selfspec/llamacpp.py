@@ -319,7 +319,9 @@ def _run_tool(cmd: list[str], timeout: float) -> tuple[subprocess.CompletedProce
 
 
 def _common_args(model: Path, prompt: str, n_predict: int, threads: int, ctx_size: int) -> list[str]:
-    args = ["-m", str(model), "-p", prompt, "-n", str(n_predict), "--temp", "0", "--seed", "0"]
+    # --no-escape: the prompt is text as it is; by default the tools turn a literal backslash-n in it (code
+    # prompts have them) into a newline, and the target would see another prompt than the one given.
+    args = ["-m", str(model), "-p", prompt, "--no-escape", "-n", str(n_predict), "--temp", "0", "--seed", "0"]
     return args + ["-t", str(threads), "-tb", str(threads), "-c", str(ctx_size)]
 
 

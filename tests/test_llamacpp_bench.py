@@ -126,6 +126,9 @@ class FakeEngine:
     def plain(self, text: str, n: int) -> Generation:
         return Generation("the sea is blue and cold", self._prompt(text), 6, 0.06, 0, 0, 0.01, 0.5)
 
+    def no_draft(self, text: str, n: int) -> Generation:
+        return Generation("the sea is blue and cold", self._prompt(text), 6, 0.08, 0, 0, 0.01, 0.5)
+
     def speculative(self, name, setting, text, n) -> Generation:
         words = "the sea is blue and cold" if name == "eagle3" else "the sea was blue and cold"
         return Generation(words, self._prompt(text), 6, 0.04, 6, 4, 0.01, 0.5, draft_calls=2, draft_seconds=0.01)
@@ -141,11 +144,14 @@ def test_the_report_of_a_llama_cpp_run(tmp_path, monkeypatch):
     prompts = [BenchPrompt("1", "writing", ["tell me about the sea"]), BenchPrompt("2", "math", ["what is two", "why"])]
     settings = BenchSettings(max_new_tokens=6, warmup=1, eos_token_ids=(), prompts_source="q.jsonl")
     report = engine_mod._measure(target, tok, prompts, settings, FakeEngine(tmp_path, tok), choice, "given", kinds)
-    assert report.settings.engine == "llamacpp" and report.settings.reference == report.settings.engine_reference
-    assert list(report.methods) == ["llamacpp", "eagle3", "ngram_simple"] and len(report.samples) == 3
+    s = report.settings
+    assert (s.engine, s.reference, s.engine_reference) == ("llamacpp", "llamacpp", "llamacpp_loop")
+    assert list(report.methods) == ["llamacpp", "llamacpp_loop", "eagle3", "ngram_simple"] and len(report.samples) == 3
     overall = {n: s.overall for n, s in report.summary.items()}
-    assert overall["llamacpp"].speedup == overall["llamacpp"].engine_speedup == 1.0
-    assert overall["eagle3"].speedup == pytest.approx(1.5) and overall["eagle3"].tau == pytest.approx(3.0)
+    assert overall["llamacpp"].speedup == 1.0 and overall["llamacpp_loop"].engine_speedup == 1.0
+    assert overall["llamacpp"].mismatches == 0  # the two tools agree here
+    assert overall["eagle3"].speedup == pytest.approx(1.5) and overall["eagle3"].engine_speedup == pytest.approx(2.0)
+    assert overall["eagle3"].tau == pytest.approx(3.0)
     assert overall["eagle3"].mismatches == 0 and overall["ngram_simple"].mismatches == 0  # a near-tie, not counted
     assert overall["ngram_simple"].near_ties == 3 and [t.first_diff for t in report.ties] == [2, 2, 2]
     assert report.llamacpp.costs.break_even_tau["eagle3"] == pytest.approx(1.4 + 0.5)  # 3 tokens + 5 ms draft

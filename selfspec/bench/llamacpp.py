@@ -2,7 +2,11 @@
 
 Methods, interleaved per prompt turn in one run (the order rotated from turn to turn):
 
-* ``llamacpp``: plain llama.cpp (``llama-completion``), the reference and the engine-only baseline at once;
+* ``llamacpp``: plain llama.cpp (``llama-completion``), the reference: what a user without speculation gets;
+* ``llamacpp_loop``: ``llama-speculative-simple`` with a drafter that never fires (an n-gram drafter matching
+  1024 tokens), the engine-only baseline: the speculative tool's own decoding without drafts, same prompt
+  processing and arithmetic as the speculative methods, so exactness and the gain of speculation alone are
+  measured against it;
 * each head, exported on the fly to GGUF by llama.cpp's own converter (:func:`selfspec.export.gguf.export_gguf`;
   EAGLE-3 heads: llama.cpp's ``draft-eagle3``), through ``llama-speculative-simple``;
 * llama.cpp's own n-gram drafters (``ngram_simple``, ``ngram_mod``) with settings that fire on chat prompts.
@@ -11,7 +15,7 @@ Every speculative method runs with the settings measured best on this machine
 (:mod:`selfspec.bench.llamacpp_settings`; swept once and cached). tokens/s is llama.cpp's own decode timer
 (prefill excluded); ``wall_s`` is the whole process, model loading included. Greedy only (``--temp 0``).
 
-Exactness: each output's text is compared with plain llama.cpp's; texts agree when one is a prefix of the other
+Exactness: each output's text is compared with ``llamacpp_loop``'s; texts agree when one is a prefix of the other
 (``llama-speculative-simple`` may decode one token past ``-n``). Where they part, the position is the
 reference's token count before the first differing character, and the difference is a near-tie when the
 target's two best logits there, after the reference's prefix, are within :data:`TIE_MARGIN` (llama.cpp's
@@ -56,9 +60,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PLAIN = "llamacpp"
+LOOP = "llamacpp_loop"
+NEVER_FIRES = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1024", "--spec-ngram-simple-size-m", "1"]
+"""``llama-speculative-simple`` arguments of a drafter that never drafts (no 1024-token n-gram repeats in a context)."""
 NGRAM_METHODS = {"ngram_simple": "ngram-simple", "ngram_mod": "ngram-mod"}
 TIE_MARGIN = 0.5
 """Logit margin (top-1 minus top-2 of the target, fp32) under which plain llama.cpp's choice is a near-tie."""
+PROMPT_TOKEN_SLACK = 0.02
 
 
 @dataclasses.dataclass
@@ -89,6 +97,20 @@ class _Engine:
 
     def plain(self, text: str, n: int) -> Generation:
         return completion(self.build, self.target_gguf, text, n_predict=n, threads=self.threads)
+
+    def no_draft(self, text: str, n: int) -> Generation:
+        """``llama-speculative-simple`` without drafts (:data:`NEVER_FIRES`).
+
+        Raises:
+            RuntimeError: it drafted after all.
+        """
+        g = speculative_simple(
+            self.build, self.target_gguf, text, spec_type="ngram-simple", n_predict=n, threads=self.threads,
+            extra=NEVER_FIRES[2:],
+        )  # fmt: skip
+        if g.drafted:
+            raise RuntimeError(f"the no-draft run drafted {g.drafted} tokens: {NEVER_FIRES} fired")
+        return g
 
     def speculative(self, name: str, setting: LlamaCppSetting, text: str, n: int) -> Generation:
         draft = self.draft(name, setting.outtype or "f16") if setting.spec_type.startswith("draft-") else None
@@ -130,6 +152,26 @@ def _result(g: Generation, tokens: list[int], spec: bool, max_new_tokens: int, e
         first_diff=None,
         near_tie=None,
         tokens=tokens,
+    )
+
+
+def check_prompt_tokens(theirs: int, ours: int, where: str) -> None:
+    """llama.cpp's token count of a prompt text against ``transformers``'. The two BPE implementations may split a
+    rare stretch of text differently (a token or two, logged); more than :data:`PROMPT_TOKEN_SLACK` of the prompt
+    means the GGUF's vocabulary is not the target's.
+
+    Raises:
+        RuntimeError: the counts differ by more than that.
+    """
+    if theirs == ours:
+        return
+    if abs(theirs - ours) > max(2, PROMPT_TOKEN_SLACK * ours):
+        raise RuntimeError(
+            f"llama.cpp tokenised prompt {where} into {theirs} tokens, transformers into {ours}: the GGUF's "
+            "vocabulary is not the target's; pass the target's own GGUF (--target-gguf)"
+        )
+    logger.info(
+        "prompt %s: llama.cpp reads %d tokens, transformers %d (the two tokenizers split it apart)", where, theirs, ours
     )
 
 
@@ -218,7 +260,7 @@ def run_llamacpp_bench(
         raise ValueError(f"unknown llama.cpp n-gram methods {unknown}; choose among {list(NGRAM_METHODS)}")
     heads = dict(heads or {})
     for name in heads:
-        if name == PLAIN or name in NGRAM_METHODS:
+        if name in (PLAIN, LOOP) or name in NGRAM_METHODS:
             raise ValueError(f"head method name {name!r} is taken; pass it as NAME=DIR with another name")
     loaded = {name: load_heads(path) for name, path in heads.items()}
     with tempfile.TemporaryDirectory(prefix="selfspec-llamacpp-") as tmp:
@@ -230,9 +272,12 @@ def run_llamacpp_bench(
 
 
 def _render(tokenizer: Any, messages: Sequence[Message]) -> tuple[torch.Tensor, str]:
-    """A prompt's token ids (chat template) and the text llama.cpp is given (its special tokens parsed back)."""
-    ids = encode_messages(tokenizer, messages)
-    return ids, tokenizer.decode(ids, skip_special_tokens=False)
+    """The text llama.cpp is given (the chat template's tokens decoded, special tokens kept) and its token ids as
+    ``tokenizer`` reads that text back (decoding then encoding need not give the template's ids: the text is
+    what both engines see)."""
+    text = tokenizer.decode(encode_messages(tokenizer, messages), skip_special_tokens=False)
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
+    return ids, text
 
 
 def _settings(engine, tokenizer, kinds, given, fresh) -> tuple[tuning.SettingsChoice, str]:
@@ -256,11 +301,13 @@ def _settings(engine, tokenizer, kinds, given, fresh) -> tuple[tuning.SettingsCh
 def _measure(target, tokenizer, prompts, settings, engine, choice, chosen_by, kinds) -> BenchReport:
     n = settings.max_new_tokens
     eos = set(settings.stop_ids(target, tokenizer))
-    names = [PLAIN, *kinds]
+    names = [PLAIN, LOOP, *kinds]
     limit = prompt_limit(target, settings)
 
     def call(name: str, text: str) -> Generation:
-        return engine.plain(text, n) if name == PLAIN else engine.speculative(name, choice.chosen[name], text, n)
+        if name in (PLAIN, LOOP):
+            return engine.plain(text, n) if name == PLAIN else engine.no_draft(text, n)
+        return engine.speculative(name, choice.chosen[name], text, n)
 
     for prompt in prompts[: settings.warmup]:
         text = _render(tokenizer, prompt.first_turn_messages())[1]
@@ -280,27 +327,22 @@ def _measure(target, tokenizer, prompts, settings, engine, choice, chosen_by, ki
             gens = {}
             for name in names[k:] + names[:k]:
                 gens[name] = call(name, text)
-                if gens[name].prompt_tokens != ids.numel():
-                    raise RuntimeError(
-                        f"llama.cpp tokenised question {prompt.question_id} turn {turn} into "
-                        f"{gens[name].prompt_tokens} tokens, transformers into {ids.numel()}: the GGUF's vocabulary "
-                        "is not the target's"
-                    )
+                check_prompt_tokens(gens[name].prompt_tokens, ids.numel(), f"{prompt.question_id} turn {turn}")
             texts = {name: gens[name].text for name in names}
             results = {}
             for name in names:
                 g = gens[name]
                 tokens = tokenizer(g.text, add_special_tokens=False).input_ids[:n]
-                results[name] = _result(g, tokens, name != PLAIN, n, eos)
+                results[name] = _result(g, tokens, name not in (PLAIN, LOOP), n, eos)
                 if g.draft_seconds is not None and g.draft_calls:
                     draft_ms[name].append(1000.0 * g.draft_seconds / g.draft_calls)
             sample = Sample(prompt.question_id, prompt.category, turn, ids.numel(), settings.seed, results)
-            reference = results[PLAIN].tokens
-            diffs = {name: text_difference(texts[PLAIN], texts[name], tokenizer) for name in names}
+            reference = results[LOOP].tokens  # exactness: against the same tool's decoding without drafts
+            diffs = {name: text_difference(texts[LOOP], texts[name], tokenizer) for name in names}
             sample, found, tied = compare_to_reference(
                 sample,
                 PLAIN,
-                PLAIN,
+                LOOP,
                 False,
                 near_tie=lambda i, ids=ids, reference=reference: is_near_tie(target, ids, reference, i),
                 first_diff=diffs.get,
@@ -337,7 +379,10 @@ def _measure(target, tokenizer, prompts, settings, engine, choice, chosen_by, ki
         verdicts=verdicts,
         tie_margin=TIE_MARGIN,
     )
-    methods = {PLAIN: MethodRecord("llamacpp", "plain llama.cpp (llama-completion), no drafts", None)}
+    methods = {
+        PLAIN: MethodRecord("llamacpp", "plain llama.cpp (llama-completion), no drafts", None),
+        LOOP: MethodRecord("llamacpp", "llama-speculative-simple with a drafter that never fires (no drafts)", None),
+    }
     for name, (spec_type, _) in kinds.items():
         what = "the head exported to GGUF" if spec_type.startswith("draft-") else "llama.cpp's n-gram drafter"
         methods[name] = MethodRecord("llamacpp", f"llama-speculative-simple --spec-type {spec_type} ({what})", None)
@@ -373,7 +418,7 @@ def _settings_record(settings: BenchSettings, target, engine: _Engine, eos: set[
         max_prompt_tokens=settings.max_prompt_tokens,
         eos_token_ids=sorted(eos),
         reference=PLAIN,
-        engine_reference=PLAIN,
+        engine_reference=LOOP,
         engine="llamacpp",
         timing="llama.cpp's own decode timer (prefill excluded); wall_s is the whole process, loading included",
         prompts_source=settings.prompts_source,
