@@ -195,6 +195,16 @@ def is_near_tie(target: PreTrainedModel, prompt_ids: torch.Tensor, reference: li
     return float(top[0] - top[1]) < TIE_MARGIN
 
 
+def acceptance(samples: Sequence[Sample], method: str) -> str:
+    """Accepted over drafted tokens of a llama.cpp method, summed over the samples (its results' ``steps`` are
+    cycles, ``tree_nodes`` the cycles' roots plus drafts, ``tau * steps`` the tokens they produced: roots plus
+    accepted drafts)."""
+    records = [s.results[method] for s in samples if s.results[method].steps]
+    drafted = sum((r.tree_nodes or 0) - r.steps for r in records)
+    accepted = sum(round((r.tau or 1.0) * r.steps) - r.steps for r in records)
+    return f"{accepted}/{drafted} drafted tokens ({accepted / drafted:.0%})" if drafted > 0 else "nothing drafted"
+
+
 def _verdict(name: str, speedup: float | None, tau: float | None, costs, setting: LlamaCppSetting) -> str:
     """One sentence on a method against plain llama.cpp, with the reason from the cost decomposition if it loses."""
     if speedup is None:
@@ -334,7 +344,7 @@ def _measure(target, tokenizer, prompts, settings, engine, choice, chosen_by, ki
                 g = gens[name]
                 tokens = tokenizer(g.text, add_special_tokens=False).input_ids[:n]
                 results[name] = _result(g, tokens, name not in (PLAIN, LOOP), n, eos)
-                if g.draft_seconds is not None and g.draft_calls:
+                if name in draft_ms and g.draft_seconds is not None and g.draft_calls:
                     draft_ms[name].append(1000.0 * g.draft_seconds / g.draft_calls)
             sample = Sample(prompt.question_id, prompt.category, turn, ids.numel(), settings.seed, results)
             reference = results[LOOP].tokens  # exactness: against the same tool's decoding without drafts
@@ -346,6 +356,7 @@ def _measure(target, tokenizer, prompts, settings, engine, choice, chosen_by, ki
                 False,
                 near_tie=lambda i, ids=ids, reference=reference: is_near_tie(target, ids, reference, i),
                 first_diff=diffs.get,
+                exact_reference=LOOP,
             )
             mismatches += found
             ties += tied
@@ -366,6 +377,7 @@ def _measure(target, tokenizer, prompts, settings, engine, choice, chosen_by, ki
     costs = tuning.decomposition(choice, measured)
     verdicts = {
         name: _verdict(name, summary[name].overall.speedup, summary[name].overall.tau, costs, choice.chosen[name])
+        + f"; acceptance {acceptance(samples, name)}"
         for name in kinds
     }
     stamp = build_info(engine.build)

@@ -123,6 +123,7 @@ def compare_to_reference(
     do_sample: bool,
     near_tie: Callable[[int], bool] | None = None,
     first_diff: Callable[[str], int | None] | None = None,
+    exact_reference: str | None = None,
 ) -> tuple[Sample, list[Mismatch], list[Mismatch]]:
     """Fill ``speedup`` and ``engine_speedup`` (always) and ``matches_reference`` / ``first_diff`` /
     ``near_tie`` (greedy) for one sample.
@@ -135,11 +136,13 @@ def compare_to_reference(
             None: no difference is a near-tie (selfspec's engine, which must match exactly).
         first_diff: ``first_diff(method)``: where a method's output parts from the reference's (None: they
             agree); None: the first differing token (:func:`first_difference`).
+        exact_reference: the method outputs are compared with (None: ``reference``).
 
     Returns:
         ``(sample, mismatches, ties)``: the filled sample, the greedy differences, and those at near-ties.
     """
     ref, engine = sample.results[reference], sample.results[engine_reference]
+    exact = sample.results[exact_reference or reference]
     found, ties = [], []
     results = {}
     for name, rec in sample.results.items():
@@ -149,12 +152,14 @@ def compare_to_reference(
         if do_sample:
             results[name] = rec
             continue
-        diff = first_difference(ref.tokens, rec.tokens) if first_diff is None else first_diff(name)
+        diff = first_difference(exact.tokens, rec.tokens) if first_diff is None else first_diff(name)
         tie = None if diff is None else bool(near_tie is not None and near_tie(diff))
         results[name] = dataclasses.replace(rec, matches_reference=diff is None, first_diff=diff, near_tie=tie)
         if diff is not None:
             where = (name, sample.question_id, sample.category, sample.turn, diff)
-            (ties if tie else found).append(Mismatch(*where, _token_at(ref.tokens, diff), _token_at(rec.tokens, diff)))
+            (ties if tie else found).append(
+                Mismatch(*where, _token_at(exact.tokens, diff), _token_at(rec.tokens, diff))
+            )
     return dataclasses.replace(sample, results=results), found, ties
 
 
