@@ -100,9 +100,13 @@ class RiggedDrafter(Drafter):
         return sum(u < self._acceptance**d for d in range(1, self.main_depth + 1))
 
     def begin(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Start a sequence: ``prompt_ids`` ``[T]``; the hidden states are not used."""
+        """Start a sequence: ``prompt_ids`` ``[T]``; the hidden states are not used. The steps start here (the
+        probe counts from now): a one-node tree declares ``max_depth`` 0, and the loop then never calls
+        :meth:`propose`."""
         self._prompt_len = prompt_ids.numel()
         self._step = 0
+        if self.probe is not None:
+            self.probe.in_steps = True
 
     def propose(
         self,
@@ -113,8 +117,6 @@ class RiggedDrafter(Drafter):
     ) -> DraftTree:
         """The rigged tree for this step, whole (the loop cuts it to ``limit``); ``context`` ``[T + m]`` (the
         prompt and the m tokens decided since)."""
-        if self.probe is not None:
-            self.probe.in_steps = True
         k = self.accepted_depth(self._step)
         self._step += 1
         m = context.numel() - self._prompt_len  # tokens decided after the prompt, the root included

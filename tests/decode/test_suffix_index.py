@@ -320,7 +320,7 @@ def test_bench_adds_hybrid_suffix_beside_hybrid(tmp_path, monkeypatch):
     saved = SuffixIndex(answers).save(tmp_path / "index.safetensors")
     options = dict(methods=["baseline", "hybrid"], heads={"eagle": head}, eagle_options={"depth": 3, "top_k": 2})
     methods = build_methods(t, tokenizer, settings, suffix_index=str(saved), **options)
-    assert list(methods) == ["baseline", "hybrid", "hybrid_suffix", "eagle"]
+    assert list(methods) == ["baseline", "no_draft", "hybrid", "hybrid_suffix", "eagle"]
     assert "suffix index of" in methods["hybrid_suffix"].description
     report = run_bench(t, tokenizer, methods, prompts, settings).to_dict()
     assert report["mismatches"] == []

@@ -239,7 +239,8 @@ def test_the_llamacpp_bench_engine_runs_plain_our_head_and_ngram_drafts(smollm2,
         given=given,
     )
     assert read_report(write_report(report, tmp_path / "out")["json"]) == report
-    assert list(report.methods) == ["llamacpp", "eagle3", "ngram_simple"] and report.llamacpp.chosen_by == "given"
+    assert list(report.methods) == ["llamacpp", "llamacpp_loop", "eagle3", "ngram_simple"]
+    assert report.llamacpp.chosen_by == "given"
     head = report.summary["eagle3"].overall
     assert head.mismatches == 0 and head.tau > 1.5 and head.median_tokens_per_s > 0
     assert all(s.results["eagle3"].draft_s is not None for s in report.samples)  # llama.cpp's draft timer, parsed
