@@ -244,7 +244,9 @@ _SOURCE_FIELDS = ("target", "target_adapter", "data")
 
 def _is_local_path(value: str) -> bool:
     """A filesystem path of this machine rather than a name (a Hub id, an alias, ``sharegpt``)."""
-    return value.startswith(("/", "./", "../", "~", "\\")) or Path(value).expanduser().exists() and "/" in value
+    if value.startswith(("/", "./", "../", "~", "\\")):
+        return True
+    return "/" in value and Path(value).expanduser().exists()  # a relative path that is there, not a Hub id
 
 
 def publish_names(staged: Path) -> list[str]:

@@ -48,7 +48,7 @@ from selfspec.bench.report import (
     SettingsRecord,
     Skipped,
 )
-from selfspec.bench.run import compare_to_reference, environment_record, prompt_limit, summarize
+from selfspec.bench.run import compare_to_reference, environment_record, prompt_limit, settings_record, summarize
 from selfspec.export.gguf import export_gguf
 from selfspec.heads import load_heads
 from selfspec.llamacpp import Generation, LlamaCpp, build_info, completion, forward_costs, speculative_simple
@@ -415,26 +415,15 @@ def _measure(target, tokenizer, prompts, settings, engine, choice, chosen_by, ki
 
 
 def _settings_record(settings: BenchSettings, target, engine: _Engine, eos: set[int]) -> SettingsRecord:
-    return SettingsRecord(
-        target=settings.target_name or type(target).__name__,
-        dtype=engine.target_gguf.suffixes[-2].lstrip(".") if len(engine.target_gguf.suffixes) > 1 else "gguf",
-        device="cpu",
+    """The selfspec run's record (:func:`selfspec.bench.run.settings_record`) with what llama.cpp does otherwise."""
+    suffixes = engine.target_gguf.suffixes
+    return dataclasses.replace(
+        settings_record(settings, target, torch.device("cpu"), eos),
+        dtype=suffixes[-2].lstrip(".") if len(suffixes) > 1 else "gguf",
         threads=engine.threads,
-        max_new_tokens=settings.max_new_tokens,
-        do_sample=False,
-        temperature=0.0,
-        top_p=1.0,
-        top_k=0,
-        seed=settings.seed,
-        warmup=settings.warmup,
-        max_prompt_tokens=settings.max_prompt_tokens,
-        eos_token_ids=sorted(eos),
         reference=PLAIN,
         engine_reference=LOOP,
         engine="llamacpp",
         timing="llama.cpp's own decode timer (prefill excluded); wall_s is the whole process, loading included",
-        prompts_source=settings.prompts_source,
-        tree_nodes=None,
-        draft_model=None,
         memory_source="not measured (llama.cpp runs in its own process)",
     )

@@ -269,7 +269,7 @@ def run_bench(
     return BenchReport(
         schema_version=SCHEMA_VERSION,
         created_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        settings=_settings_record(settings, target, device, eos),
+        settings=settings_record(settings, target, device, eos),
         environment=environment_record(device),
         methods={n: MethodRecord(m.kind, m.description, m.tree_budget) for n, m in methods.items()},
         categories=categories,
@@ -282,9 +282,10 @@ def run_bench(
     )
 
 
-def _settings_record(
+def settings_record(
     settings: BenchSettings, target: PreTrainedModel, device: torch.device, eos: set[int]
 ) -> SettingsRecord:
+    """The report's :class:`SettingsRecord` of a selfspec run (the llama.cpp engine replaces the fields that differ)."""
     return SettingsRecord(
         target=settings.target_name or type(target).__name__,
         dtype=str(next(target.parameters()).dtype).removeprefix("torch."),
