@@ -1,4 +1,4 @@
-"""Draft heads (nn.Modules only): Medusa-1, EAGLE-1/2, EAGLE-3.
+"""Draft heads (nn.Modules only): Medusa-1, EAGLE-1/2, EAGLE-3, and the block drafters DFlash and DSpark.
 
 ``load_heads(directory)`` reads ``config.json`` and dispatches on its ``head_type``; every family reads and
 writes its directory through :mod:`selfspec.heads.io`, and takes a Hub repo id for the directory and pushes
@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from selfspec.heads.dflash import BLOCK_HEAD_TYPES, BlockHead
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.eagle3 import Eagle3Head
 from selfspec.heads.fingerprint import target_fingerprint
@@ -20,7 +21,7 @@ from selfspec.heads.medusa import MedusaHeads
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["HEAD_TYPES", "Eagle3Head", "EagleHead", "HeadFormatError", "MedusaHeads", "load_heads"]
+__all__ = ["HEAD_TYPES", "BlockHead", "Eagle3Head", "EagleHead", "HeadFormatError", "MedusaHeads", "load_heads"]
 
 
 def load_heads(
@@ -29,7 +30,7 @@ def load_heads(
     *,
     revision: str | None = None,
     token: str | bool | None = None,
-) -> MedusaHeads | EagleHead | Eagle3Head:
+) -> MedusaHeads | EagleHead | Eagle3Head | BlockHead:
     """Load a head directory written by ``save_pretrained`` (strict: nothing is half-loaded).
 
     Args:
@@ -53,4 +54,6 @@ def load_heads(
         return EagleHead.from_pretrained(d, target=target, target_fingerprint=fingerprint)
     if head_type == "eagle3":
         return Eagle3Head.from_pretrained(d, target=target, target_fingerprint=fingerprint)
+    if head_type in BLOCK_HEAD_TYPES:
+        return BlockHead.from_pretrained(d, target=target, target_fingerprint=fingerprint)
     raise HeadFormatError(f"{d / CONFIG_NAME} has head_type {head_type!r}; expected one of {list(HEAD_TYPES)}")

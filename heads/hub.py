@@ -38,7 +38,7 @@ from selfspec.heads.io import CONFIG_NAME, DRAFT_VOCAB_NAME, WEIGHTS_NAME, HeadF
 
 __all__ = ["HEAD_TYPES", "HUB_FILES", "HubMixin", "hub_endpoint", "is_hub_id", "register_push", "resolve_head_dir"]
 
-HEAD_TYPES = ("medusa", "eagle", "eagle3")
+HEAD_TYPES = ("medusa", "eagle", "eagle3", "dflash", "dspark")
 # What a head repo holds that loading uses: the head, and the acceptance profile the EAGLE tree budget reads
 # (decode/tuning/calibration.py) and the training record the bench reads (train/record.py), when they were pushed.
 HUB_FILES = (CONFIG_NAME, WEIGHTS_NAME, DRAFT_VOCAB_NAME, "acceptance_profile.json", "training_record.json")

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from selfspec.decode.drafters import (
+    BlockDrafter,
     Drafter,
     DraftModelDrafter,
     EagleDrafter,
@@ -27,6 +28,7 @@ from selfspec.decode.tuning import costs
 from selfspec.decode.tuning.budget import TreeBudget
 from selfspec.decode.tuning.calibration import AcceptanceProfile, load_acceptance_profile
 from selfspec.decode.verifier import Verifier
+from selfspec.heads.dflash import BLOCK_HEAD_TYPES
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -188,6 +190,8 @@ def plan_drafter(
     if heads.config.head_type == "medusa":
         heads.attach_target(target.get_output_embeddings().weight)
         drafter, choice = _medusa_drafter(target, heads, tree, tree_nodes, tune), None
+    elif heads.config.head_type in BLOCK_HEAD_TYPES:
+        drafter, choice = _block_drafter(target, heads, tune, **eagle_options), None
     else:
         drafter, choice = _eagle_drafter(target, heads, head_dir, tune, **eagle_options)
     if not hybrid:
@@ -241,6 +245,39 @@ def _medusa_drafter(
         usable = [p for p in DEFAULT_MEDUSA_PATHS if len(p) <= heads.config.num_heads]
         tree = greedy_tree_from_accuracy(acc, n) if acc else usable[: n - 1]
     return MedusaDrafter(heads, static_tree(tree))
+
+
+def _block_drafter(
+    target: PreTrainedModel,
+    head,
+    tune: str = "auto",
+    block_length: int | str = "auto",
+    block_top_k: int = 1,
+    confidence_min: float = 0.0,
+) -> BlockDrafter:
+    """A :class:`~selfspec.decode.drafters.block.BlockDrafter` for a DFlash / DSpark head. ``block_length`` (draft
+    tokens per step) ``"auto"``: with ``tune="auto"`` and the head's held-out chain acceptance, the length that
+    maximises expected tokens per second on this machine (:func:`~.tuning.budget.choose_block_length`, from the cached
+    verification cost profile); else the head's whole block. ``block_top_k`` > 1 adds each position's next
+    candidates as leaves; ``confidence_min`` cuts a DSpark block at its confidence head.
+
+    Raises:
+        ValueError: ``block_length`` neither an integer nor ``"auto"``, or out of the head's range.
+    """
+    if block_length != "auto" and (isinstance(block_length, bool) or not isinstance(block_length, int)):
+        raise ValueError(f"block_length must be an integer or 'auto', got {block_length!r}")
+    length = None if block_length == "auto" else block_length
+    chain = head.config.heldout_chain
+    if length is None and tune == "auto" and chain:
+        size = tree_budget.choose_block_length(costs.get_cost_profile(target), chain)
+        length = size.length
+        logger.info(
+            "block length sized to this machine: %d drafts (expected tau %.2f, %.2fx plain decoding)",
+            length,
+            size.expected_tau,
+            size.expected_speedup,
+        )
+    return BlockDrafter(head, target, length=length, top_k=block_top_k, confidence_min=confidence_min)
 
 
 def _eagle_drafter(

@@ -39,6 +39,7 @@ from selfspec.decode.tuning import budget as tree_budget
 from selfspec.decode.tuning import calibration, costs, draft_costs
 from selfspec.heads import load_heads
 from selfspec.heads.config import HeadFormatError, read_json
+from selfspec.heads.dflash import BLOCK_HEAD_TYPES
 from selfspec.heads.hub import HEAD_TYPES
 from selfspec.prompts import SHAREGPT_HELDOUT, encode_messages, load_prompts, resolve_eos
 from selfspec.target import load_target
@@ -98,8 +99,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         head_type = read_json(heads_dir / "config.json").get("head_type")
     except HeadFormatError as err:
         parser.error(str(err))
-    if head_type not in HEAD_TYPES:
-        parser.error(f"{heads_dir} holds {head_type!r} heads; tune-tree sizes the trees of {list(HEAD_TYPES)} heads")
+    if head_type in BLOCK_HEAD_TYPES:
+        parser.error(
+            f"{heads_dir} holds a {head_type} head: its block length is sized at load from the held-out chain "
+            "acceptance saved with it (heldout_chain) and this machine's verification costs; there is no tree to tune"
+        )
+    trees = [t for t in HEAD_TYPES if t not in BLOCK_HEAD_TYPES]
+    if head_type not in trees:
+        parser.error(f"{heads_dir} holds {head_type!r} heads; tune-tree sizes the trees of {trees} heads")
     if args.threads:
         torch.set_num_threads(args.threads)
     if head_type == "medusa":

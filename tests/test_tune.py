@@ -165,13 +165,17 @@ def test_tune_tree_explains_how_medusa_trees_are_sized_without_accuracies(three_
 
 
 def test_tune_tree_refuses_a_directory_of_no_head_family(tmp_path, capsys):
-    (tmp_path / "config.json").write_text(json.dumps({"head_type": "dflash"}))
+    (tmp_path / "config.json").write_text(json.dumps({"head_type": "hydra"}))
     with pytest.raises(SystemExit) as err:
         tune.main(["--heads", str(tmp_path)])
     assert err.value.code == 2
-    assert "holds 'dflash' heads; tune-tree sizes the trees of ['medusa', 'eagle', 'eagle3'] heads" in (
+    assert "holds 'hydra' heads; tune-tree sizes the trees of ['medusa', 'eagle', 'eagle3'] heads" in (
         capsys.readouterr().err
     )
+    (tmp_path / "config.json").write_text(json.dumps({"head_type": "dspark"}))
+    with pytest.raises(SystemExit):
+        tune.main(["--heads", str(tmp_path)])
+    assert "its block length is sized at load from the held-out chain acceptance" in capsys.readouterr().err
 
 
 def test_training_and_tune_tree_calibrate_the_same_largest_budget():

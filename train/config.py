@@ -97,6 +97,55 @@ class Eagle3Options:
 
 
 @dataclass(frozen=True)
+class BlockOptions:
+    """DFlash / DSpark recipe knobs (arXiv:2602.06036, arXiv:2607.05147), YAML ``block: {...}`` (``head: dflash`` or
+    ``head: dspark``).
+
+    Attributes:
+        block_size: B, the block's slots with the anchor (DFlash drafts B - 1 tokens, DSpark B).
+        num_layers: the head's Qwen3-style decoder layers (1 .. 8).
+        target_layer_ids: the target layers whose outputs are fused (None: three spread from layer 1 to L - 3,
+            :func:`selfspec.heads.dflash.default_target_layer_ids`).
+        mask_token_id: the target id marking slots to predict (None: the tokenizer's mask token, else the highest
+            id that no training sequence holds).
+        anchors: blocks per sequence in a training batch, anchored at random assistant positions (fewer when the
+            sequence has fewer).
+        loss: ``"ce"`` (cross entropy against the target's greedy token in the draft vocabulary), ``"kl"`` (forward
+            KL to the target's distribution over it), ``"dspark"`` (DSpark's ``0.1 CE + 0.9 L1``, the L1 distance
+            of the two distributions, plus the confidence head's BCE); ``"auto"``: ``ce`` for DFlash, ``dspark``
+            for DSpark.
+        decay: position weights ``exp(-(k - 1) / decay)`` for the k-th draft of a block (DFlash: 7 at B = 16).
+        markov_rank: R of DSpark's Markov head.
+        confidence: DSpark: train a confidence head (BCE against each slot's survival under greedy verification).
+        batch_tokens: sequence tokens per optimiser step (whole sequences of up to ``max_length``).
+        init_layer: start every draft layer from this target layer's attention and MLP weights where the shapes
+            match (negative: from the end); None: random.
+    """
+
+    block_size: int = 8
+    num_layers: int = 1
+    target_layer_ids: tuple[int, ...] | None = None
+    mask_token_id: int | None = None
+    anchors: int = 32
+    loss: str = "auto"
+    decay: float = 4.0
+    markov_rank: int = 64
+    confidence: bool = True
+    batch_tokens: int = 2048
+    init_layer: int | None = -1
+
+    def __post_init__(self) -> None:
+        if self.loss not in ("auto", "ce", "kl", "dspark"):
+            raise ValueError(f"block.loss must be 'auto', 'ce', 'kl' or 'dspark', got {self.loss!r}")
+        if not 2 <= self.block_size <= 64 or not 1 <= self.num_layers <= 8:
+            raise ValueError("block.block_size must be in [2, 64] and block.num_layers in [1, 8]")
+        if self.anchors < 1 or self.decay <= 0 or self.markov_rank < 1:
+            raise ValueError("block.anchors and block.markov_rank must be >= 1, block.decay > 0")
+        if self.target_layer_ids is not None:
+            object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+
+
+@dataclass(frozen=True)
 class MedusaOptions:
     """Medusa-1 recipe knobs (Cai et al. 2024, arXiv:2401.10774), YAML ``medusa: {...}``.
 
@@ -142,12 +191,15 @@ class MedusaOptions:
             object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
 
 
+HEADS = ("medusa", "eagle", "eagle3", "dflash", "dspark")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Every knob of a head-training run.
 
     Attributes (units in names where they have one):
-        head: head family, ``"medusa"``, ``"eagle"`` or ``"eagle3"``.
+        head: head family, ``"medusa"``, ``"eagle"``, ``"eagle3"``, ``"dflash"`` or ``"dspark"``.
         target: target name (local dir, Hub id or alias, see :func:`selfspec.target.resolve_target`).
         target_adapter: a PEFT adapter directory (``PeftModel.save_pretrained``) merged into ``target``
             (:mod:`selfspec.train.adapter`); the heads are trained on, and fingerprinted as, the adapted target.
@@ -197,6 +249,7 @@ class TrainConfig:
             the acceptance profile next to the head, from which decoding sizes its tree to the machine; 0
             prompts skips it.
         eagle: :class:`EagleOptions`. eagle3: :class:`Eagle3Options`. medusa: :class:`MedusaOptions`.
+        block: :class:`BlockOptions` (DFlash and DSpark).
     """
 
     head: str = "medusa"
@@ -239,10 +292,11 @@ class TrainConfig:
     eagle: EagleOptions = field(default_factory=EagleOptions)
     eagle3: Eagle3Options = field(default_factory=Eagle3Options)
     medusa: MedusaOptions = field(default_factory=MedusaOptions)
+    block: BlockOptions = field(default_factory=BlockOptions)
 
     def __post_init__(self) -> None:
-        if self.head not in ("medusa", "eagle", "eagle3"):
-            raise ValueError(f"head must be 'medusa', 'eagle' or 'eagle3', got {self.head!r}")
+        if self.head not in HEADS:
+            raise ValueError(f"head must be one of {HEADS}, got {self.head!r}")
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError("dtype must be 'bfloat16' or 'float32'")
         if self.mixed_precision not in ("no", "bf16"):
@@ -276,7 +330,12 @@ class TrainConfig:
             )
 
 
-_NESTED: dict[str, type] = {"eagle": EagleOptions, "eagle3": Eagle3Options, "medusa": MedusaOptions}
+_NESTED: dict[str, type] = {
+    "eagle": EagleOptions,
+    "eagle3": Eagle3Options,
+    "medusa": MedusaOptions,
+    "block": BlockOptions,
+}
 
 
 # Flat names of nested options, refused with their new place in the message ("eagle_ttt_steps is now eagle.ttt_steps").

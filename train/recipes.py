@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from selfspec.train.config import TrainConfig
+from selfspec.train.dflash import capture_block, train_block
 from selfspec.train.distill_states import CapturedStates
 from selfspec.train.eagle import train_eagle
 from selfspec.train.eagle3 import capture_eagle3, train_eagle3
@@ -55,6 +56,8 @@ RECIPES: dict[str, RecipeEntry] = {
     "medusa2": RecipeEntry(train_medusa2, capture_nothing),
     "eagle": RecipeEntry(train_eagle, capture_last_state),
     "eagle3": RecipeEntry(train_eagle3, capture_eagle3),
+    "dflash": RecipeEntry(train_block, capture_block),
+    "dspark": RecipeEntry(train_block, capture_block),
 }
 
 

@@ -7,10 +7,12 @@
 * :class:`EagleDrafter`: an EAGLE-1 or EAGLE-3 head growing an EAGLE-2 dynamic tree (Li et al. 2024).
 * :class:`PromptLookupDrafter`: n-gram match in the context (Saxena 2023, "prompt lookup decoding").
 * :class:`DraftModelDrafter`: a separate small causal LM with the target's tokenizer (Leviathan et al. 2023).
+* :class:`BlockDrafter`: a DFlash or DSpark head drafting a whole block in one forward (arXiv:2602.06036).
 * :class:`HybridDrafter`: a head's tree merged with n-gram continuations, split by measured cost.
 """
 
 from selfspec.decode.drafters.base import AcceptedPath, Drafter, DrafterInfo, DraftLimit, context_length
+from selfspec.decode.drafters.block import BlockDrafter
 from selfspec.decode.drafters.draft_model import DraftModelDrafter
 from selfspec.decode.drafters.eagle import EagleDrafter
 from selfspec.decode.drafters.hybrid import HybridDrafter
@@ -21,6 +23,7 @@ from selfspec.decode.tree import DraftTree
 
 __all__ = [
     "AcceptedPath",
+    "BlockDrafter",
     "DraftLimit",
     "DraftModelDrafter",
     "DraftTree",

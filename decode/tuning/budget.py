@@ -236,6 +236,45 @@ def choose_medusa_tree_nodes(
     return MedusaTreeSize(n, tau, draft_ms + cost.verify_cost_ms(n), speedup, tuple(table))
 
 
+@dataclass(frozen=True)
+class BlockLength:
+    """The draft length chosen for a block drafter (:func:`choose_block_length`).
+
+    Attributes:
+        length: draft tokens per step L (the verified chain has L + 1 nodes).
+        expected_tau: ``1 + sum_{d <= L} chain[d - 1]``.
+        expected_speedup: ``expected_tau * plain_step_ms / (draft_ms + verify_ms(L + 1))``.
+        table: ``(L, expected_tau, expected_speedup)`` for every length considered.
+    """
+
+    length: int
+    expected_tau: float
+    expected_speedup: float
+    table: tuple[tuple[int, float, float], ...]
+
+
+def choose_block_length(cost: CostProfile, chain: Sequence[float], draft_ms: float = 0.0) -> BlockLength:
+    """Size a block drafter's chain to the machine: the L in ``1..len(chain)`` maximising
+    ``tau(L) / (draft_ms + verify_ms(L + 1))`` with ``tau(L) = 1 + sum_{d <= L} chain[d - 1]`` (``chain[d - 1]``: the
+    held-out share of blocks whose first d drafts the target accepts). One block forward drafts every length, so
+    ``draft_ms`` is the same for all of them. Ties go to the shorter chain.
+
+    Raises:
+        ValueError: an empty ``chain``.
+    """
+    if not chain:
+        raise ValueError("need the head's held-out chain acceptance (heldout_chain in its config)")
+    plain = cost.plain_step_ms
+    table, best = [], None
+    for n in range(1, len(chain) + 1):
+        tau = 1.0 + float(sum(chain[:n]))
+        option = (n, tau, tau * plain / (draft_ms + cost.verify_cost_ms(n + 1)))
+        table.append(option)
+        if best is None or option[2] > best[2]:
+            best = option
+    return BlockLength(best[0], best[1], best[2], tuple(table))
+
+
 def medusa_table_text(size: MedusaTreeSize, columns: Sequence[int] = DEFAULT_NODE_COUNTS) -> str:
     """Plain-text table of a Medusa tree's expected tau and speedup by node count N (root included), at the
     sizes of ``columns`` that were considered and the chosen one."""

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from selfspec.heads.dflash import BlockHead
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.eagle3 import Eagle3Head
 from selfspec.heads.files import replace_dir, staging_dir
@@ -37,7 +38,7 @@ __all__ = [
     "write_export",
 ]
 
-Head = MedusaHeads | EagleHead | Eagle3Head
+Head = MedusaHeads | EagleHead | Eagle3Head | BlockHead
 
 TOKEN_MAP_NAME = "speculative_token_map.pt"
 """SGLang's ``--speculative-token-map`` file, written beside an EAGLE-1 export with a reduced draft vocabulary."""
@@ -71,17 +72,20 @@ class ExportError(HeadFormatError):
 
 
 def family_name(head: Head) -> str:
-    """``"medusa"``, ``"eagle"`` or ``"eagle3"`` (the ``head_type`` of the head's own directory).
+    """``"medusa"``, ``"eagle"``, ``"eagle3"``, ``"dflash"`` or ``"dspark"`` (the ``head_type`` of the head's own
+    directory).
 
     Raises:
         ExportError: ``head`` is not a selfspec head.
     """
+    if isinstance(head, BlockHead):
+        return head.config.head_type
     for cls, name in ((MedusaHeads, "medusa"), (EagleHead, "eagle"), (Eagle3Head, "eagle3")):
         if isinstance(head, cls):
             return name
     for attr in ("_orig_mod", "module"):  # torch.compile's OptimizedModule; DDP / DeepSpeed wrappers
         inner = getattr(head, attr, None)
-        if isinstance(inner, MedusaHeads | EagleHead | Eagle3Head):
+        if isinstance(inner, MedusaHeads | EagleHead | Eagle3Head | BlockHead):
             raise ExportError(
                 f"this is a {type(head).__name__} wrapping a selfspec head (its tensors carry the trainer prefix "
                 f"'{attr}.'); export the head itself: head.{attr}"

@@ -1,4 +1,5 @@
-"""EAGLE-3 heads as llama.cpp drafts: the ``eagle3`` GGUF, made by llama.cpp's own converter.
+"""EAGLE-3 heads as llama.cpp drafts: the ``eagle3`` GGUF, made by llama.cpp's own converter (DFlash and DSpark
+heads: the ``dflash`` GGUF of :mod:`selfspec.export.gguf_block`, through the same entry point).
 
 The head is first written in the SpecForge / SGLang ``LlamaForCausalLMEagle3`` layout
 (:func:`selfspec.export.sglang.export_sglang`: ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``)
@@ -33,7 +34,9 @@ import numpy as np
 from gguf import GGUFReader
 
 from selfspec.export.common import ExportError, Head, family_name, require_llama
+from selfspec.export.gguf_block import convert_block_head
 from selfspec.export.sglang import export_sglang
+from selfspec.heads.dflash import BLOCK_HEAD_TYPES
 from selfspec.llamacpp import LlamaCpp, ensure_llamacpp
 from selfspec.target import resolve_target
 
@@ -88,7 +91,9 @@ def export_gguf(
     --spec-type draft-eagle3`` (or ``llama-server`` with the same flags).
 
     Args:
-        head: a :class:`selfspec.heads.eagle3.Eagle3Head` of a Llama-architecture target (fp32 or bf16).
+        head: a :class:`selfspec.heads.eagle3.Eagle3Head` of a Llama-architecture target (fp32 or bf16), or a
+            DFlash / DSpark :class:`selfspec.heads.dflash.BlockHead` (Qwen3-style layers, any target whose token
+            embedding is a plain ``nn.Embedding``).
         out_dir: directory receiving the file (created if missing; other files in it are left alone).
         target_dir: the target's Hugging Face directory or a selfspec alias (``smollm2-135m-instruct``:
             the converted copy in the selfspec cache); the converter takes the tokenizer and the target's
@@ -108,12 +113,13 @@ def export_gguf(
         RuntimeError: the converter failed (its output is in the message), or llama.cpp cannot be built.
     """
     family = family_name(head)
-    if family != "eagle3":
+    if family not in ("eagle3", *BLOCK_HEAD_TYPES):
         raise ExportError(
-            f"the gguf format holds EAGLE-3 heads (llama.cpp's eagle3 draft architecture); this is a {family} "
-            "head. Train an EAGLE-3 head (family: eagle3), or export this one with --format speculators / sglang."
+            f"the gguf format holds EAGLE-3, DFlash and DSpark heads (llama.cpp's eagle3 and dflash draft "
+            f"architectures); this is a {family} head. Train one of those, or export this one with --format sglang."
         )
-    require_llama(head, "gguf")
+    if family == "eagle3":
+        require_llama(head, "gguf")
     target_dir = Path(resolve_target(target_dir))
     if not target_dir.is_dir():
         raise ExportError(f"target {target_dir} is not a local directory: pass the target's Hugging Face directory")
@@ -128,8 +134,10 @@ def export_gguf(
     llamacpp = llamacpp or ensure_llamacpp()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = name or f"{Path(own.target).name or 'head'}-eagle3"
+    stem = name or f"{Path(own.target).name or 'head'}-{family}"
     final = out_dir / f"{stem}.gguf"
+    if family in BLOCK_HEAD_TYPES:
+        return convert_block_head(head, final, target_dir, outtype, llamacpp)
     with tempfile.TemporaryDirectory(prefix=f".{stem}.tmp", dir=out_dir) as tmp:
         hf_dir = export_sglang(head, Path(tmp) / stem, target_name_or_path=str(target_dir))
         _pin_layers(Path(hf_dir), own.target_layers)

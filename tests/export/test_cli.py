@@ -61,7 +61,7 @@ def test_command_errors_name_the_fix(target, target_dir, tmp_path, capsys):
     assert main(["export", str(tmp_path / "heads"), "--format", "speculators", *common]) == 2
     assert "holds EAGLE-3 heads, not eagle; export with --format sglang" in capsys.readouterr().out
     assert main(["export", str(tmp_path / "heads"), "--format", "gguf", *common]) == 2  # refused before llama.cpp
-    assert "the gguf format holds EAGLE-3 heads" in capsys.readouterr().out
+    assert "the gguf format holds EAGLE-3, DFlash and DSpark heads" in capsys.readouterr().out
     other = tmp_path / "other-target"
     tiny_target("llama", seed=7).save_pretrained(other)
     argv = [str(tmp_path / "heads"), "--format", "sglang", "--out", str(tmp_path / "out"), "--target", str(other)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from selfspec.heads.dflash import BlockConfig, BlockHead, draft_layer_config
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head
 from selfspec.heads.fingerprint import target_fingerprint
@@ -131,3 +132,29 @@ def medusa_logits(heads: MedusaHeads) -> torch.Tensor:
 def draft_logits(head, width: int) -> torch.Tensor:
     feats, ids, pos = inputs(width)
     return head.draft_logits(head(feats, ids, pos))
+
+
+def block_head(target, head_type: str, block_size: int, draft: int | None = None, seed: int = 3) -> BlockHead:
+    """A random DFlash / DSpark head of two layers (wide init: varied drafts, some accepted, most rejected)."""
+    c = target.config
+    cfg = BlockConfig(
+        head_type=head_type,
+        hidden_size=c.hidden_size,
+        vocab_size=target.config.vocab_size,
+        num_target_layers=c.num_hidden_layers,
+        block_size=block_size,
+        num_layers=2,
+        mask_token_id=target.config.vocab_size - 1,
+        draft_vocab_size=draft,
+        markov_rank=8 if head_type == "dspark" else 0,
+        confidence=head_type == "dspark",
+    )
+    torch.manual_seed(seed)
+    ids = (
+        None if draft is None else torch.arange(0, target.config.vocab_size, target.config.vocab_size // draft)[:draft]
+    )
+    head = BlockHead(cfg, draft_layer_config(c, 2, block_size), ids, target)
+    for p in head.parameters():
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.2)
+    return head.eval()

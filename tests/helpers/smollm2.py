@@ -94,3 +94,55 @@ def memorising_eagle3_head(model, sequences: list[torch.Tensor], steps: int = 80
         loss.backward()
         optim.step()
     return head.eval()
+
+
+def memorising_block_head(model, sequences: list[torch.Tensor], head_type: str = "dflash", steps: int = 150):
+    """A DFlash or DSpark head (block of 4, one layer started from the target's last, a 4096-token draft
+    vocabulary) fitted for a few seconds to the target's own states on ``sequences`` (LongTensors), anchored at every
+    position, so that decoding those prompts accepts several tokens a step."""
+    from selfspec.heads.dflash import BlockConfig, BlockHead, default_target_layer_ids, draft_layer_config
+    from selfspec.train.config import BlockOptions
+    from selfspec.train.dflash import block_step_loss, collate_sequences, init_from_target_layer
+    from selfspec.train.feature_store import FeatureStore
+
+    V, D, L = model.config.vocab_size, model.config.hidden_size, model.config.num_hidden_layers
+    examples = [{"input_ids": s, "loss_mask": torch.ones(s.numel(), dtype=torch.bool)} for s in sequences]
+    counts = torch.bincount(torch.cat(sequences), minlength=V).float() + 1e-3
+    draft_ids = draft_vocab_from_counts(counts, 4096)
+    dspark = head_type == "dspark"
+    cfg = BlockConfig(
+        head_type=head_type,
+        hidden_size=D,
+        vocab_size=V,
+        num_target_layers=L,
+        block_size=4,
+        num_layers=1,
+        mask_token_id=V - 1,
+        target_layer_ids=default_target_layer_ids(L),
+        draft_vocab_size=4096,
+        markov_rank=16 if dspark else 0,
+        confidence=dspark,
+        target_fingerprint=target_fingerprint(model),
+    )
+    torch.manual_seed(0)
+    head = BlockHead(cfg, draft_layer_config(model.config, 1, 4), draft_ids, model)
+    init_from_target_layer(head, model, -1)
+    feats = hidden_features(model, examples, True, layers=cfg.target_layers)
+    store = FeatureStore.from_examples(examples, feats, (len(cfg.target_layers) + 1) * D)
+    batch = collate_sequences(store, list(range(len(store))), 512, cfg.max_drafts, torch.Generator().manual_seed(0))
+    lm_rows = model.get_output_embeddings().weight.detach()[draft_ids].float()
+    optim = torch.optim.AdamW(head.parameters(), lr=5e-3)
+    options = BlockOptions(block_size=4, loss="ce", decay=100.0)
+    head.train()
+    for _ in range(steps):
+        loss, _, _ = block_step_loss(lambda *a: block_logits_of(head, *a), head, batch, lm_rows, options)
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    return head.eval()
+
+
+def block_logits_of(head, states, tokens, valid, anchors):
+    from selfspec.train.dflash import block_logits
+
+    return block_logits(head, states, tokens, valid, anchors)

@@ -1,0 +1,135 @@
+"""Block drafting (DFlash, DSpark) through the one decode loop: greedy output equal to ``generate``'s on every
+architecture of the matrix, for several block sizes, chain and top-k trees, a DSpark block cut by its confidence
+head, a batch; the drafter's block logits equal the training forward's for the same prefix (fp32, 1e-5); the block
+length sized from held-out acceptance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec.decode.drafters import BlockDrafter
+from selfspec.decode.drafters.base import DraftLimit
+from selfspec.decode.loop import speculative_generate, speculative_generate_batch
+from selfspec.decode.sampling import SamplingConfig
+from tests.helpers.archs import ARCHS, tiny_target
+from tests.helpers.heads import block_head
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V, NEW = 96, 20
+
+
+def prompt(seed: int, length: int = 10) -> torch.Tensor:
+    return torch.randint(3, V, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def reference(target, ids: torch.Tensor, n: int = NEW) -> list[int]:
+    out = target.generate(ids.unsqueeze(0), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+    return out[0, ids.numel() :].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("head_type", ["dflash", "dspark"])
+def test_greedy_output_is_the_targets_on_every_architecture(arch, head_type):
+    target = tiny_target(arch)
+    for block_size, top_k, draft in [(3, 1, None), (6, 1, 48), (6, 3, None)]:
+        head = block_head(target, head_type, block_size, draft)
+        drafter = BlockDrafter(head, target, top_k=top_k)
+        for seed in (0, 1):
+            ids = prompt(seed)
+            out = speculative_generate(target, drafter, ids, max_new_tokens=NEW)
+            assert out.tokens == reference(target, ids), (arch, head_type, block_size, top_k)
+            assert sum(out.stats.drafted_by_depth) > 0
+
+
+def test_a_fitted_head_gets_drafts_accepted_and_stays_exact():
+    """A head whose block reproduces the target's greedy continuation (its lm_head rows made the target's and its
+    layers tuned for a few steps on the target's own continuation) gets many drafts accepted per step; the output is
+    still exactly the target's, with chains, trees and a DSpark block cut by its confidence head."""
+    from selfspec.train.config import BlockOptions
+    from selfspec.train.dflash import block_logits, block_step_loss, collate_sequences
+    from selfspec.train.feature_store import FeatureStore
+    from selfspec.train.features import hidden_features
+
+    target = tiny_target("llama")
+    ids = prompt(5)
+    full = torch.cat([ids, torch.tensor(reference(target, ids, 40))])
+    for head_type in ("dflash", "dspark"):
+        head = block_head(target, head_type, 4, seed=1)
+        for p in head.parameters():
+            if p.dim() > 1:
+                torch.nn.init.normal_(p, std=0.05)
+        ex = [{"input_ids": full, "loss_mask": torch.ones(full.numel(), dtype=torch.bool)}]
+        store = FeatureStore.from_examples(ex, hidden_features(target, ex, True, layers=head.target_layers), 4 * 32)
+        batch = collate_sequences(store, [0], 64, head.config.max_drafts, torch.Generator().manual_seed(0))
+        rows = target.get_output_embeddings().weight.detach().float()
+        optim = torch.optim.AdamW(head.parameters(), lr=1e-2)
+        head.train()
+        for _ in range(150):
+            loss, _, _ = block_step_loss(
+                lambda *a, h=head: block_logits(h, *a), head, batch, rows, BlockOptions(block_size=4, loss="kl")
+            )
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+        head.eval()
+        for kwargs in ({}, {"top_k": 2}, {"confidence_min": 0.3} if head_type == "dspark" else {"length": 2}):
+            out = speculative_generate(target, BlockDrafter(head, target, **kwargs), ids, max_new_tokens=40)
+            assert out.tokens == full[ids.numel() :].tolist()
+            assert out.stats.new_tokens / out.stats.steps > 1.5, (head_type, kwargs, out.stats)
+
+
+def test_a_batch_and_its_rows_decode_exactly():
+    target = tiny_target("qwen3")
+    head = block_head(target, "dspark", 5)
+    prompts = [prompt(s, 6 + s) for s in range(3)]
+    outs = speculative_generate_batch(target, BlockDrafter(head, target), prompts, max_new_tokens=NEW)
+    assert [o.tokens for o in outs] == [reference(target, p) for p in prompts]
+
+
+@pytest.mark.parametrize("head_type", ["dflash", "dspark"])
+def test_training_forward_and_decoding_give_the_same_block_logits(head_type):
+    """For anchors at several positions of one sequence, the block the training forward scores (all blocks of the
+    row in one forward, :func:`~selfspec.train.dflash.block_mask`) equals the block the drafter scores with the
+    context fed up to the anchor (fp32, 1e-5): mask, anchor placement, positions and feature injection agree."""
+    from selfspec.train.dflash import block_logits
+
+    target = tiny_target("gemma3")
+    head = block_head(target, head_type, 5, draft=48)
+    ids = prompt(9, 24)
+    with torch.no_grad():
+        hs = target(ids.unsqueeze(0), output_hidden_states=True).hidden_states
+    states = torch.cat([hs[i][0] for i in head.target_layers], dim=-1)  # [T, k D]
+    anchors = torch.tensor([[3, 7, 15, 22]])
+    with torch.no_grad():
+        z = block_logits(head, states.unsqueeze(0), ids.unsqueeze(0), torch.ones(1, 24, dtype=torch.bool), anchors)
+    for n, a in enumerate(anchors[0].tolist()):
+        drafter = BlockDrafter(head, target)
+        drafter.begin(ids[:a], states[:a])
+        cfg = head.config
+        slots = cfg.block_size
+        tokens = torch.full((1, slots), cfg.mask_token_id)
+        tokens[0, 0] = ids[a]
+        with torch.no_grad():
+            decode_z = head(tokens, torch.arange(a, a + slots).unsqueeze(0), drafter._context.layers)
+        torch.testing.assert_close(decode_z[0, cfg.first_slot :], z[0, n], rtol=1e-5, atol=1e-5)
+        tree = drafter.propose(ids[: a + 1], SamplingConfig(), None, DraftLimit(useful_depth=10))
+        want = head.draft_ids[head.draft_logits(z[0, n, :1]).argmax(-1)]
+        assert int(tree.tokens[1]) == int(want[0]) or head.markov_head is not None
+
+
+def test_block_length_sized_from_acceptance_and_costs():
+    from selfspec.decode.tuning.budget import choose_block_length
+    from selfspec.decode.tuning.costs import CostProfile
+
+    cost = CostProfile(
+        target_fingerprint="f" * 16, device="cpu", dtype="torch.float32", threads=1, torch="2.13.0",
+        context_length=64, node_counts=(1, 2, 4, 8), verify_ms=(10.0, 11.0, 12.0, 20.0),
+    )  # fmt: skip
+    # chain shares 0.6, 0.4, 0.3, 0.1, 0.05: at 8 nodes the cost jumps, so 3 drafts (4 nodes) win
+    size = choose_block_length(cost, [0.6, 0.4, 0.3, 0.1, 0.05, 0.02, 0.01])
+    assert size.length == 3 and size.expected_tau == pytest.approx(2.3)
+    assert size.expected_speedup == pytest.approx(2.3 * 10.0 / 12.0)
+    with pytest.raises(ValueError, match="held-out chain"):
+        choose_block_length(cost, [])
