@@ -50,7 +50,9 @@ from selfspec.bench.report import (
 )
 from selfspec.bench.run import compare_to_reference, environment_record, prompt_limit, settings_record, summarize
 from selfspec.export.gguf import export_gguf
+from selfspec.export.gguf_block import spec_type as block_spec_type
 from selfspec.heads import load_heads
+from selfspec.heads.dflash import BlockHead
 from selfspec.llamacpp import Generation, LlamaCpp, build_info, completion, forward_costs, speculative_simple
 from selfspec.prompts import BenchPrompt, Message, encode_messages
 
@@ -275,10 +277,17 @@ def run_llamacpp_bench(
     loaded = {name: load_heads(path) for name, path in heads.items()}
     with tempfile.TemporaryDirectory(prefix="selfspec-llamacpp-") as tmp:
         engine = _Engine(build, Path(target_gguf), Path(target_dir), threads, loaded, Path(tmp))
-        kinds = {name: (tuning.HEAD_SPEC_TYPE, engine.draft(name, "f16")) for name in heads}  # refuses bad heads now
+        # the heads are exported now: a head llama.cpp cannot load is refused before anything is measured
+        kinds = {name: (head_spec_type(loaded[name]), engine.draft(name, "f16")) for name in heads}
         kinds.update({name: (NGRAM_METHODS[name], None) for name in ngram})
         choice, chosen_by = _settings(engine, tokenizer, kinds, given, fresh_sweep)
         return _measure(target, tokenizer, prompts, settings, engine, choice, chosen_by, kinds)
+
+
+def head_spec_type(head: Any) -> str:
+    """llama.cpp's ``--spec-type`` of a head: ``draft-dflash`` / ``draft-dspark`` for block heads, else
+    ``draft-eagle3``."""
+    return block_spec_type(head) if isinstance(head, BlockHead) else tuning.HEAD_SPEC_TYPE
 
 
 def _render(tokenizer: Any, messages: Sequence[Message]) -> tuple[torch.Tensor, str]:

@@ -42,6 +42,7 @@ CALIBRATION_PROMPTS = (
 answers the same question on every run."""
 CALIBRATION_TOKENS = 64
 HEAD_SPEC_TYPE = "draft-eagle3"
+BLOCK_SPEC_TYPES = ("draft-dflash", "draft-dspark")
 NGRAM_SPEC_TYPES = ("ngram-simple", "ngram-mod")
 
 
@@ -64,12 +65,21 @@ def setting_args(setting: LlamaCppSetting, threads: int) -> list[str]:
     if st.spec_type == "ngram-mod":
         size = ["--spec-ngram-mod-n-match", str(st.ngram_size), "--spec-ngram-mod-n-max", str(st.draft_max)]
         return size + ["--spec-ngram-mod-n-min", "1"]
-    raise ValueError(f"unknown llama.cpp spec type {st.spec_type!r}: use {HEAD_SPEC_TYPE} or one of {NGRAM_SPEC_TYPES}")
+    raise ValueError(
+        f"unknown llama.cpp spec type {st.spec_type!r}: use {HEAD_SPEC_TYPE}, {BLOCK_SPEC_TYPES} or {NGRAM_SPEC_TYPES}"
+    )
 
 
-def head_setting(draft_max: int = 3, p_min: float = 0.0, draft_threads: int | None = None, outtype: str = "f16"):
-    """An EAGLE-3 head's setting (llama.cpp's defaults but the head's GGUF type: ``n_max`` 3, ``p_min`` 0)."""
-    return LlamaCppSetting(HEAD_SPEC_TYPE, draft_max, p_min, draft_threads, outtype, None)
+def head_setting(
+    draft_max: int = 3,
+    p_min: float = 0.0,
+    draft_threads: int | None = None,
+    outtype: str = "f16",
+    spec_type: str = HEAD_SPEC_TYPE,
+):
+    """A head's setting (llama.cpp's defaults but the head's GGUF type: ``n_max`` 3, ``p_min`` 0); ``spec_type``
+    ``draft-eagle3``, or ``draft-dflash`` / ``draft-dspark`` for block heads (``p_min``: DSpark's confidence cut)."""
+    return LlamaCppSetting(spec_type, draft_max, p_min, draft_threads, outtype, None)
 
 
 def ngram_setting(spec_type: str, draft_max: int = 8, ngram_size: int = 3) -> LlamaCppSetting:
@@ -81,11 +91,13 @@ def ngram_setting(spec_type: str, draft_max: int = 8, ngram_size: int = 3) -> Ll
 def candidate_settings(spec_type: str, best: LlamaCppSetting | None, stage: int) -> list[LlamaCppSetting]:
     """The coordinate search: stage s varies one field of the best setting so far (heads: GGUF type, draft
     length, ``p_min``, draft threads; n-gram drafters: match length, draft length); [] past the last stage."""
-    if spec_type == HEAD_SPEC_TYPE:
-        base = best or head_setting()
+    if spec_type == HEAD_SPEC_TYPE or spec_type in BLOCK_SPEC_TYPES:
+        base = best or head_setting(spec_type=spec_type)
+        # a block drafts its whole length in one forward: its lengths reach the block (llama.cpp clamps to it)
+        lengths = (1, 2, 3, 4, 6) if spec_type == HEAD_SPEC_TYPE else (2, 3, 4, 6, 8)
         stages = [
             [dataclasses.replace(base, outtype=t) for t in ("f16", "q8_0")],
-            [dataclasses.replace(base, draft_max=k) for k in (1, 2, 3, 4, 6)],
+            [dataclasses.replace(base, draft_max=k) for k in lengths],
             [dataclasses.replace(base, p_min=p) for p in (0.0, 0.5, 0.8)],
             [dataclasses.replace(base, draft_threads=t) for t in (None, 1)],
         ]

@@ -67,8 +67,8 @@ def write_eagle3_gguf(path: Path, head: Eagle3Head, *, d2t=None, layers=None, dr
 
 
 def test_gguf_refuses_heads_that_are_not_eagle3(target, tmp_path):
-    """llama.cpp loads EAGLE-3 and DFlash / DSpark drafts only: an EAGLE-1 head is refused before anything is built or written,
-    and the message names what to do instead."""
+    """llama.cpp loads EAGLE-3 and DFlash / DSpark drafts only: an EAGLE-1 head is refused before anything is
+    built or written, and the message names what to do instead."""
     cfg = EagleConfig(hidden_size=D, vocab_size=V, target="tiny", target_fingerprint=target_fingerprint(target))
     head = EagleHead(cfg, target.config, target=target)
     with pytest.raises(ExportError, match="EAGLE-3, DFlash and DSpark heads.*--format sglang"):
