@@ -15,6 +15,8 @@
 Training is budgeted in trained tokens (``max_train_tokens``), so the head is the same on a slow machine as on a
 fast one; the clock (``max_train_minutes``) is a cap, and the summary says when it cut training short.
 
+``--head dflash`` / ``--head dspark`` train a block drafter (``configs/dflash-smollm2.yaml``,
+``configs/dspark-smollm2.yaml``: one forward drafts a whole block), benched the same way, in llama.cpp too.
 ``--head eagle`` runs the same with an EAGLE-2 head (``configs/eagle-smollm2.yaml``), ``--head medusa`` with Medusa
 heads (``configs/medusa-smollm2.yaml``). ``--target``,
 ``--data`` and ``--output-dir`` point the same run at another target, another dataset and another
@@ -54,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("overrides", nargs="*", help="key=value training overrides")
     parser.add_argument(
-        "--head", choices=("eagle3", "eagle", "medusa"), default="eagle3", help="head family to train (EAGLE-3 default)"
+        "--head",
+        choices=("eagle3", "eagle", "medusa", "dflash", "dspark"),
+        default="eagle3",
+        help="head family to train (EAGLE-3 default; dflash / dspark: the block drafters)",
     )
     parser.add_argument("--config", default=None, help="training config (default: the shipped one of --head)")
     parser.add_argument("--target", default=None, help="target name or model directory (default: the config's)")
@@ -157,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     lines = [speed_line(out / "report.json", cfg.head)] if code == 0 else []
     gguf = cfg.target in ALIASES  # llama.cpp needs the target as GGUF: the alias's file
-    if code == 0 and cfg.head == "eagle3" and gguf and (args.llamacpp or find_llamacpp() is not None):
+    in_llamacpp = cfg.head in ("eagle3", "dflash", "dspark") and gguf  # the families llama.cpp drafts with
+    if code == 0 and in_llamacpp and (args.llamacpp or find_llamacpp() is not None):
         ensure_llamacpp()  # found, or built because --llamacpp asked for it
         llama_out = Path(cfg.output_dir) / "bench-llamacpp"
         llama_args = ["--engine", "llamacpp", "--prompts", "sharegpt-heldout", "--target", cfg.target]
