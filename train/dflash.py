@@ -186,7 +186,7 @@ def block_step_loss(
         conf = head.confidence_logits(z, code).float()
         bce = F.binary_cross_entropy_with_logits(conf, survive, reduction="none")
         loss = loss + (bce * scored).sum() / scored.sum().clamp(min=1)
-        logs["bce"] = round(float(bce[scored].mean()) if bool(scored.any()) else 0.0, 4)
+        logs["bce"] = round(float(bce[scored].mean().detach()) if bool(scored.any()) else 0.0, 4)
     logs["loss_" + loss_kind] = round(float(loss.detach()), 4)
     return loss, logs, int(scored.sum())
 
