@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from selfspec.heads.files import read_dataclass
+from selfspec.train.losses import check_loss_kind
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class EagleOptions:
         ttt_steps: training-time test depth, unrolled drafting steps per position (1 = plain EAGLE-1).
         ttt_decay: loss weight of unrolled step j is ``ttt_decay ** j``.
         score_prompt: also score pairs whose drafted token is a prompt token (more data, same cost).
+        loss: the token term, a :func:`~selfspec.train.losses.distribution_loss` kind: ``"kl"`` (the gradient of
+            EAGLE's soft-label cross entropy), ``"ce"`` (against the target's greedy token), or the acceptance
+            losses ``"tv"``, ``"nla"``, ``"lk_hybrid"`` (arXiv:2602.23881).
     """
 
     ce_weight: float = 0.1
@@ -46,10 +50,12 @@ class EagleOptions:
     ttt_steps: int = 1
     ttt_decay: float = 0.8
     score_prompt: bool = False
+    loss: str = "kl"
 
     def __post_init__(self) -> None:
         if self.ttt_steps < 1:
             raise ValueError(f"eagle.ttt_steps must be >= 1, got {self.ttt_steps}")
+        check_loss_kind(self.loss, "eagle.loss")
 
 
 @dataclass(frozen=True)
@@ -61,8 +67,10 @@ class Eagle3Options:
             :func:`selfspec.heads.eagle3.default_target_layers`).
         ttt_steps: training-time test depth: step i feeds the head's own step-(i-1) outputs.
         ttt_decay: loss weight of step i is ``ttt_decay ** i`` (summed, not normalised).
-        loss: ``"kl"`` (forward KL to the target's distribution over the draft vocabulary) or ``"ce"`` (cross
-            entropy against the target's greedy token among the draft vocabulary).
+        loss: per draft step, a :func:`~selfspec.train.losses.distribution_loss` kind over the draft vocabulary:
+            ``"kl"`` (forward KL to the target's distribution), ``"ce"`` (cross entropy against the target's
+            greedy token), or the acceptance losses ``"tv"`` (1 - alpha), ``"nla"`` (-log alpha) and
+            ``"lk_hybrid"`` (LK losses, arXiv:2602.23881).
         init_layer: start the decoder layer from this target layer (negative: from the end); None: random.
         init_lm_head: start the lm_head from the target's rows of the draft vocabulary (and the final norm
             from the target's).
@@ -88,8 +96,7 @@ class Eagle3Options:
             raise ValueError(f"eagle3.features must be 'auto', 'store' or 'online', got {self.features!r}")
         if self.ttt_steps < 1:
             raise ValueError(f"eagle3.ttt_steps must be >= 1, got {self.ttt_steps}")
-        if self.loss not in ("kl", "ce"):
-            raise ValueError(f"eagle3.loss must be 'kl' or 'ce', got {self.loss!r}")
+        check_loss_kind(self.loss, "eagle3.loss")
         if self.target_layers is not None:
             if len(self.target_layers) != 3 or not all(isinstance(i, int) for i in self.target_layers):
                 raise ValueError(f"eagle3.target_layers must be three layer indices, got {self.target_layers!r}")
@@ -110,10 +117,10 @@ class BlockOptions:
             id that no training sequence holds).
         anchors: blocks per sequence in a training batch, anchored at random assistant positions (fewer when the
             sequence has fewer).
-        loss: ``"ce"`` (cross entropy against the target's greedy token in the draft vocabulary), ``"kl"`` (forward
-            KL to the target's distribution over it), ``"dspark"`` (DSpark's ``0.1 CE + 0.9 L1``, the L1 distance
-            of the two distributions, plus the confidence head's BCE); ``"auto"``: ``ce`` for DFlash, ``dspark``
-            for DSpark.
+        loss: per draft, a :func:`~selfspec.train.losses.distribution_loss` kind over the draft vocabulary (``"ce"``
+            against the target's greedy token, ``"kl"``, ``"tv"``, ``"nla"``, ``"lk_hybrid"``), or ``"dspark"``
+            (DSpark's ``0.1 CE + 0.9 TV``, plus the confidence head's BCE); ``"auto"``: ``ce`` for DFlash,
+            ``dspark`` for DSpark. The confidence head trains (BCE) whatever the loss when the head has one.
         decay: position weights ``exp(-(k - 1) / decay)`` for the k-th draft of a block (DFlash: 7 at B = 16).
         markov_rank: R of DSpark's Markov head.
         confidence: DSpark: train a confidence head (BCE against each slot's survival under greedy verification).
@@ -135,8 +142,7 @@ class BlockOptions:
     init_layer: int | None = -1
 
     def __post_init__(self) -> None:
-        if self.loss not in ("auto", "ce", "kl", "dspark"):
-            raise ValueError(f"block.loss must be 'auto', 'ce', 'kl' or 'dspark', got {self.loss!r}")
+        check_loss_kind(self.loss, "block.loss", extra=("auto", "dspark"))
         if not 2 <= self.block_size <= 64 or not 1 <= self.num_layers <= 8:
             raise ValueError("block.block_size must be in [2, 64] and block.num_layers in [1, 8]")
         if self.anchors < 1 or self.decay <= 0 or self.markov_rank < 1:
@@ -152,7 +158,11 @@ class MedusaOptions:
     Attributes:
         num_heads / num_layers / own_lm_head: head shape (see :class:`~selfspec.heads.medusa.MedusaConfig`).
         batch_positions: training positions per optimiser step (heads see one position at a time).
-        head_decay: CE weight of head k is ``head_decay ** k``.
+        head_decay: loss weight of head k is ``head_decay ** k``.
+        loss: ``"ce"`` (Medusa's: cross entropy against the sequence's token ``x_{t+2+k}``, which self-distilled
+            answers make the target's greedy token), or a :func:`~selfspec.train.losses.distribution_loss` kind
+            scored against the target's distribution at that position (``"kl"``, ``"tv"``, ``"nla"``,
+            ``"lk_hybrid"``; heads only, not with ``joint``).
         joint: Medusa-2 (:mod:`selfspec.train.medusa2`): train the heads jointly with a LoRA adapter on the
             target, the adapted target kept close to the frozen base by ``kl_weight * KL(p_base || p_adapted)``;
             the adapter is saved with the heads and decoding is exact with respect to the adapted target.
@@ -177,8 +187,12 @@ class MedusaOptions:
     heads_weight: float = 1.0
     batch_tokens: int = 1024
     init_heads: str | None = None
+    loss: str = "ce"
 
     def __post_init__(self) -> None:
+        check_loss_kind(self.loss, "medusa.loss")
+        if self.joint and self.loss != "ce":
+            raise ValueError("medusa.loss other than 'ce' trains Medusa-1 heads: drop it or set medusa.joint: false")
         if self.lora_rank < 1:
             raise ValueError(f"medusa.lora_rank must be >= 1, got {self.lora_rank}")
         if self.kl_weight < 0 or self.heads_weight <= 0:

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from selfspec.heads.dflash import BlockConfig, BlockHead, default_target_layer_ids, draft_layer_config
+from selfspec.heads.block_layers import draft_layer_config
+from selfspec.heads.dflash import BlockConfig, BlockHead, default_target_layer_ids
 from selfspec.heads.eagle import softcap
 from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.train.config import BlockOptions, TrainConfig
@@ -36,6 +37,7 @@ from selfspec.train.distill_states import CapturedStates
 from selfspec.train.feature_store import FeatureStore, target_features
 from selfspec.train.inputs import RunInputs
 from selfspec.train.loop import Recipe, StepLoss, draft_vocabulary, train_loop
+from selfspec.train.losses import distribution_loss
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -168,20 +170,17 @@ def block_step_loss(
         code = markov[1]
     log_q = torch.log_softmax(q_logits, dim=-1)
     loss_kind = options.loss if options.loss != "auto" else ("dspark" if cfg.head_type == "dspark" else "ce")
-    ce = -log_q.gather(-1, greedy.unsqueeze(-1)).squeeze(-1)
-    if loss_kind == "ce":
-        per = ce
-    elif loss_kind == "kl":
-        per = (log_p.exp() * (log_p - log_q)).sum(-1)
+    if loss_kind == "dspark":
+        per = 0.1 * distribution_loss(log_q, log_p, "ce") + 0.9 * distribution_loss(log_q, log_p, "tv")
     else:
-        per = 0.1 * ce + 0.9 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+        per = distribution_loss(log_q, log_p, loss_kind)
     w = torch.exp(-torch.arange(P, device=z.device, dtype=torch.float32) / options.decay).expand_as(per)
     w = w * scored
     total_w = w.sum().clamp(min=1e-9)
     loss = (per * w).sum() / total_w + 0.0 * z.sum()
     hits = (log_q.argmax(-1) == greedy) & scored
     logs: dict[str, Any] = {"top1": round(float(hits[..., 0].sum() / scored[..., 0].sum().clamp(min=1)), 4)}
-    if loss_kind == "dspark" and head.confidence_head is not None and code is not None:
+    if head.confidence_head is not None and code is not None:
         survive = torch.cumprod(((log_q.argmax(-1) == greedy) | ~scored).float(), dim=-1).detach()
         conf = head.confidence_logits(z, code).float()
         bce = F.binary_cross_entropy_with_logits(conf, survive, reduction="none")

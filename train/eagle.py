@@ -52,7 +52,6 @@ def eagle_step_loss(
     lm_weight: torch.Tensor,
     options: EagleOptions,
     features: torch.Tensor | None = None,
-    hard_labels: bool = False,
     logit_softcap: float | None = None,
 ) -> EagleStepLoss:
     """The EAGLE loss of one packed batch, over ``options.ttt_steps`` unrolled steps.
@@ -66,9 +65,9 @@ def eagle_step_loss(
         batch: :func:`~selfspec.train.eagle_data.collate`'s tensors (``tokens`` / ``positions`` /
             ``segment`` / ``scored`` / ``valid`` ``[B, T]``, ``features`` / ``targets`` ``[B, T, D]``).
         lm_weight: ``[S, D]`` float32 frozen lm_head rows of the draft vocabulary.
-        options: ``ttt_steps``, ``ttt_decay``, ``ce_weight``, ``feature_weight``, ``score_prompt``.
+        options: ``ttt_steps``, ``ttt_decay``, ``ce_weight``, ``feature_weight``, ``loss`` (the token term),
+            ``score_prompt``.
         features: head input features ``[B, T, D]`` (default ``batch["features"]``; pass them with noise).
-        hard_labels: token term against the target's greedy token instead of its distribution.
         logit_softcap: the target's ``final_logit_softcapping`` (Gemma-2; :func:`~selfspec.heads.eagle.
             logit_softcap`): both the target's distribution and the draft's are ``cap * tanh(z / cap)`` of the
             lm_head logits, as the target computes its own and :meth:`EagleHead.draft_logits` drafts.
@@ -92,7 +91,7 @@ def eagle_step_loss(
             tl_all[later[base]],
             ce_weight=options.ce_weight,
             feature_weight=options.feature_weight,
-            hard_labels=hard_labels,
+            token_loss=options.loss,
         )
         w = options.ttt_decay**j
         loss = w * lj if loss is None else loss + w * lj

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
 from selfspec.heads.eagle import softcap
@@ -37,6 +36,7 @@ from selfspec.train.eagle_data import PairRecipe, PairStore, heldout_batches
 from selfspec.train.feature_store import FeatureStore
 from selfspec.train.inputs import RunInputs
 from selfspec.train.loop import StepLoss, train_loop
+from selfspec.train.losses import distribution_loss
 from selfspec.train.online_features import OnlineFeatures, eagle3_feature_stores
 from selfspec.train.unroll import chain_hits, unrolled_mask
 
@@ -123,11 +123,7 @@ def eagle3_step_loss(
             per_step.append(0.0)
             continue
         lp = log_p[later_pos >= i]
-        log_q = torch.log_softmax(q.float(), dim=-1)
-        if options.loss == "kl":
-            li = (lp.exp() * (lp - log_q)).sum(-1).mean()
-        else:
-            li = F.nll_loss(log_q, lp.argmax(-1))
+        li = distribution_loss(torch.log_softmax(q.float(), dim=-1), lp, options.loss).mean()
         per_step.append(round(float(li.detach()), 4))
         loss = loss + options.ttt_decay**i * li
     return loss, per_step, int(base.sum())
