@@ -3,9 +3,9 @@ arXiv:2602.06036) and DSpark (DeepSeek 2026, arXiv:2607.05147: DFlash plus a low
 head), drafted by :class:`selfspec.decode.drafters.block.BlockDrafter`.
 
 One draft forward predicts a whole block. The head is a few Qwen3-style decoder layers (q/k norms, SwiGLU MLP,
-RoPE), whatever the target's architecture, sized like the target's layers so that the target's token embedding
-and lm_head are shared (frozen, never saved). With ``n`` tokens decided and the last of them (the anchor ``x_n``,
-at position ``n``) not yet seen by the target::
+RoPE; :mod:`selfspec.heads.block_layers`), whatever the target's architecture, sized like the target's layers so
+that the target's token embedding and lm_head are shared (frozen, never saved). With ``n`` tokens decided and the
+last of them (the anchor ``x_n``, at position ``n``) not yet seen by the target::
 
     g_t      = hidden_norm(fc(concat_i h_t^(i)))                 # t < n: the target's states after layers
                                                                  #   target_layer_ids, fused: [.., k D] -> [.., D]
@@ -34,17 +34,16 @@ vocabulary, ``markov_head.markov_w{1,2}.weight``, ``confidence_head.proj.{weight
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from selfspec.heads.block_layers import BlockLayer
 from selfspec.heads.config import config_from_dict
 from selfspec.heads.cpu_linear import project
 from selfspec.heads.eagle import logit_softcap, softcap
@@ -62,16 +61,9 @@ from selfspec.heads.io import (
 )
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers import PreTrainedModel
 
-__all__ = [
-    "BLOCK_HEAD_TYPES",
-    "BlockConfig",
-    "BlockHead",
-    "ContextKV",
-    "default_target_layer_ids",
-    "draft_layer_config",
-]
+__all__ = ["BLOCK_HEAD_TYPES", "BlockConfig", "BlockHead", "default_target_layer_ids"]
 
 BLOCK_HEAD_TYPES = ("dflash", "dspark")
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
@@ -189,99 +181,6 @@ class BlockConfig:
         return int(self.draft_vocab_size)
 
 
-def draft_layer_config(target_config: PretrainedConfig, num_layers: int, block_size: int) -> Qwen3Config:
-    """The head's layers as a ``transformers`` Qwen3 config of the target's sizes (hidden, heads, KV heads, head
-    dim, MLP width, RMS epsilon, RoPE base), whatever the target's architecture: the layer kind the engines load
-    for DFlash / DSpark drafts. Attention is bidirectional in the block (``is_causal: false``)."""
-    c = target_config
-    heads = c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    rope = dict(getattr(c, "rope_parameters", None) or {})
-    theta = float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
-    return Qwen3Config(
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(getattr(c, "rms_norm_eps", None) or 1e-6),
-        vocab_size=c.vocab_size,
-        max_position_embeddings=getattr(c, "max_position_embeddings", None) or 8192,
-        rope_parameters={"rope_type": "default", "rope_theta": theta},
-        hidden_act="silu",
-        tie_word_embeddings=False,
-        attention_bias=False,
-        block_size=block_size,
-        is_causal=False,
-    )
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE (the NeoX half rotation Qwen3 uses) on ``x [B, H, T, hd]`` with ``cos, sin [B, T, hd]``."""
-    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
-
-
-class BlockAttention(nn.Module):
-    """Qwen3-style attention whose keys and values are the fused context's (computed once, :meth:`context`) followed
-    by the block's own; queries come from the block only."""
-
-    def __init__(self, cfg: Qwen3Config) -> None:
-        super().__init__()
-        D, H, Hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.heads, self.kv_heads, self.head_dim = H, Hkv, hd
-        self.q_proj = nn.Linear(D, H * hd, bias=False)
-        self.k_proj = nn.Linear(D, Hkv * hd, bias=False)
-        self.v_proj = nn.Linear(D, Hkv * hd, bias=False)
-        self.o_proj = nn.Linear(H * hd, D, bias=False)
-        self.q_norm = Qwen3RMSNorm(hd, eps=cfg.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(hd, eps=cfg.rms_norm_eps)
-
-    def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
-        return x.view(*x.shape[:-1], heads, self.head_dim).transpose(-3, -2)  # [B, heads, T, hd]
-
-    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [B, T, D]`` -> ``(K, V)`` each ``[B, Hkv, T, hd]``: K normed and rotated, V as projected."""
-        k = _rope(self.k_norm(self._split(project(x, self.k_proj.weight), self.kv_heads)), cos, sin)
-        return k, self._split(project(x, self.v_proj.weight), self.kv_heads)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        context: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """``x [B, Q, D]`` block inputs (already normed), ``context`` ``(K, V) [B, Hkv, C, hd]``, ``mask`` additive
-        ``[B or 1, 1, Q, C + Q]`` or None (every key visible) -> ``[B, Q, D]``."""
-        q = _rope(self.q_norm(self._split(project(x, self.q_proj.weight), self.heads)), cos, sin)
-        k, v = self.keys_values(x, cos, sin)
-        k = torch.cat([context[0].to(k.dtype), k], dim=2)
-        v = torch.cat([context[1].to(v.dtype), v], dim=2)
-        rep = self.heads // self.kv_heads
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(self.head_dim))
-        out = out.transpose(1, 2).reshape(*x.shape[:-1], self.heads * self.head_dim)
-        return project(out, self.o_proj.weight)
-
-
-class BlockLayer(nn.Module):
-    """One draft layer: pre-norm attention over context and block, then a pre-norm SwiGLU MLP (Qwen3's)."""
-
-    def __init__(self, cfg: Qwen3Config) -> None:
-        super().__init__()
-        self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.self_attn = BlockAttention(cfg)
-        self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.mlp = Qwen3MLP(cfg)
-
-    def forward(self, x, cos, sin, context, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class MarkovHead(nn.Module):
     """DSpark's low-rank Markov bias: ``markov_w2(markov_w1[prev]) [.., S]`` for previous target ids ``prev``."""
 
@@ -309,29 +208,13 @@ class ConfidenceHead(nn.Module):
         return self.proj(torch.cat([z, code.to(z.dtype)], dim=-1)).squeeze(-1)
 
 
-@dataclass
-class ContextKV:
-    """A sequence's fused context as every draft layer sees it: per layer ``(K, V)`` ``[1, Hkv, C, hd]``, C the
-    positions fed so far (0 .. C - 1)."""
-
-    layers: list[tuple[torch.Tensor, torch.Tensor]]
-
-    @property
-    def length(self) -> int:
-        return int(self.layers[0][0].shape[2])
-
-    def extended(self, more: list[tuple[torch.Tensor, torch.Tensor]]) -> ContextKV:
-        """This context followed by ``more`` (the next positions), as a new record."""
-        pairs = zip(self.layers, more, strict=True)
-        return ContextKV([(torch.cat([k, k2], dim=2), torch.cat([v, v2], dim=2)) for (k, v), (k2, v2) in pairs])
-
-
 class BlockHead(nn.Module, HubMixin):
     """A DFlash or DSpark head (see the module docstring for the computation and the tensor names).
 
     Args:
         config: :class:`BlockConfig`.
-        layer_config: the layers' Qwen3 config (:func:`draft_layer_config` of the target's config).
+        layer_config: the layers' Qwen3 config (:func:`~selfspec.heads.block_layers.draft_layer_config` of the
+            target's config).
         draft_ids: LongTensor ``[S]`` of strictly ascending target ids when S < V (default ``arange(S)``).
         target: the frozen target; attached when given (its embedding, lm_head and logit soft-capping are shared).
 

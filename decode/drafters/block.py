@@ -1,10 +1,11 @@
 """Block drafting: a DFlash or DSpark head (:class:`selfspec.heads.dflash.BlockHead`) drafts a whole block in one
 forward (DFlash, arXiv:2602.06036; DSpark, arXiv:2607.05147).
 
-Per sequence the drafter keeps the fused context every draft layer attends to (:class:`~selfspec.heads.dflash.
-ContextKV`): the keys and values of the target's states at every decided position. :meth:`BlockDrafter.begin` feeds
-the prompt's, :meth:`BlockDrafter.accept` those of the verified path (root first), so before each step the context
-holds positions ``0 .. n - 1`` and the root (the anchor) sits at position ``n``. One :meth:`BlockDrafter.propose`:
+Per sequence the drafter keeps the fused context every draft layer attends to
+(:class:`~selfspec.heads.block_layers.ContextKV`): the keys and values of the target's states at every decided
+position. :meth:`BlockDrafter.begin` feeds the prompt's, :meth:`BlockDrafter.accept` those of the verified path (root
+first), so before each step the context holds positions ``0 .. n - 1`` and the root (the anchor) sits at position
+``n``. One :meth:`BlockDrafter.propose`:
 
 1. one head forward over the block ``[root, mask, ..., mask]`` at positions ``n .. n + B - 1``, every slot seeing
    the whole context and the whole block;
@@ -25,7 +26,7 @@ import torch
 from selfspec.decode.drafters.base import AcceptedPath, Drafter, DrafterInfo, DraftLimit, chain_room
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import DraftTree
-from selfspec.heads.dflash import ContextKV
+from selfspec.heads.block_layers import ContextKV
 
 
 class BlockDrafter(Drafter):

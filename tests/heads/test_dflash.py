@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from selfspec.heads import load_heads
-from selfspec.heads.dflash import BlockConfig, BlockHead, default_target_layer_ids, draft_layer_config
+from selfspec.heads.block_layers import draft_layer_config
+from selfspec.heads.dflash import BlockConfig, BlockHead, default_target_layer_ids
 from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.io import HeadFormatError
 from tests.helpers.archs import tiny_target

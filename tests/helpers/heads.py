@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.heads.dflash import BlockConfig, BlockHead, draft_layer_config
+from selfspec.heads.block_layers import draft_layer_config
+from selfspec.heads.dflash import BlockConfig, BlockHead
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head
 from selfspec.heads.fingerprint import target_fingerprint

@@ -100,7 +100,8 @@ def memorising_block_head(model, sequences: list[torch.Tensor], head_type: str =
     """A DFlash or DSpark head (block of 4, one layer started from the target's last, a 4096-token draft
     vocabulary) fitted for a few seconds to the target's own states on ``sequences`` (LongTensors), anchored at every
     position, so that decoding those prompts accepts several tokens a step."""
-    from selfspec.heads.dflash import BlockConfig, BlockHead, default_target_layer_ids, draft_layer_config
+    from selfspec.heads.block_layers import draft_layer_config
+    from selfspec.heads.dflash import BlockConfig, BlockHead, default_target_layer_ids
     from selfspec.train.config import BlockOptions
     from selfspec.train.dflash import block_step_loss, collate_sequences, init_from_target_layer
     from selfspec.train.feature_store import FeatureStore
