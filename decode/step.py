@@ -15,9 +15,10 @@ from collections.abc import Sequence
 import torch
 
 from selfspec.decode.host import HostTree
+from selfspec.decode.rejection import verify_tree_sampling
 from selfspec.decode.sampling import EosBan, SamplingConfig, probs_from_logits, process_logits
 from selfspec.decode.tree import DraftTree
-from selfspec.decode.verify import VerifyResult, verify_greedy, verify_tree_sampling, verify_typical
+from selfspec.decode.verify import VerifyResult, verify_greedy, verify_typical
 
 ACCEPTANCE_RULES = ("exact", "typical")
 

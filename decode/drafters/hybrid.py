@@ -10,7 +10,7 @@ the rest becomes new nodes, so no two siblings hold the same token), in the spir
 
 Every candidate of both sources is deterministic (top-k of the head, the continuation of the latest
 match), so the merged tree has ``q = None`` and the lossless tree verifier treats each node as a one-hot
-proposal (:func:`~selfspec.decode.verify.verify_tree_sampling`): sampling stays exact.
+proposal (:func:`~selfspec.decode.rejection.verify_tree_sampling`): sampling stays exact.
 
 How many nodes each source gets is decided every step from the machine's verification cost profile and
 the acceptance each source has shown so far in this decode (:class:`SourceAcceptance`): for each choice

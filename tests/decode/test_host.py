@@ -12,11 +12,12 @@ from selfspec.decode.drafters import DraftTree, MedusaDrafter
 from selfspec.decode.host import HostTree, cut_tree, read_tree, to_device
 from selfspec.decode.kv import compact_cache
 from selfspec.decode.loop import speculative_generate
+from selfspec.decode.rejection import verify_tree_sampling
 from selfspec.decode.sampling import sample
 from selfspec.decode.step import NonFiniteLogitsError
 from selfspec.decode.tree import static_tree, tree_depths
 from selfspec.decode.verifier import Verifier
-from selfspec.decode.verify import VerifyResult, verify_greedy, verify_tree_sampling, verify_typical
+from selfspec.decode.verify import VerifyResult, verify_greedy, verify_typical
 from tests.helpers.archs import tiny_llama
 from tests.helpers.caches import hand_built_cache, positions
 from tests.helpers.decoding import TREES, plain_greedy

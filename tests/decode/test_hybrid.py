@@ -11,8 +11,8 @@ from selfspec.decode.drafters.eagle import EagleDrafter
 from selfspec.decode.drafters.hybrid import HybridDrafter, merge_chain, new_nodes
 from selfspec.decode.drafters.ngram import lookup_chain
 from selfspec.decode.loop import speculative_generate, speculative_generate_batch
+from selfspec.decode.rejection import verify_tree_sampling
 from selfspec.decode.tree import static_tree
-from selfspec.decode.verify import verify_tree_sampling
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from tests.helpers.archs import tiny_target
 from tests.helpers.drafters import NO_LIMIT, Rigged, TargetTopKDrafter, cost, eagle_hybrid

@@ -16,7 +16,7 @@ from selfspec.decode.drafters.base import AcceptedPath
 from selfspec.decode.drafters.hybrid import HybridDrafter, merge_chain
 from selfspec.decode.drafters.suffix_index import SuffixIndex, ngram_hashes
 from selfspec.decode.loop import speculative_generate
-from selfspec.decode.verify import verify_tree_sampling
+from selfspec.decode.rejection import verify_tree_sampling
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from tests.helpers.archs import tiny_target
 from tests.helpers.decoding import V

@@ -21,7 +21,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from selfspec.decode.verify import RandomSource
+from selfspec.decode.rejection import RandomSource
 
 F64 = torch.float64
 
