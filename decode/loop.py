@@ -445,13 +445,14 @@ def speculative_generate(
         :class:`~selfspec.decode.request.GenerationOutput`.
 
     Raises:
-        ValueError, NonFiniteLogitsError: as :func:`decode_rows` and :class:`GenerationRequest`.
+        ValueError, NonFiniteLogitsError: as :func:`decode_rows` and :meth:`GenerationRequest.from_settings` (an
+            unknown setting's message lists the valid names).
     """
     (out,) = decode_rows(
         verifier,
         [drafter],
         [input_ids],
-        _request(settings),
+        GenerationRequest.from_settings(settings),
         streamers=None if streamer is None else [streamer],
         step_callback=step_callback,
     )
@@ -481,18 +482,8 @@ def speculative_generate_batch(
         verifier,
         drafters,
         prompts,
-        _request(settings),
+        GenerationRequest.from_settings(settings),
         streamers=streamers,
         step_callback=step_callback,
         tree_policy=tree_rule,
     )
-
-
-def _request(settings: dict[str, Any]) -> GenerationRequest:
-    """A :class:`GenerationRequest` from keyword settings (``eos_token_id`` is ``eos_ids``' ``generate`` name)."""
-    settings = dict(settings)
-    if "eos_token_id" in settings:
-        settings["eos_ids"] = settings.pop("eos_token_id")
-    if settings.get("sampling") is None:
-        settings.pop("sampling", None)
-    return GenerationRequest(**settings)

@@ -8,8 +8,8 @@ strings, processors, random generator, acceptance rule), validated when it is bu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -28,7 +28,8 @@ def _count(name: str, value: Any, low: int) -> int:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """The settings of one decode call, for every row (validated on construction).
+    """The settings of one decode call, for every row (validated on construction; :meth:`from_settings` builds
+    it from keyword settings and refuses unknown names with a ValueError).
 
     Attributes:
         max_new_tokens: hard cap on each row's new tokens (>= 1; never exceeded). The target's context
@@ -69,6 +70,32 @@ class GenerationRequest:
             raise ValueError("stop_strings need a tokenizer: pass tokenizer=... to generate")
         if self.acceptance not in ACCEPTANCE_RULES:
             raise ValueError("acceptance must be 'exact' (lossless) or 'typical' (lossy, Medusa)")
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> GenerationRequest:
+        """A request from keyword settings (those of :func:`~selfspec.decode.loop.speculative_generate`): the
+        fields above, ``eos_token_id`` as ``generate``'s name for ``eos_ids``, and ``sampling=None`` for the
+        default.
+
+        Raises:
+            ValueError: a name that is no field (the message lists the valid names, and points sampling
+                options such as ``temperature`` to ``sampling=SamplingConfig(...)``), or any error of construction.
+        """
+        settings = dict(settings)
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(k for k in settings if k not in names and k != "eos_token_id")
+        if unknown:
+            sampling = [k for k in unknown if k in {f.name for f in fields(SamplingConfig)}]
+            hint = f"; sampling options ({', '.join(sampling)}) go in sampling=SamplingConfig(...)" if sampling else ""
+            raise ValueError(
+                f"unknown generation settings {unknown}: rename or drop them; the valid names are "
+                f"{[*names, 'eos_token_id']}{hint}"
+            )
+        if "eos_token_id" in settings:
+            settings["eos_ids"] = settings.pop("eos_token_id")
+        if settings.get("sampling") is None:
+            settings.pop("sampling", None)
+        return cls(**settings)
 
     @property
     def greedy(self) -> bool:

@@ -8,7 +8,9 @@ import torch
 
 import selfspec
 from selfspec.decode.drafters import Drafter, DrafterInfo, DraftModelDrafter, DraftTree, PromptLookupDrafter
-from selfspec.decode.loop import speculative_generate
+from selfspec.decode.loop import speculative_generate, speculative_generate_batch
+from selfspec.decode.request import GenerationRequest
+from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.step import NonFiniteLogitsError
 from tests.helpers.archs import tiny_llama
 from tests.helpers.decoding import TREES
@@ -95,6 +97,22 @@ def test_logits_ruling_out_some_tokens_pass_but_not_all():
     target.lm_head.bias[:] = float("-inf")
     with pytest.raises(NonFiniteLogitsError, match=r"-inf for every token at the prefill"):
         speculative_generate(target, PromptLookupDrafter(), torch.tensor(PROMPT), max_new_tokens=8)
+
+
+def test_unknown_generation_setting_is_a_value_error_that_lists_the_valid_names(tiny_target):
+    """A misspelt keyword of speculative_generate (a GenerationRequest field) names the valid fields, and a
+    sampling option passed on its own is pointed to SamplingConfig; nothing is decoded. The valid names still
+    pass, eos_token_id as generate's name for eos_ids."""
+    ids = torch.tensor(PROMPT)
+    with pytest.raises(ValueError, match=r"unknown generation settings \['max_tokens'\]: rename or drop them") as err:
+        speculative_generate(tiny_target, PromptLookupDrafter(), ids, max_tokens=5)
+    for name in ("max_new_tokens", "min_new_tokens", "sampling", "eos_ids", "eos_token_id", "acceptance"):
+        assert repr(name) in str(err.value)
+    assert "SamplingConfig" not in str(err.value)
+    with pytest.raises(ValueError, match=r"sampling options \(do_sample, temperature\) go in sampling=SamplingConfig"):
+        speculative_generate_batch(tiny_target, PromptLookupDrafter(), [ids], temperature=0.7, do_sample=True)
+    request = GenerationRequest.from_settings({"max_new_tokens": 3, "eos_token_id": 2, "sampling": None})
+    assert (request.max_new_tokens, request.eos_ids, request.sampling) == (3, (2,), SamplingConfig())
 
 
 def test_token_ids_given_as_0d_tensors_are_one_prompt(model):
