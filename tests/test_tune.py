@@ -118,6 +118,7 @@ def test_tune_tree_sizes_an_eagle3_head(three_layers, tmp_path, capsys):
     assert (heads / calibration.ACCEPTANCE_PROFILE_NAME).is_file()
     profile = calibration.load_acceptance_profile(heads, target=t)
     assert (profile.depth_max, profile.total_tokens_max, profile.top_k, profile.prompts) == (3, 6, 2, 2)
+    assert profile.head_type == "eagle3"
     assert profile.steps >= 2 and all(1.0 <= x <= d + 1 for d, row in enumerate(profile.tau, 1) for x in row)
     assert f"({profile.steps} steps over 2 prompts, top_k 2)" in printed
     # the costs are cached: measuring them again here reads the very numbers tune-tree chose from

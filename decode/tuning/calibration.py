@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -41,12 +41,7 @@ logger = logging.getLogger(__name__)
 ACCEPTANCE_PROFILE_NAME = "acceptance_profile.json"
 PROFILE_VERSION = 1
 _ACCEPTANCE_FORMAT = "selfspec-acceptance-profile"
-_ACCEPTANCE_HEADER = {
-    "format": _ACCEPTANCE_FORMAT,
-    "version": PROFILE_VERSION,
-    "head_type": "eagle",
-    "verification": "greedy",
-}
+_ACCEPTANCE_HEADER = {"format": _ACCEPTANCE_FORMAT, "version": PROFILE_VERSION, "verification": "greedy"}
 _HEAD_FILES = ("model.safetensors", "draft_vocab.safetensors")
 
 # The largest budget a calibration run drafts with, so the extent of its table (README, "Tree budget sized to the
@@ -145,6 +140,9 @@ class AcceptanceProfile:
         steps: verification steps measured.
         prompts: prompts decoded.
         max_new_tokens: cap per prompt during calibration.
+        head_type: the head family measured, ``"eagle"`` (EAGLE-1) or ``"eagle3"``. Profiles written before it was
+            recorded say ``"eagle"`` for EAGLE-3 heads too and read back as such (the type is informational: the
+            ``head_digest`` ties a profile to its head's weights).
         target_fingerprint: the target's :func:`~selfspec.heads.fingerprint.target_fingerprint`.
         head_digest: :func:`head_files_digest` of the head directory when saved there ("" = unknown).
         created_utc: ISO 8601 time.
@@ -159,6 +157,7 @@ class AcceptanceProfile:
     steps: int
     prompts: int
     max_new_tokens: int
+    head_type: Literal["eagle", "eagle3"] = "eagle"
     target_fingerprint: str = ""
     head_digest: str = ""
     created_utc: str = ""
@@ -186,7 +185,7 @@ class AcceptanceProfile:
         return {
             "format": _ACCEPTANCE_FORMAT,
             "version": PROFILE_VERSION,
-            "head_type": "eagle",
+            "head_type": self.head_type,
             "verification": "greedy",
             "top_k": self.top_k,
             "depth_max": self.depth_max,
@@ -385,6 +384,7 @@ def calibrate_acceptance(
         steps=steps,
         prompts=len(prompts_ids),
         max_new_tokens=max_new_tokens,
+        head_type=drafter.head.config.head_type,
         target_fingerprint=target_fingerprint(model),
         created_utc=now_utc(),
     )

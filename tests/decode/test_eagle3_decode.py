@@ -1,5 +1,6 @@
-"""EAGLE-3 heads through the EAGLE-2 drafter: greedy exactness for several budgets (two families), lossless
-sampling (seeded chi-square), the draft-vocabulary map applied exactly once, accepted nodes' layer states."""
+"""EAGLE-3 heads through the EAGLE-2 drafter: greedy exactness for several budgets (two families; trained EAGLE-3
+and EAGLE-3.1 heads), lossless sampling (seeded chi-square), the draft-vocabulary map applied exactly once, accepted
+nodes' layer states."""
 
 from __future__ import annotations
 
@@ -30,21 +31,29 @@ D, V = 32, 96
 SETTINGS = [(1, 1, 1), (4, 1, 4), (5, 4, 12), (3, 2, 6), (6, 8, 30)]  # (depth, top_k, total_tokens)
 
 
-def make_head(target, draft_ids: torch.Tensor | None = None, seed: int = 1, **init) -> Eagle3Head:
+def make_head(
+    target, draft_ids: torch.Tensor | None = None, seed: int = 1, eagle31: bool = False, **init
+) -> Eagle3Head:
     torch.manual_seed(seed)
     S = V if draft_ids is None else draft_ids.numel()
     cfg = Eagle3Config(
-        hidden_size=D, vocab_size=V, draft_vocab_size=S, num_target_layers=target.config.num_hidden_layers
+        hidden_size=D,
+        vocab_size=V,
+        draft_vocab_size=S,
+        num_target_layers=target.config.num_hidden_layers,
+        fc_norm=eagle31,
+        norm_output=eagle31,
     )
     return Eagle3Head(cfg, target.config, draft_ids=draft_ids, target=target, **init).eval()
 
 
 @functools.cache
-def trained(arch: str = "llama") -> tuple:
-    """A tiny target and an EAGLE-3 head fitted to its greedy answers (a few hundred steps, ~2 s): drafts that
-    are sometimes right, so paths with accepted draft nodes occur."""
+def trained(arch: str = "llama", eagle31: bool = False) -> tuple:
+    """A tiny target and an EAGLE-3 head (EAGLE-3.1 with ``eagle31``: ``fc_norm`` and ``norm_output``) fitted to
+    its greedy answers (a few hundred steps, ~2 s): drafts that are sometimes right, so paths with accepted draft
+    nodes occur."""
     target = tiny_target(arch)
-    head = make_head(target, init_layer=-1, init_lm_head=True).train()
+    head = make_head(target, eagle31=eagle31, init_layer=-1, init_lm_head=True).train()
     store = distilled_store(target, head.target_layers, 64, seed=0)
     rows = pack_rows([int(x) - 1 for x in store.lengths], 64)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
@@ -68,9 +77,11 @@ def reference(target, ids: torch.Tensor, n: int) -> list[int]:
     return out[0, ids.numel() :].tolist()
 
 
+@pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle3.1"])
 @pytest.mark.parametrize("depth, top_k, total", SETTINGS)
-def test_greedy_equals_generate_trained_head(depth, top_k, total):
-    target, head = trained()
+def test_greedy_equals_generate_trained_head(depth, top_k, total, eagle31):
+    target, head = trained(eagle31=eagle31)
+    assert head.config.eagle31_flags == (("fc_norm", "norm_output") if eagle31 else ())
     accepted = []
     for ids in prompts(2):
         out = speculative_generate(target, EagleDrafter(head, target, depth, top_k, total), ids, max_new_tokens=24)
@@ -247,3 +258,24 @@ def test_an_eagle3_head_with_an_acceptance_profile_gets_a_machine_sized_budget(t
     assert any(p.name.startswith("draft-eagle3-") for p in (tmp_path / "cache" / "profiles").iterdir())
     ids = prompts(1)[0]
     assert speculative_generate(target, drafter, ids, max_new_tokens=12).tokens == reference(target, ids, 12)
+
+
+def test_an_eagle3_acceptance_profile_records_its_head_type_and_old_profiles_still_read(tmp_path):
+    """The profile of an EAGLE-3 head says ``eagle3`` (in the file too); a profile written before the type was
+    recorded (``"head_type": "eagle"`` for every EAGLE head) still reads, and is still used."""
+    import json
+
+    from selfspec.decode.tuning import calibration
+
+    target, head = trained()
+    head_dir = head.save_pretrained(tmp_path / "heads")
+    profile = calibration.calibrate_acceptance(
+        target, EagleDrafter(head, target, 2, 2, 4), prompts(1), max_new_tokens=4, total_tokens_max=4, depth_max=2
+    )
+    assert profile.head_type == "eagle3"
+    path = calibration.save_acceptance_profile(profile, head_dir)
+    assert json.loads(path.read_text())["head_type"] == "eagle3"
+    assert calibration.load_acceptance_profile(head_dir, target=target).head_type == "eagle3"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "head_type": "eagle"}))
+    old = calibration.load_acceptance_profile(head_dir, target=target)
+    assert old is not None and old.head_type == "eagle" and old.tau == profile.tau
