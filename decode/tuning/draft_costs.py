@@ -134,7 +134,7 @@ def draft_cost_path(drafter: EagleDrafter, target: PreTrainedModel) -> Path:
     its weights)."""
     cfg = drafter.head.config
     stem = profile_stem(cost_key(target), next(target.parameters()).device)
-    if getattr(cfg, "head_type", "eagle") == "eagle3":  # fc over three layers, no bias: its own cost
+    if cfg.head_type == "eagle3":  # fc over three layers, no bias: its own cost
         return profiles_dir() / f"draft-eagle3-{stem}-k{drafter.top_k}-v{cfg.draft_vocab_size}.json"
     return profiles_dir() / f"draft-eagle-{stem}-k{drafter.top_k}-v{cfg.n_draft}-b{int(cfg.fc_bias)}.json"
 
