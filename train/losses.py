@@ -87,23 +87,40 @@ def check_loss_kind(kind: str, where: str, extra: tuple[str, ...] = ()) -> None:
 
 
 def medusa_loss(
-    logits: torch.Tensor, labels: torch.Tensor, head_decay: float = 0.8
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    head_decay: float = 0.8,
+    kind: str = "ce",
+    log_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Medusa-1 loss: ``sum_k head_decay**k * CE_k`` (Cai et al. 2024, eq. 1).
+    """Medusa-1 loss: ``sum_k head_decay**k * L_k`` (Cai et al. 2024, eq. 1, where ``L_k`` is a CE).
+
+    ``kind="ce"`` scores head k against its label token (Medusa's loss); any other :data:`DISTRIBUTION_LOSSES`
+    kind scores head k's distribution against the target's distribution ``log_p[k]`` at the label's position
+    (:func:`distribution_loss`), at the positions that have a label.
 
     Args:
         logits: ``[K, P, S]`` head logits over the draft vocabulary for P positions.
         labels: LongTensor ``[P, K]`` of draft-vocabulary ids, ``-100`` where head k has no label
             (past the end, not an assistant token, or a token outside the draft vocabulary).
         head_decay: weight decay across heads (0.8 in Medusa's recipe).
+        kind: ``"ce"`` or a :func:`distribution_loss` kind.
+        log_p: ``[K, P, S]`` float target log-probabilities over the draft vocabulary; required unless ``kind`` is
+            ``"ce"``.
 
     Returns:
-        ``(loss, per_head)``: scalar float32 weighted loss, and ``[K]`` float32 mean CE per head
+        ``(loss, per_head)``: scalar float32 weighted loss, and ``[K]`` float32 mean loss per head
         (0 for a head with no labels).
+
+    Raises:
+        ValueError: mismatched shapes, an unknown ``kind``, or ``log_p`` missing for a distribution loss.
     """
     K = logits.shape[0]
     if labels.shape != (logits.shape[1], K):
         raise ValueError(f"labels must be [P, K] = [{logits.shape[1]}, {K}], got {tuple(labels.shape)}")
+    check_loss_kind(kind, "medusa.loss")
+    if kind != "ce" and (log_p is None or log_p.shape != logits.shape):
+        raise ValueError(f"medusa.loss {kind!r} needs log_p of shape {tuple(logits.shape)}")
     per_head = []
     total = logits.new_zeros((), dtype=torch.float32)
     for k in range(K):
@@ -112,9 +129,13 @@ def medusa_loss(
         if not bool(valid.any()):
             per_head.append(total.new_zeros(()))
             continue
-        ce = F.cross_entropy(logits[k][valid].float(), y[valid])
-        per_head.append(ce.detach())
-        total = total + (head_decay**k) * ce
+        if kind == "ce":
+            lk = F.cross_entropy(logits[k][valid].float(), y[valid])
+        else:
+            log_q = torch.log_softmax(logits[k][valid].float(), dim=-1)
+            lk = distribution_loss(log_q, log_p[k][valid].float(), kind).mean()
+        per_head.append(lk.detach())
+        total = total + (head_decay**k) * lk
     return total, torch.stack(per_head)
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from selfspec.heads.eagle import logit_softcap, softcap
 from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.train.config import TrainConfig
@@ -39,8 +40,8 @@ def head_labels(ids: torch.Tensor, mask: torch.Tensor, num_heads: int) -> torch.
     return labels
 
 
-def position_table(store: FeatureStore, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flatten a store into (hidden, labels) rows: Medusa heads look at one position at a time.
+def position_table(store: FeatureStore, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flatten a store into (hidden, labels, future) rows: Medusa heads look at one position at a time.
 
     Head k at position t is trained on token ``t + 2 + k`` when that token exists and is an assistant
     token (``loss_mask``); positions where no head has a label are dropped.
@@ -50,19 +51,23 @@ def position_table(store: FeatureStore, num_heads: int) -> tuple[torch.Tensor, t
         num_heads: K.
 
     Returns:
-        ``(hidden [P, D], labels [P, K])`` (hidden in the store's dtype); labels are target token ids or
-        ``-100``.
+        ``(hidden [P, D], labels [P, K], future [P, K])``: hidden in the store's dtype; labels are target token
+        ids or ``-100``; ``future[p, k]`` is the row of ``store.features`` at position ``t + 1 + k`` (the feature
+        whose lm_head logits are the target's distribution of head k's label), -1 where the label is ``-100``.
     """
-    hs, ys = [], []
+    hs, ys, fs = [], [], []
     for i in range(len(store)):
         ids, h, mask = store.sequence(i)
         labels = head_labels(ids, mask, num_heads)
+        rows = int(store.offsets[i]) + torch.arange(ids.numel()).unsqueeze(1) + 1 + torch.arange(num_heads)
         keep = (labels != IGNORE).any(1)
         hs.append(h[keep])
         ys.append(labels[keep])
+        fs.append(rows[keep].masked_fill(labels[keep] == IGNORE, -1))
     if not hs:
-        return torch.empty(0, store.features.shape[-1]), torch.empty(0, num_heads, dtype=torch.long)
-    return torch.cat(hs), torch.cat(ys)
+        empty = torch.empty(0, num_heads, dtype=torch.long)
+        return torch.empty(0, store.features.shape[-1]), empty, empty.clone()
+    return torch.cat(hs), torch.cat(ys), torch.cat(fs)
 
 
 def to_draft_labels(labels: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
@@ -107,7 +112,9 @@ def evaluate(
 
 class MedusaRecipe(Recipe):
     """Medusa-1 heads on the rows of :func:`position_table`, trained with :func:`~selfspec.train.losses.
-    medusa_loss` over the draft vocabulary (out-of-vocabulary labels carry no gradient).
+    medusa_loss` over the draft vocabulary (out-of-vocabulary labels carry no gradient); with a distribution
+    ``medusa.loss`` against the target's distribution over the draft vocabulary (its lm_head rows of the draft
+    ids, renormalised), computed from the store's feature at each label's position.
 
     Raises:
         ValueError: no training position (empty data or all answers truncated away).
@@ -120,10 +127,12 @@ class MedusaRecipe(Recipe):
     ) -> None:
         self.cfg, self.target, self.signature = cfg, target, signature
         opts = cfg.medusa
-        self.hidden, labels = position_table(train, opts.num_heads)
+        self.hidden, labels, self.future = position_table(train, opts.num_heads)
         if self.hidden.shape[0] == 0:
             raise ValueError("no training positions: check the data source and max_length")
-        held_hidden, held_labels = position_table(held, opts.num_heads)
+        # a distribution loss scores each head against the target's distribution at its label's position
+        self.features = train.features if opts.loss != "ce" else None
+        held_hidden, held_labels, _ = position_table(held, opts.num_heads)
         V = target.config.vocab_size
         draft_ids = draft_vocabulary(torch.bincount(labels[labels != IGNORE], minlength=V), cfg.draft_vocab_size)
         n_draft = V if draft_ids is None else draft_ids.numel()
@@ -145,6 +154,7 @@ class MedusaRecipe(Recipe):
         )
         lm_head = target.get_output_embeddings().weight.detach().float().cpu()
         self.heads = MedusaHeads(mcfg, target_lm_head=lm_head, draft_ids=draft_ids)
+        self._lm_rows, self._softcap = lm_head[draft_ids], logit_softcap(target.config)
 
     def module(self) -> torch.nn.Module:
         return self.heads
@@ -157,10 +167,20 @@ class MedusaRecipe(Recipe):
 
     def collate(self, items: list[int]) -> dict[str, torch.Tensor]:
         idx = torch.tensor(items, dtype=torch.long)
-        return {"hidden": self.hidden[idx].float(), "labels": self.labels[idx]}
+        batch = {"hidden": self.hidden[idx].float(), "labels": self.labels[idx]}
+        if self.features is not None:
+            batch["future"] = self.features[self.future[idx].clamp(min=0)].float()  # [P, K, D]
+        return batch
 
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepLoss:
-        loss, per_head = medusa_loss(model(batch["hidden"]), batch["labels"], self.cfg.medusa.head_decay)
+        opts = self.cfg.medusa
+        logits = model(batch["hidden"])
+        log_p = None
+        if "future" in batch:
+            with torch.no_grad():
+                rows = self._lm_rows.to(logits.device)
+                log_p = torch.log_softmax(softcap(batch["future"] @ rows.T, self._softcap), dim=-1).transpose(0, 1)
+        loss, per_head = medusa_loss(logits, batch["labels"], opts.head_decay, opts.loss, log_p)
         return StepLoss(
             loss,
             {"per_head_loss": [round(float(x), 4) for x in per_head]},

@@ -73,7 +73,8 @@ def test_losses_on_hand_built_distributions():
         "anchors": torch.tensor([[1]]),
     }
     model = lambda *a: f.view(1, 1, 1, D).requires_grad_()  # noqa: E731
-    for kind, want in (("kl", 0.0), ("ce", float(-p.log()[0])), ("dspark", 0.1 * float(-p.log()[0]))):
+    ce = float(-p.log()[0])
+    for kind, want in (("kl", 0.0), ("tv", 0.0), ("nla", 0.0), ("lk_hybrid", 0.0), ("ce", ce), ("dspark", 0.1 * ce)):
         loss, _, scored = block_step_loss(model, Head, batch, lm_rows, BlockOptions(loss=kind))
         assert scored == 1 and float(loss.detach()) == pytest.approx(want, abs=1e-6), kind
 

@@ -88,13 +88,24 @@ def test_eagle_loss_hand_built():
     logits_d = torch.tensor([[1.0, 0.0, 0.0], [2.0, 0.0, 0.0]])
     loss, feat, ce = eagle_loss(pred, tgt, logits_d, logits_t, ce_weight=0.1)
     assert feat.item() == pytest.approx((0.125 + 1.5) / 4)
+    # the default token term is KL(p || q): EAGLE's soft-label cross entropy less the target's entropy
     p = torch.softmax(logits_t, -1)
-    want_ce = -(p * torch.log_softmax(logits_d, -1)).sum(-1).mean()
-    assert ce.item() == pytest.approx(want_ce.item())
+    soft_ce = -(p * torch.log_softmax(logits_d, -1)).sum(-1).mean()
+    entropy = -(p * p.log()).sum(-1).mean()
+    assert ce.item() == pytest.approx((soft_ce - entropy).item(), abs=1e-6)
     assert loss.item() == pytest.approx(feat.item() + 0.1 * ce.item())
-    # identical logits: the CE is the target's entropy (its minimum)
+    # identical logits: KL 0 (its minimum)
     _, _, ce_same = eagle_loss(pred, tgt, logits_t, logits_t)
-    assert ce_same.item() == pytest.approx(-(p * p.log()).sum(-1).mean().item())
+    assert ce_same.item() == pytest.approx(0.0, abs=1e-7)
+    # the acceptance losses: row 0 p uniform, q = softmax(1, 0, 0); row 1 identical (TV 0)
+    q0 = torch.softmax(logits_d[0], -1)
+    tv0 = 0.5 * (q0 - 1 / 3).abs().sum().item()
+    _, _, tv = eagle_loss(pred, tgt, logits_d, logits_t, token_loss="tv")
+    assert tv.item() == pytest.approx(tv0 / 2, abs=1e-6)
+    _, _, hard = eagle_loss(pred, tgt, logits_d, logits_t, token_loss="ce")  # against argmax p: ids 0 and 0
+    assert hard.item() == pytest.approx(-(torch.log_softmax(logits_d, -1)[:, 0]).mean().item(), abs=1e-6)
+    with pytest.raises(ValueError, match="eagle.loss"):
+        eagle_loss(pred, tgt, logits_d, logits_t, token_loss="mse")
     # no scored position: zero, still differentiable
     z = torch.zeros(0, 2, requires_grad=True)
     loss0, _, _ = eagle_loss(z, z.detach(), torch.zeros(0, 3, requires_grad=True), torch.zeros(0, 3))
