@@ -16,6 +16,15 @@ while drafting beyond the first token, the head's own output at the previous dra
 ``o_t`` predicts token ``x_{t+2}``; it is also what the next draft position takes as ``g``. Draft id i is target
 id ``i + d2t[i]`` (:attr:`Eagle3Head.draft_ids`); ``t2d`` marks the target ids that have a draft id.
 
+EAGLE-3.1 (arXiv:2605.09992, the EAGLE / vLLM / TorchSpec release) adds two options (:class:`Eagle3Config`), the
+functions of the ``speculators`` package's ``Eagle3DraftModel`` with the flags of the same names:
+
+* ``fc_norm``: ``h_t = fc(concat(fc_norm[0](g_low), fc_norm[1](g_mid), fc_norm[2](g_high)))``, one norm of the
+  family's class per fused layer (``fc_norm.{0,1,2}.weight [D]``), so the three layers weigh alike whatever their
+  scale (a draft position's D-wide ``g`` skips ``fc`` and these norms, as above);
+* ``norm_output``: the next draft position takes ``norm(o_t)`` as ``g`` instead of ``o_t`` (no new tensor; the
+  logits are ``lm_head(norm(o_t))`` either way), so the magnitudes fed back do not drift with depth.
+
 The decoder layer is built through ``transformers`` from a one-layer, full-attention copy of the target's config
 (:func:`selfspec.heads.eagle.decoder_layer_class`), so norms, q/k norms and scalings are the family's own; only its
 q/k/v (or fused qkv) projections are rebuilt with 2D inputs, and its ``input_layernorm`` becomes
@@ -29,7 +38,8 @@ Files (``save_pretrained``), tensor names as the EAGLE-3 serving layouts use the
   (:class:`Eagle3Config`, strictly checked);
 * ``model.safetensors``: ``fc.weight [D, 3D]``, ``layers.0.hidden_norm.weight``, ``layers.0.input_layernorm.weight``,
   ``layers.0.self_attn.{q,k,v}_proj.weight [., 2D]`` (Phi-3: ``qkv_proj``), the rest of ``layers.0.*``,
-  ``norm.weight``, ``lm_head.weight [S, D]``, ``d2t`` int64 ``[S]`` and ``t2d`` bool ``[V]``; no embeddings.
+  ``norm.weight``, ``lm_head.weight [S, D]``, ``d2t`` int64 ``[S]`` and ``t2d`` bool ``[V]``; with ``fc_norm`` also
+  ``fc_norm.{0,1,2}.weight [D]``; no embeddings.
 """
 
 from __future__ import annotations
@@ -135,7 +145,12 @@ class Eagle3Config:
         target: the target name the head was trained on (informational).
         target_fingerprint: :func:`selfspec.heads.fingerprint.target_fingerprint` of that target; checked on load.
         heldout_top1: held-out teacher-forced top-1 agreement with the target's greedy token, if measured.
+        fc_norm: EAGLE-3.1 (arXiv:2605.09992): a norm on each fused target layer before ``fc``.
+        norm_output: EAGLE-3.1: the next draft step takes the head's output after the final norm.
         head_type: always ``"eagle3"``.
+
+    Both EAGLE-3.1 fields default to False, the EAGLE-3 head; a head directory written before they existed reads
+    as that.
 
     Raises:
         ValueError: sizes or layers out of range. HeadFormatError: another ``head_type``.
@@ -149,6 +164,8 @@ class Eagle3Config:
     target: str = ""
     target_fingerprint: str = ""
     heldout_top1: float | None = None
+    fc_norm: bool = False
+    norm_output: bool = False
     head_type: str = "eagle3"
 
     def __post_init__(self) -> None:
@@ -166,6 +183,12 @@ class Eagle3Config:
     def n_draft(self) -> int:
         """S, the draft vocabulary size (the name the EAGLE drafter reads)."""
         return self.draft_vocab_size
+
+    @property
+    def eagle31_flags(self) -> tuple[str, ...]:
+        """The EAGLE-3.1 options this head sets, by their speculators names (``()`` for an EAGLE-3 head): what an
+        export to an engine that computes neither must refuse."""
+        return tuple(name for name, on in (("fc_norm", self.fc_norm), ("norm_output", self.norm_output)) if on)
 
 
 class FusedInputNorm(nn.Module):
@@ -200,7 +223,8 @@ def _widen_qkv(attn: nn.Module, in_features: int) -> list[str]:
 
 class Eagle3Head(nn.Module, HubMixin):
     """EAGLE-3 head: ``fc`` over three target layers + one decoder layer of the target's class + final norm +
-    lm_head over a reduced draft vocabulary (see the module docstring for the computation and tensor names).
+    lm_head over a reduced draft vocabulary (see the module docstring for the computation and tensor names);
+    with ``config.fc_norm`` / ``config.norm_output``, the EAGLE-3.1 head (arXiv:2605.09992).
 
     Args:
         config: :class:`Eagle3Config`.
@@ -242,6 +266,8 @@ class Eagle3Head(nn.Module, HubMixin):
         layer = decoder_layer_class(self.arch_config, target)(self.arch_config, layer_idx=0)
         qkv = _widen_qkv(layer.self_attn, 2 * D)
         embed_norm = layer.input_layernorm
+        # EAGLE-3.1: one norm per fused layer, of the family's class, freshly initialised (speculators' start)
+        self.fc_norm = nn.ModuleList(copy.deepcopy(embed_norm) for _ in range(3)) if config.fc_norm else None
         layer.input_layernorm = FusedInputNorm(embed_norm, copy.deepcopy(embed_norm))
         self.layers = nn.ModuleList([layer])
         self.norm = copy.deepcopy(embed_norm)
@@ -310,11 +336,13 @@ class Eagle3Head(nn.Module, HubMixin):
         attention_mask: torch.Tensor | None = None,
         cache: Any = None,
     ) -> torch.Tensor:
-        """The head's output at each position.
+        """The head's output at each position: what :meth:`draft_logits` scores and the next draft position takes
+        as ``features`` (the layer's output ``o``, or ``norm(o)`` with ``norm_output``).
 
         Args:
-            features: ``[B, T, 3D]`` the target's hidden states at ``target_layers`` (concatenated in that order),
-                or ``[B, T, D]`` the head's own outputs (draft positions after the first); any float dtype.
+            features: ``[B, T, 3D]`` the target's hidden states at ``target_layers`` (concatenated in that order;
+                each D-wide slice normed by its ``fc_norm`` first with ``fc_norm``), or ``[B, T, D]`` the head's
+                own outputs (draft positions after the first); any float dtype.
             input_ids: LongTensor ``[B, T]``, target ids of the tokens ``x_{t+1}`` paired with them.
             position_ids: LongTensor ``[B, T]``.
             attention_mask: additive float ``[B or 1, 1, T, past + T]`` (0 attend, dtype-min blocked), or None for
@@ -322,8 +350,8 @@ class Eagle3Head(nn.Module, HubMixin):
             cache: a ``transformers`` ``DynamicCache`` of the head (one layer), extended by T entries.
 
         Returns:
-            ``[B, T, D]`` in the head's dtype, before the final norm: position t scores token ``x_{t+2}``
-            (:meth:`draft_logits`) and is the next draft position's ``features``.
+            ``[B, T, D]`` in the head's dtype, before the final norm (after it with ``norm_output``): position t
+            scores token ``x_{t+2}`` (:meth:`draft_logits`) and is the next draft position's ``features``.
 
         Raises:
             RuntimeError: no target attached. ValueError: ``features`` neither 3D nor D wide.
@@ -337,18 +365,25 @@ class Eagle3Head(nn.Module, HubMixin):
             raise ValueError(f"features must be [.., {3 * D}] (target layers) or [.., {D}] (head outputs), got {width}")
         with torch.no_grad():
             emb = embed(input_ids).to(dtype)
-        h = self.fc(features.to(dtype)) if width == 3 * D else features.to(dtype)
+        h = features.to(dtype)
+        if width == 3 * D:
+            if self.config.fc_norm:  # EAGLE-3.1: each fused layer normed on its own
+                h = torch.cat([norm(g) for norm, g in zip(self.fc_norm, h.chunk(3, dim=-1), strict=True)], dim=-1)
+            h = self.fc(h)
         layer = self.layers[0]
         layer.input_layernorm.embeds = emb
         try:
-            return run_layer(layer, h, position_ids, attention_mask, cache, rotary, self._rotary_kwargs)
+            out = run_layer(layer, h, position_ids, attention_mask, cache, rotary, self._rotary_kwargs)
         finally:
             layer.input_layernorm.embeds = None
+        return self.norm(out) if self.config.norm_output else out  # EAGLE-3.1 feeds the post-norm state back
 
     def draft_logits(self, output: torch.Tensor) -> torch.Tensor:
-        """``[..., D]`` head outputs -> ``[..., S]`` logits over the draft vocabulary (row i scores target id
-        ``draft_ids[i]``): ``lm_head(norm(output))``, soft-capped as the target's own logits are (Gemma-2)."""
-        return softcap(project(self.norm(output), self.lm_head.weight), self.logit_softcap)
+        """``[..., D]`` head outputs (:meth:`forward`) -> ``[..., S]`` logits over the draft vocabulary (row i scores
+        target id ``draft_ids[i]``): ``lm_head(norm(o))``, soft-capped as the target's own logits are (Gemma-2).
+        With ``norm_output`` the output already is ``norm(o)`` and is not normed twice."""
+        normed = output if self.config.norm_output else self.norm(output)
+        return softcap(project(normed, self.lm_head.weight), self.logit_softcap)
 
     # ---------------------------------------------------------------- files
     def save_pretrained(self, directory: str | Path) -> Path:

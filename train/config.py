@@ -79,6 +79,8 @@ class Eagle3Options:
         features: where the target's layer states come from: ``"store"`` (computed once, cached on disk and
             held in memory), ``"online"`` (computed with the target as each batch is built, never stored), or
             ``"auto"``: the cheaper for the run (:func:`selfspec.train.online_features.feature_source`).
+        fc_norm / norm_output: the EAGLE-3.1 head (arXiv:2605.09992; :class:`selfspec.heads.eagle3.Eagle3Config`):
+            a norm on each fused target layer before ``fc``; the post-norm output fed to the next draft step.
     """
 
     target_layers: tuple[int, ...] | None = None
@@ -90,6 +92,8 @@ class Eagle3Options:
     batch_tokens: int = 2048
     score_prompt: bool = False
     features: str = "auto"
+    fc_norm: bool = False
+    norm_output: bool = False
 
     def __post_init__(self) -> None:
         if self.features not in ("auto", "store", "online"):

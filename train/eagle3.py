@@ -11,7 +11,8 @@ feature store (:func:`~selfspec.train.feature_store.target_features` with ``laye
 * scored iff ``x_{t+2}`` is an assistant token (``m_{t+2}``), the shift proven in ``tests/train/test_eagle3_train.py``.
 
 Training-time test (:class:`UnrolledEagle3`): step 0 is the teacher-forced forward; at step i >= 1 pair t's input
-is the head's own step-(i-1) output at pair t-1 (the D-wide output it drafts from), its token stays ``x_{t+1}``,
+is the head's own step-(i-1) output at pair t-1 (the D-wide output it drafts from: :meth:`Eagle3Head.forward`'s,
+post-norm for EAGLE-3.1's ``norm_output``, what the drafter feeds), its token stays ``x_{t+1}``,
 and its attention is :func:`~selfspec.train.unroll.unrolled_mask` over one growing KV cache, exactly what the
 depth-(i+1) draft node of a chain starting at pair t-i sees while decoding. The loss is
 ``sum_i ttt_decay**i * L_i`` with ``L_i`` the forward KL ``KL(p || q_i)`` (or the cross entropy against the
@@ -192,6 +193,8 @@ class Eagle3Recipe(PairRecipe):
             target_layers=head_layers(cfg, target),
             target=cfg.target,
             target_fingerprint=target_fingerprint(target),
+            fc_norm=opts.fc_norm,
+            norm_output=opts.norm_output,
         )
         torch.manual_seed(cfg.seed)
         self.head = Eagle3Head(

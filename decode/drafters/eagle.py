@@ -184,7 +184,9 @@ class EagleDrafter(Drafter):
         cand_score.append(top.values[0])
         n_cand = k
         frontier = torch.arange(k, device=device)  # candidates to expand next
-        frontier_feat = out[0, -1:].expand(k, -1)  # the predicted feature each frontier node is paired with
+        # the predicted feature each frontier node is paired with: the head's output as its forward returns it
+        # (post-norm for an EAGLE-3.1 head with norm_output), the same that training's unrolled steps feed
+        frontier_feat = out[0, -1:].expand(k, -1)
         # Draft nodes fed to the head this step: their candidate ids and ancestor mask among themselves.
         fed: list[int] = []
         fed_allowed = torch.zeros(0, 0, dtype=torch.bool, device=device)

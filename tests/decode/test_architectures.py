@@ -23,6 +23,7 @@ from selfspec.decode.drafters import (
     MedusaDrafter,
     PromptLookupDrafter,
 )
+from selfspec.decode.drafters.eagle import EagleDrafter
 from selfspec.decode.kv import call_with_cache, compact_cache, crop_cache, new_cache
 from selfspec.decode.loop import speculative_generate
 from selfspec.decode.masks import (
@@ -39,7 +40,7 @@ from selfspec.decode.tree import static_tree, tree_position_ids
 from selfspec.decode.verifier import Verifier
 from tests.helpers.archs import ARCHS, CONFIGS, WINDOW, tiny_target
 from tests.helpers.drafters import OracleDrafter, TargetTopKDrafter
-from tests.helpers.heads import random_heads
+from tests.helpers.heads import make_eagle3, random_heads
 from tests.helpers.sampling import N_SAMPLES, SAMPLING, processed_probs
 from tests.helpers.stats import chi2_critical
 
@@ -108,6 +109,12 @@ def medusa(paths) -> Callable:
     return lambda t, arch, ids, ref: MedusaDrafter(random_heads(t), static_tree(paths))
 
 
+def eagle3(**flags: bool) -> Callable:
+    """A drafter factory: a random EAGLE-3 head of the family (``flags``: EAGLE-3.1's ``fc_norm`` / ``norm_output``)
+    growing EAGLE-2 trees of depth 4."""
+    return lambda t, arch, ids, ref: EagleDrafter(make_eagle3(t, **flags), t, depth=4, top_k=2, total_tokens=8)
+
+
 # Every drafter run on every family: name -> (target, family, prompt ids, greedy reference) -> Drafter.
 # Other drafters (e.g. EAGLE heads built for the family) join the matrix by adding an entry here.
 DRAFTERS: dict[str, Callable] = {
@@ -115,6 +122,8 @@ DRAFTERS: dict[str, Callable] = {
     "draft_model": lambda t, arch, ids, ref: DraftModelDrafter(draft_model(arch), num_tokens=3),
     "draft_model_self": lambda t, arch, ids, ref: DraftModelDrafter(t, num_tokens=WINDOW + 2),  # deep chains
     **{f"medusa_{shape}": medusa(paths) for shape, paths in MEDUSA_TREES.items()},
+    "eagle3": eagle3(),
+    "eagle3.1": eagle3(fc_norm=True, norm_output=True),
     "oracle_random": lambda t, arch, ids, ref: OracleDrafter(ids.numel(), ref, seed=ids.numel(), nodes=12),
     "oracle_deep": lambda t, arch, ids, ref: TwoBranchOracle(ids.numel(), ref, depth=WINDOW + 3),
 }

@@ -1,8 +1,10 @@
 """heads/eagle3.py: published tensor names and shapes, layer choice, vocabulary maps, init options, exact
-save/load round trip, strict refusal of wrong or corrupt files."""
+save/load round trip, strict refusal of wrong or corrupt files; the EAGLE-3.1 options (``fc_norm``, ``norm_output``):
+their function, files, and head directories written before them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -24,7 +26,7 @@ def target():
     return tiny_llama(layers=3)
 
 
-def make_head(target, ids=IDS, seed: int = 0, **init) -> Eagle3Head:
+def make_head(target, ids=IDS, seed: int = 0, fc_norm: bool = False, norm_output: bool = False, **init) -> Eagle3Head:
     torch.manual_seed(seed)
     cfg = Eagle3Config(
         hidden_size=D,
@@ -33,10 +35,15 @@ def make_head(target, ids=IDS, seed: int = 0, **init) -> Eagle3Head:
         num_target_layers=3,
         target="tiny",
         target_fingerprint=target_fingerprint(target),
+        fc_norm=fc_norm,
+        norm_output=norm_output,
     )
     head = Eagle3Head(cfg, target.config, draft_ids=ids, target=target, **init).eval()
     with torch.no_grad():  # non-trivial norms so a dropped or swapped tensor would show
+        fused = list(head.fc_norm) if fc_norm else []
         for norm in (head.norm, head.layers[0].input_layernorm.embed_norm, head.layers[0].input_layernorm.hidden_norm):
+            norm.weight.uniform_(0.5, 1.5)
+        for norm in fused:
             norm.weight.uniform_(0.5, 1.5)
     return head
 
@@ -151,3 +158,92 @@ def test_other_target_is_refused(target, tmp_path):
         load_heads(tmp_path, target=tiny_llama(layers=3, seed=1))
     with pytest.raises(HeadFormatError, match="layers"):
         Eagle3Head.from_pretrained(tmp_path).attach_target(tiny_llama(layers=2))
+
+
+# ------------------------------------------------------------------------------------------- EAGLE-3.1
+EAGLE31 = [dict(fc_norm=True, norm_output=True), dict(fc_norm=True), dict(norm_output=True)]
+
+
+@pytest.mark.parametrize("flags", EAGLE31, ids=lambda f: "+".join(f))
+def test_eagle31_is_the_published_function(target, flags):
+    """arXiv:2605.09992 as speculators' ``Eagle3DraftModel`` computes it, built from the EAGLE-3 head with the same
+    tensors: ``fc_norm`` norms each D-wide slice of the fused layers before ``fc``; ``norm_output`` makes the output
+    (what the next draft step takes) ``norm(o)``, and the logits stay ``lm_head(norm(o))``. Exact (same ops)."""
+    new = make_head(target, seed=3, **flags)
+    plain = Eagle3Head(dataclasses.replace(new.config, fc_norm=False, norm_output=False), target.config, IDS, target)
+    plain.load_state_dict({k: v for k, v in new.state_dict().items() if not k.startswith("fc_norm.")})
+    g = torch.Generator().manual_seed(4)
+    feats, ids, pos = (
+        torch.randn(1, 7, 3 * D, generator=g) * 5,
+        torch.randint(0, V, (1, 7), generator=g),
+        torch.arange(7)[None],
+    )
+    with torch.no_grad():
+        x = feats
+        if new.config.fc_norm:
+            x = torch.cat([n(c) for n, c in zip(new.fc_norm, feats.chunk(3, -1), strict=True)], -1)
+            assert not torch.allclose(x, feats)
+        o = plain(x, ids, pos)
+        y = new(feats, ids, pos)
+        assert torch.equal(y, plain.norm(o) if new.config.norm_output else o)
+        assert torch.equal(new.draft_logits(y), plain.draft_logits(o))
+        o2 = plain(y, ids, pos)  # the next draft step: D-wide, no fc and no fc_norm
+        y2 = new(y, ids, pos)
+        assert torch.equal(y2, plain.norm(o2) if new.config.norm_output else o2)
+        if new.config.norm_output:
+            assert not torch.allclose(o2, plain(o, ids, pos))  # feeding norm(o) is not feeding o
+
+
+def test_eagle31_files_and_round_trip(target, tmp_path):
+    head = make_head(target, seed=5, fc_norm=True, norm_output=True)
+    assert head.config.eagle31_flags == ("fc_norm", "norm_output") and make_head(target).config.eagle31_flags == ()
+    head.save_pretrained(tmp_path)
+    w = load_file(str(tmp_path / WEIGHTS_NAME))
+    assert {k: tuple(v.shape) for k, v in w.items() if k.startswith("fc_norm.")} == {
+        f"fc_norm.{i}.weight": (D,) for i in range(3)
+    }
+    ours = json.loads((tmp_path / "config.json").read_text())["selfspec"]
+    assert ours["fc_norm"] is True and ours["norm_output"] is True
+    loaded = load_heads(tmp_path, target=target).eval()
+    assert (loaded.config.fc_norm, loaded.config.norm_output) == (True, True)
+    for a, b in zip(logits(loaded), logits(head), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_head_dirs_written_before_eagle31_load_as_eagle3(target, tmp_path):
+    """A head directory whose ``selfspec`` object has no ``fc_norm`` / ``norm_output`` (written before they existed)
+    loads as the EAGLE-3 head it was, with the same logits."""
+    head = make_head(target, seed=6)
+    head.save_pretrained(tmp_path)
+    _edit_config(tmp_path, lambda c: [c["selfspec"].pop(k) for k in ("fc_norm", "norm_output")])
+    loaded = load_heads(tmp_path, target=target).eval()
+    assert loaded.config.eagle31_flags == () and loaded.fc_norm is None
+    for a, b in zip(logits(loaded), logits(head), strict=True):
+        assert torch.equal(a, b)
+
+
+EAGLE31_EDITS = {
+    "flag not a boolean": lambda p: _edit_config(p, lambda c: c["selfspec"].update({"fc_norm": "yes"})),
+    "flag as a number": lambda p: _edit_config(p, lambda c: c["selfspec"].update({"norm_output": 1})),
+    "flag selfspec does not compute": lambda p: _edit_config(
+        p, lambda c: c["selfspec"].update({"norm_before_fc": True})
+    ),
+    "fc_norm false, its tensors present": lambda p: _edit_config(p, lambda c: c["selfspec"].update({"fc_norm": False})),
+    "a fused norm missing": lambda p: _edit_weights(p, lambda s: s.pop("fc_norm.2.weight")),
+    "a fused norm misshaped": lambda p: _edit_weights(p, lambda s: s.update({"fc_norm.0.weight": torch.ones(3 * D)})),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(EAGLE31_EDITS))
+def test_bad_eagle31_files_are_refused(target, tmp_path, edit):
+    make_head(target, fc_norm=True, norm_output=True).save_pretrained(tmp_path)
+    EAGLE31_EDITS[edit](tmp_path)
+    with pytest.raises(HeadFormatError):
+        load_heads(tmp_path, target=target)
+
+
+def test_fc_norm_set_on_an_eagle3_dir_is_refused(target, tmp_path):
+    make_head(target).save_pretrained(tmp_path)
+    _edit_config(tmp_path, lambda c: c["selfspec"].update({"fc_norm": True}))
+    with pytest.raises(HeadFormatError, match=r"fc_norm\.0\.weight"):
+        load_heads(tmp_path, target=target)

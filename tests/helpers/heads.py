@@ -77,10 +77,11 @@ def _randomize(head: torch.nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
 
 
-def make_eagle3(target, draft: int = 40) -> Eagle3Head:
+def make_eagle3(target, draft: int = 40, **flags: bool) -> Eagle3Head:
+    """A random EAGLE-3 head of a tiny 3-layer target (``flags``: EAGLE-3.1's ``fc_norm`` / ``norm_output``)."""
     V = target.config.vocab_size
     ids = torch.sort(torch.randperm(V, generator=torch.Generator().manual_seed(3))[:draft]).values
-    cfg = Eagle3Config(32, V, draft, 3, target="tiny", target_fingerprint=target_fingerprint(target))
+    cfg = Eagle3Config(32, V, draft, 3, target="tiny", target_fingerprint=target_fingerprint(target), **flags)
     head = Eagle3Head(cfg, target.config, draft_ids=ids, target=target)
     _randomize(head, 1)
     return head

@@ -1,9 +1,11 @@
-"""train/eagle3.py: the label/mask shift on a hand-made sequence, training-time-test logits equal to decoding's,
-the loss on hand-built logits, and a tiny run on the shared loop (learns, saves, loads, config section)."""
+"""train/eagle3.py: the label/mask shift on a hand-made sequence, training-time-test logits equal to decoding's
+(EAGLE-3 and EAGLE-3.1 heads), the loss on hand-built logits, and a tiny run on the shared loop (learns, saves,
+loads, config section; the EAGLE-3.1 options reach the saved head)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,14 +54,22 @@ def test_shift_on_hand_made_sequence():
     assert scored.tolist() != mask[1:].tolist()  # the mask shifted once (the EAGLE #317 bug class) differs
 
 
-def test_training_logits_equal_decoding_logits():
+@pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle3.1"])
+def test_training_logits_equal_decoding_logits(eagle31):
     """For the same prefix, the training-time test's step-i logits at pair T-1+i equal the draft logits the EAGLE
     drafter computes at depth i+1 of a chain (fp32, atol 1e-5): the prompt's T pairs with the target's layer
-    states, then the head's own outputs paired with the drafted tokens, through the decode cache and masks."""
+    states, then the head's own outputs paired with the drafted tokens, through the decode cache and masks. For an
+    EAGLE-3.1 head (``fc_norm``, ``norm_output``) both feed the post-norm output back and norm the fused layers."""
     target = tiny_llama(layers=3)
     torch.manual_seed(0)
-    cfg = Eagle3Config(hidden_size=D, vocab_size=V, draft_vocab_size=V, num_target_layers=3)
+    cfg = Eagle3Config(
+        hidden_size=D, vocab_size=V, draft_vocab_size=V, num_target_layers=3, fc_norm=eagle31, norm_output=eagle31
+    )
     head = Eagle3Head(cfg, target.config, target=target, init_layer=-1, init_lm_head=True).eval()
+    if eagle31:
+        with torch.no_grad():  # norms that are not the identity's scale
+            for norm in head.fc_norm:
+                norm.weight.uniform_(0.5, 1.5)
     steps, T = 4, 9
     prompt = torch.randint(3, V, (T,), generator=torch.Generator().manual_seed(2))
     root = torch.tensor([7])
@@ -126,6 +136,11 @@ def test_config_section():
         None, ["head=eagle3", "eagle3.ttt_steps=3", "eagle3.target_layers=[0, 1, 2]", "eagle3.init_layer=null"]
     )
     assert cfg.eagle3.ttt_steps == 3 and cfg.eagle3.target_layers == (0, 1, 2) and cfg.eagle3.init_layer is None
+    assert (cfg.eagle3.fc_norm, cfg.eagle3.norm_output) == (False, False)
+    cfg = load_config(None, ["head=eagle3", "eagle3.fc_norm=true", "eagle3.norm_output=true"])
+    assert (cfg.eagle3.fc_norm, cfg.eagle3.norm_output) == (True, True)
+    with pytest.raises(ValueError, match="eagle3.fc_norm"):
+        load_config(None, ["eagle3.fc_norm=maybe"])
     assert TrainConfig().eagle3.ttt_steps == 7 and TrainConfig().eagle3.loss == "kl"
     with pytest.raises(ValueError, match="eagle3"):
         load_config(None, ["eagle3.steps=3"])
@@ -133,15 +148,10 @@ def test_config_section():
         load_config(None, ["eagle3.loss=mse"])
 
 
-def test_tiny_run_learns_saves_and_loads(tmp_path):
+def tiny_run(tmp_path, target, train, held, steps: int, **eagle3) -> Path:
+    """The recipe on the shared loop over a saved feature store of ``train`` / ``held``; the heads directory."""
     from accelerate import Accelerator
 
-    from selfspec.heads import load_heads
-    from selfspec.train.eagle3 import evaluate
-
-    target = tiny_llama(layers=3)
-    layers = (0, 1, 2)
-    train, held = distilled_store(target, layers, 48, seed=0), distilled_store(target, layers, 6, seed=1)
     sig = feature_signature(target, [], [], 32, "0,1,2,final_norm")
     save_features(store_path(tmp_path), train, held, sig, "0,1,2,final_norm")
     cfg = TrainConfig(
@@ -153,19 +163,30 @@ def test_tiny_run_learns_saves_and_loads(tmp_path):
         warmup_steps=2,
         grad_clip=0.5,
         epochs=100,
-        max_steps=120,
+        max_steps=steps,
         eval_every=1000,
         save_every=1000,
         seed=0,
         output_dir=str(tmp_path),
         calibrate_prompts=0,
-        eagle3={"batch_tokens": 64, "ttt_steps": 3},
+        eagle3={"batch_tokens": 64, "ttt_steps": 3, **eagle3},
     )
-    heads_dir = train_eagle3(RunInputs(cfg, Accelerator(cpu=True), target, None, [], []))
+    return train_eagle3(RunInputs(cfg, Accelerator(cpu=True), target, None, [], []))
+
+
+def test_tiny_run_learns_saves_and_loads(tmp_path):
+    from selfspec.heads import load_heads
+    from selfspec.train.eagle3 import evaluate
+
+    target = tiny_llama(layers=3)
+    layers = (0, 1, 2)
+    train, held = distilled_store(target, layers, 48, seed=0), distilled_store(target, layers, 6, seed=1)
+    heads_dir = tiny_run(tmp_path, target, train, held, 120)
     summary = json.loads((tmp_path / "train_summary.json").read_text())
     assert summary["step"] == 120 and summary["draft_vocab_size"] == 80 and summary["target_layers"] == [0, 1, 2]
     head = load_heads(heads_dir, target=target)
     assert isinstance(head, Eagle3Head) and head.config.heldout_top1 == summary["heldout"]["top1"]
+    assert head.config.eagle31_flags == ()
     # draft vocabulary: the 80 most frequent assistant tokens, ascending
     counts = torch.bincount(train.tokens[train.loss_mask], minlength=V)
     assert set(head.draft_ids.tolist()) >= set(torch.nonzero(counts > counts.sort().values[-80]).flatten().tolist())
@@ -175,3 +196,23 @@ def test_tiny_run_learns_saves_and_loads(tmp_path):
     )
     before = evaluate(untrained, held, target.lm_head.weight, 3, 32)
     assert summary["heldout"]["chain_tau"] > before["chain_tau"] + 0.05, (summary["heldout"], before)
+
+
+def test_eagle31_options_reach_the_saved_head(tmp_path):
+    """``eagle3: {fc_norm: true, norm_output: true}`` trains an EAGLE-3.1 head: recorded in the summary's options,
+    saved with its fused-layer norms, reloaded with both flags, and it decodes exactly like ``generate``."""
+    from selfspec.decode.loop import speculative_generate
+    from selfspec.heads import load_heads
+
+    target = tiny_llama(layers=3)
+    layers = (0, 1, 2)
+    train, held = distilled_store(target, layers, 16, seed=0), distilled_store(target, layers, 4, seed=1)
+    heads_dir = tiny_run(tmp_path, target, train, held, 4, fc_norm=True, norm_output=True)
+    summary = json.loads((tmp_path / "train_summary.json").read_text())
+    assert summary["options"]["fc_norm"] is True and summary["options"]["norm_output"] is True
+    head = load_heads(heads_dir, target=target).eval()
+    assert head.config.eagle31_flags == ("fc_norm", "norm_output") and len(head.fc_norm) == 3
+    ids = torch.randint(3, V, (10,), generator=torch.Generator().manual_seed(4))
+    ref = target.generate(ids[None], do_sample=False, max_new_tokens=16, min_new_tokens=16, pad_token_id=0)
+    out = speculative_generate(target, EagleDrafter(head, target, 4, 2, 8), ids, max_new_tokens=16)
+    assert out.tokens == ref[0, ids.numel() :].tolist()
