@@ -23,6 +23,12 @@ Usage::
     selfspec scaling-curve --config configs/eagle3-smollm2.yaml --out runs/scaling --threads 2 \\
         --bench-prompts ../shared/data/eval/mt_bench/question.jsonl --bench-num-prompts 16
 
+``--recipes NAME=KEY=VALUE[,KEY=VALUE...] ...`` compares recipes at equal budgets in one command: every point trains
+each recipe (the config plus the recipe's overrides, in ``OUT/POINT/RECIPE``; ``NAME=`` is the config as it is) and
+benches all of them in one ``selfspec bench`` run (``OUT/POINT/bench``, the methods interleaved per prompt), so
+the table has one row per point and recipe, e.g.
+``--recipes kl= lk=eagle3.loss=lk_hybrid eagle31=eagle3.fc_norm=true,eagle3.norm_output=true``.
+
 The default schedule (``--points``) is about 0.5, 1 and 2 CPU-hours on a 2-core CPU:
 ``NAME:DISTILLED:WRITTEN:MINUTES`` each, the minutes being the training clock (``max_train_minutes``).
 """
@@ -61,8 +67,24 @@ def parse_point(text: str) -> dict[str, Any]:
     return point
 
 
-def train_command(args: argparse.Namespace, point: dict[str, Any], out: Path) -> list[str]:
-    """The ``selfspec train`` command of one point (the shared distillation cache, the point's budget).
+def parse_recipe(text: str) -> dict[str, Any]:
+    """``NAME=KEY=VALUE[,KEY=VALUE...]`` (or ``NAME=``) -> ``{"name", "overrides"}``.
+
+    Raises:
+        ValueError: no ``=`` after the name, a name that is not a plain word, or an override without ``=``.
+    """
+    name, sep, rest = text.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise ValueError(f"a recipe is NAME=KEY=VALUE[,KEY=VALUE...] (or NAME= for the config as it is), got {text!r}")
+    overrides = [o for o in rest.split(",") if o]
+    if any("=" not in o for o in overrides):
+        raise ValueError(f"each override of recipe {name!r} is KEY=VALUE, got {rest!r}")
+    return {"name": name, "overrides": overrides}
+
+
+def train_command(args: argparse.Namespace, point: dict[str, Any], out: Path, recipe: list[str] = ()) -> list[str]:
+    """The ``selfspec train`` command of one point (the shared distillation cache, the point's budget), with a
+    recipe's overrides after ``--override``'s.
 
     With ``self_distill`` the point's conversations are the first ``distilled`` training conversations
     regenerated and the next ``written`` as written, out of the config's pool (kept, so every point has the same
@@ -86,12 +108,14 @@ def train_command(args: argparse.Namespace, point: dict[str, Any], out: Path) ->
         raise ValueError(f"{args.config} does not self-distill: give points with 0 distilled conversations")
     else:
         overrides.append(f"max_conversations={int(point['written'] / (1 - cfg.eval_fraction)) + 1}")
-    return [sys.executable, "-m", "selfspec.train", str(args.config), *overrides, *args.override]
+    return [sys.executable, "-m", "selfspec.train", str(args.config), *overrides, *args.override, *recipe]
 
 
-def bench_command(args: argparse.Namespace, heads: Path, out: Path) -> list[str]:
-    """The ``selfspec bench`` command of one point's head (baseline in the same process)."""
-    cmd = [sys.executable, "-m", "selfspec.bench", "--prompts", str(args.bench_prompts), "--heads", f"head={heads}"]
+def bench_command(args: argparse.Namespace, heads: dict[str, Path], out: Path) -> list[str]:
+    """The ``selfspec bench`` command of one point's heads (``{method name: heads dir}``), all in one run with the
+    baseline in the same process."""
+    cmd = [sys.executable, "-m", "selfspec.bench", "--prompts", str(args.bench_prompts), "--heads"]
+    cmd += [f"{name}={path}" for name, path in heads.items()]
     cmd += ["--methods", "baseline", "--max-new-tokens", str(args.bench_max_new_tokens), "--max-turns", "1"]
     cmd += ["--threads", str(args.threads), "--out", str(out)]
     if args.target:
@@ -152,11 +176,18 @@ def stage_seconds(log: Path) -> dict[str, float | None]:
 
 
 def point_row(
-    point: dict[str, Any], run_dir: Path, bench_dir: Path, wall_s: float, threads: int, earlier_distill_s: float = 0.0
+    point: dict[str, Any],
+    run_dir: Path,
+    bench_dir: Path,
+    wall_s: float,
+    threads: int,
+    earlier_distill_s: float = 0.0,
+    method: str = "head",
 ) -> dict[str, Any]:
-    """One table row from a point's ``train_summary.json``, bench ``report.json`` and training log.
+    """One table row from a point's ``train_summary.json``, bench ``report.json`` (its method ``method``) and
+    training log.
 
-    ``earlier_distill_s``: self-distillation seconds that earlier points spent on answers this point reuses
+    ``earlier_distill_s``: self-distillation seconds that earlier runs spent on answers this run reuses
     from the shared cache; they count in its CPU hours (a run from scratch generates them).
     """
     summary = json.loads((run_dir / "train_summary.json").read_text())
@@ -164,9 +195,9 @@ def point_row(
     ratios, taus = [], []
     for sample in report["samples"]:
         res = sample["results"]
-        ratios.append(res["head"]["tokens_per_s"] / res["baseline"]["tokens_per_s"])
-        if res["head"].get("tau"):
-            taus.append(res["head"]["tau"])
+        ratios.append(res[method]["tokens_per_s"] / res["baseline"]["tokens_per_s"])
+        if res[method].get("tau"):
+            taus.append(res[method]["tau"])
     selected = summary.get("selected", {})
     stages = stage_seconds(run_dir / "train.log")
     return {
@@ -188,11 +219,12 @@ def point_row(
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """The Markdown scaling table."""
+    """The Markdown scaling table (a recipe column when the rows carry recipes)."""
+    recipes = any("recipe" in r for r in rows)
     lines = [
-        "| point | conversations | feature tokens | trained tokens | CPU-hours | minutes: distill / features / train "
-        "| steps | held-out acceptance | chain tau est. | bench tau | speedup |",
-        "|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|",
+        "| point | " + ("recipe | " if recipes else "") + "conversations | feature tokens | trained tokens | CPU-hours "
+        "| minutes: distill / features / train | steps | held-out acceptance | chain tau est. | bench tau | speedup |",
+        "|---|" + ("---|" if recipes else "") + "---:|---:|---:|---:|---|---:|---|---:|---:|---:|",
     ]
     for r in rows:
         acc = " / ".join(f"{a:.2f}" for a in r["heldout_acceptance"] or [])
@@ -200,8 +232,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         distill = ((r.get("distill_s") or 0.0) + (r.get("earlier_distill_s") or 0.0)) / 60
         features = (r.get("features_s") or 0.0) / 60
         minutes = f"{distill:.1f} / {features:.1f} / {(r.get('train_s') or 0.0) / 60:.1f}"
+        recipe = f"{r.get('recipe', '-')} | " if recipes else ""
         lines.append(
-            f"| {r['name']} | {r['distilled']} + {r['written']} | {r['feature_tokens']:,} | {trained} "
+            f"| {r['name']} | {recipe}{r['distilled']} + {r['written']} | {r['feature_tokens']:,} | {trained} "
             f"| {r['cpu_hours']:.2f} | {minutes} | {r['train_steps']} | {acc} | {r['chain_tau_estimate']} "
             f"| {r['bench_tau']} | {r['speedup']:.3f}x |"
         )
@@ -215,13 +248,15 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    x = [r["feature_tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(x, [r["bench_tau"] for r in rows], "o-", label="tau (bench)")
-    ax.plot(x, [r["chain_tau_estimate"] for r in rows], "s--", label="chain tau estimate (held out)")
-    ax.plot(x, [r["speedup"] for r in rows], "^-", label="speedup (median)")
-    for r, xi in zip(rows, x, strict=True):
-        ax.annotate(f"{r['cpu_hours']:.1f} h", (xi, r["speedup"]), textcoords="offset points", xytext=(4, -12))
+    for recipe in dict.fromkeys(r.get("recipe") for r in rows):
+        sub = [r for r in rows if r.get("recipe") == recipe]
+        x, tag = [r["feature_tokens"] for r in sub], f" ({recipe})" if recipe else ""
+        ax.plot(x, [r["bench_tau"] for r in sub], "o-", label="tau (bench)" + tag)
+        ax.plot(x, [r["chain_tau_estimate"] for r in sub], "s--", label="chain tau estimate (held out)" + tag)
+        ax.plot(x, [r["speedup"] for r in sub], "^-", label="speedup (median)" + tag)
+        for r, xi in zip(sub, x, strict=True):
+            ax.annotate(f"{r['cpu_hours']:.1f} h", (xi, r["speedup"]), textcoords="offset points", xytext=(4, -12))
     ax.set_xscale("log")
     ax.set_xlabel("feature tokens trained on")
     ax.legend()
@@ -243,24 +278,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bench-num-prompts", type=int, default=16)
     parser.add_argument("--bench-max-new-tokens", type=int, default=128)
     parser.add_argument("--override", nargs="*", default=[], help="extra key=value for every training run")
+    parser.add_argument(
+        "--recipes", nargs="+", default=None, help="NAME=KEY=VALUE[,KEY=VALUE...]: train and bench each at every point"
+    )
     args = parser.parse_args(argv)
     points = [parse_point(p) for p in args.points]
+    recipes = [parse_recipe(r) for r in args.recipes] if args.recipes else [{"name": "head", "overrides": []}]
+    if len({r["name"] for r in recipes}) < len(recipes) or "baseline" in {r["name"] for r in recipes}:
+        parser.error("recipe names must differ from each other and from 'baseline'")
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    earlier = 0.0  # self-distillation seconds of earlier points (their answers are reused from the cache)
     for point in points:
-        run_dir, bench_dir = args.out / point["name"], args.out / point["name"] / "bench"
-        done_file = run_dir / "point.json"
-        if done_file.exists():
-            row = json.loads(done_file.read_text())
-            rows.append(row)
-            continue
-        run_dir.mkdir(parents=True, exist_ok=True)
-        wall = run_logged(train_command(args, point, run_dir), run_dir / "train.log")
-        run_logged(bench_command(args, run_dir / "heads", bench_dir), run_dir / "bench.log")
-        earlier = sum(r.get("distill_s") or 0.0 for r in rows)
-        row = point_row(point, run_dir, bench_dir, wall, args.threads, earlier)
-        write_json(done_file, row)
-        rows.append(row)
+        point_dir = args.out / point["name"]
+        run_dirs = {r["name"]: point_dir / r["name"] if args.recipes else point_dir for r in recipes}
+        done = {name: d / "point.json" for name, d in run_dirs.items()}
+        if all(f.exists() for f in done.values()):
+            here = [json.loads(f.read_text()) for f in done.values()]
+        else:
+            walls = {}
+            for r in recipes:
+                run_dir = run_dirs[r["name"]]
+                run_dir.mkdir(parents=True, exist_ok=True)
+                cmd = train_command(args, point, run_dir, r["overrides"])
+                walls[r["name"]] = run_logged(cmd, run_dir / "train.log")
+            heads = {name: d / "heads" for name, d in run_dirs.items()}
+            run_logged(bench_command(args, heads, point_dir / "bench"), point_dir / "bench.log")
+            distilled = {name: stage_seconds(d / "train.log")["distill_s"] or 0.0 for name, d in run_dirs.items()}
+            here = []
+            for name, run_dir in run_dirs.items():
+                # a run from scratch also generates the answers an earlier run of this point left in the cache
+                reused = earlier + max(distilled.values()) - distilled[name]
+                row = point_row(point, run_dir, point_dir / "bench", walls[name], args.threads, reused, name)
+                if args.recipes:
+                    row["recipe"] = name
+                write_json(done[name], row)
+                here.append(row)
+        earlier += max((r.get("distill_s") or 0.0) for r in here)
+        rows += here
         print(table(rows), flush=True)
     write_json(args.out / "scaling.json", rows)
     (args.out / "scaling.md").write_text(table(rows) + "\n")

@@ -63,3 +63,46 @@ def test_two_points_train_bench_and_tabulate(tmp_path, monkeypatch):
     # a finished point is read back, not run again
     (out / "small" / "train.log").unlink()
     assert scaling.main(argv) == 0 and not (out / "small" / "train.log").exists()
+
+
+def test_recipes_are_parsed_and_checked():
+    assert scaling.parse_recipe("kl=") == {"name": "kl", "overrides": []}
+    assert scaling.parse_recipe("e31=eagle3.fc_norm=true,eagle3.norm_output=true") == {
+        "name": "e31",
+        "overrides": ["eagle3.fc_norm=true", "eagle3.norm_output=true"],
+    }
+    for bad in ("kl", "a b=x=1", "lk=eagle3.loss"):
+        with pytest.raises(ValueError, match="recipe"):
+            scaling.parse_recipe(bad)
+
+
+@pytest.mark.slow  # two training runs and one bench, each in its own process (~1.5 min on 2 cores)
+def test_recipes_train_at_one_budget_and_bench_in_one_run(tmp_path, monkeypatch):
+    target_dir = tmp_path / "target"
+    tiny_target("llama").save_pretrained(target_dir)
+    tiny_tokenizer().save_pretrained(target_dir)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in conversations(30)))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["tell me about the sea"]}) + "\n")
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        f"head: medusa\ntarget: {target_dir}\ndata: {data}\nself_distill: false\nmax_length: 32\n"
+        "draft_vocab_size: 64\nlr: 0.003\nwarmup_steps: 1\neval_every: 1000\nsave_every: 1000\n"
+        "calibrate_prompts: 0\neval_fraction: 0.2\nmedusa: {num_heads: 2, batch_positions: 16}\n"
+    )
+    out = tmp_path / "curve"
+    argv = ["--config", str(config), "--out", str(out), "--threads", "1", "--target", str(target_dir)]
+    argv += ["--bench-prompts", str(prompts), "--bench-num-prompts", "1", "--bench-max-new-tokens", "8"]
+    argv += ["--points", "p:0:20:0.02", "--override", "max_steps=3", "--recipes", "ce=", "tv=medusa.loss=tv"]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert scaling.main(argv) == 0
+    rows = json.loads((out / "scaling.json").read_text())
+    assert [(r["name"], r["recipe"]) for r in rows] == [("p", "ce"), ("p", "tv")]
+    assert rows[0]["feature_tokens"] == rows[1]["feature_tokens"] > 0  # the same data for both recipes
+    assert all(r["train_steps"] == 3 and r["prompts"] == 1 for r in rows)
+    summary = json.loads((out / "p" / "tv" / "train_summary.json").read_text())
+    assert summary["config"]["medusa"]["loss"] == "tv"
+    report = json.loads((out / "p" / "bench" / "report.json").read_text())
+    assert set(report["samples"][0]["results"]) >= {"baseline", "ce", "tv"}  # one bench run, both heads
+    assert "| p | tv | 0 + 20 |" in (out / "scaling.md").read_text()
