@@ -110,9 +110,11 @@ def _describe(head_type: str, config: Mapping[str, Any]) -> str:
             f"feature; the target's own lm_head scores it, over {draft} of the target's {vocab} tokens."
         )
     layers = ", ".join(str(i) for i in ours.get("target_layers") or [])
+    eagle31 = [k for k in ("fc_norm", "norm_output") if ours.get(k)]
     return (
         f"One decoder layer over the fused hidden states of target layers ({layers}), with its own lm_head over "
         f"a draft vocabulary of {draft} of the target's {vocab} tokens (`d2t` / `t2d` maps included)."
+        + (f" EAGLE-3.1 (arXiv:2605.09992): {' and '.join(f'`{k}`' for k in eagle31)}." if eagle31 else "")
     )
 
 
@@ -125,12 +127,14 @@ def _engines(
     reduced: bool,
     layer_type: str = "llama",
     fc_bias: bool = True,
+    eagle31: bool = False,
 ) -> str:
     """The vLLM, SGLang and llama.cpp sections: export first (``selfspec export`` loads the heads onto
     ``target``, their own target), then the engine's own command. Only commands the exporters run for these
     heads are given (:mod:`selfspec.export`): ``reduced``: the head drafts over a reduced vocabulary (an EAGLE-1
     export then carries SGLang's ``--speculative-token-map`` file); ``layer_type``: the EAGLE layer's model type
-    (the engine layouts hold Llama layers); ``fc_bias``: SGLang's EAGLE-1 ``fc`` has a bias."""
+    (the engine layouts hold Llama layers); ``fc_bias``: SGLang's EAGLE-1 ``fc`` has a bias; ``eagle31``: an EAGLE-3.1
+    head (``fc_norm`` / ``norm_output``), which the SGLang and llama.cpp exports refuse."""
     name = repo_id.split("/")[-1]
     if head_type == "medusa":
         return f"""### vLLM
@@ -196,7 +200,7 @@ EAGLE-1 class): serve this head with SGLang or selfspec, or train an EAGLE-3 hea
 llama.cpp runs EAGLE-3 drafts only (`--spec-type draft-eagle3`), not EAGLE-1: train an EAGLE-3 head with
 selfspec for llama.cpp.
 """
-    return f"""### vLLM
+    vllm = f"""### vLLM
 
 Export to the `speculators` format, which vLLM serves directly (the target is named in its config):
 
@@ -204,7 +208,19 @@ Export to the `speculators` format, which vLLM serves directly (the target is na
 selfspec export {repo_id} --format speculators --target {target} --out {name}-speculators
 vllm serve {name}-speculators
 ```
+"""
+    if eagle31:
+        return f"""{vllm}
+This is an EAGLE-3.1 head (`fc_norm` / `norm_output` in the speculators config): serve it with a vLLM that reads
+both fields.
 
+### SGLang and llama.cpp
+
+Their EAGLE-3 drafts compute neither EAGLE-3.1 option (no per-layer norm before `fc`, the pre-norm state fed to the
+next step), so `selfspec export` refuses this head for them: serve it with vLLM or selfspec, or train an EAGLE-3
+head (`eagle3.fc_norm` and `eagle3.norm_output` false) for them.
+"""
+    return f"""{vllm}
 ### SGLang
 
 Export to SGLang's `LlamaForCausalLMEagle3` layout, then:
@@ -316,6 +332,7 @@ def head_card(
         reduced,
         layer_type=layer_type,
         fc_bias=bool(ours.get("fc_bias", True)),
+        eagle31=bool(ours.get("fc_norm") or ours.get("norm_output")),
     )
     body = f"""
 # {family.title} draft heads for {base_model}

@@ -21,6 +21,9 @@ convention; the SGLang layout writes ``eagle_config.eagle_aux_hidden_state_layer
 head's own ``target_layers`` before conversion (:func:`_pin_layers`); without it a head with non-default layers
 would convert silently with the wrong ones. The written file is read back with the ``gguf`` package
 and checked (architecture, every tensor, layers, ``d2t``) before it is renamed into place.
+
+EAGLE-3.1 heads (``fc_norm`` / ``norm_output``, arXiv:2605.09992) are refused before anything runs
+(:func:`check_llamacpp_eagle31`): llama.cpp's ``eagle3`` draft computes neither.
 """
 
 from __future__ import annotations
@@ -37,10 +40,11 @@ from selfspec.export.common import ExportError, Head, family_name, require_llama
 from selfspec.export.gguf_block import convert_block_head
 from selfspec.export.sglang import export_sglang
 from selfspec.heads.dflash import BLOCK_HEAD_TYPES
+from selfspec.heads.eagle3 import Eagle3Head
 from selfspec.llamacpp import LlamaCpp, ensure_llamacpp
 from selfspec.target import resolve_target
 
-__all__ = ["GGUF_TENSORS", "check_gguf", "export_gguf"]
+__all__ = ["GGUF_TENSORS", "check_gguf", "check_llamacpp_eagle31", "export_gguf"]
 
 GGUF_TENSORS = frozenset(
     {
@@ -67,6 +71,30 @@ GGUF_TENSORS = frozenset(
 )
 """The tensors of an ``eagle3`` GGUF of a Llama head (``load_arch_tensors`` of llama.cpp's ``src/models/eagle3.cpp``;
 no ``token_embd``: the draft uses the target's)."""
+
+
+def check_llamacpp_eagle31(head: Eagle3Head) -> None:
+    """Refuse an EAGLE-3.1 head: llama.cpp would convert and run it with another function, silently.
+
+    Read in the llama.cpp of ``llama-cpp-python==0.3.36`` (``vendor/llama.cpp``): the converter
+    (``conversion/llama.py``, ``LlamaModel.__init__``'s EAGLE-3 branch) writes ``norm_before_residual`` and
+    ``norm_before_fc`` from the draft's config and neither ``fc_norm`` nor ``norm_output``; the graph
+    (``src/models/eagle3.cpp``) applies ``fc`` to the raw fused features (the encoder; an optional single norm over
+    the whole concatenation, ``norm_before_fc``, not one per layer) and hands the pre-norm state ``eagle3_prenorm``
+    to the next draft step (the decoder's ``t_h_nextn``), where ``norm_output`` feeds ``norm(o)``.
+
+    Raises:
+        ExportError: naming the flags and the formats that take the head.
+    """
+    flags = head.config.eagle31_flags
+    if flags:
+        raise ExportError(
+            f"this is an EAGLE-3.1 head ({', '.join(f'{k}=true' for k in flags)}); llama.cpp's eagle3 draft "
+            "(src/models/eagle3.cpp, converter conversion/llama.py) applies fc to the raw fused features and feeds "
+            "the pre-norm state to the next draft step, reading neither flag, so it would draft with another "
+            "function. Export it with --format speculators (vLLM), serve it with selfspec, or train with "
+            "eagle3.fc_norm / eagle3.norm_output false for llama.cpp"
+        )
 
 
 def _target_config(target_dir: Path) -> dict:
@@ -107,9 +135,10 @@ def export_gguf(
         Path of the written ``.gguf`` file.
 
     Raises:
-        ExportError: the head is not EAGLE-3 (llama.cpp loads EAGLE-3 drafts only), its layer is not a plain
-            Llama layer, the target directory is not the head's target (hidden size, vocabulary, layer count),
-            or the converted file fails :func:`check_gguf`. Nothing is written then.
+        ExportError: the head is not EAGLE-3 (llama.cpp loads EAGLE-3 drafts only), an EAGLE-3.1 head
+            (:func:`check_llamacpp_eagle31`), its layer is not a plain Llama layer, the target directory is not the
+            head's target (hidden size, vocabulary, layer count), or the converted file fails :func:`check_gguf`.
+            Nothing is written then.
         RuntimeError: the converter failed (its output is in the message), or llama.cpp cannot be built.
     """
     family = family_name(head)
@@ -120,6 +149,7 @@ def export_gguf(
         )
     if family == "eagle3":
         require_llama(head, "gguf")
+        check_llamacpp_eagle31(head)
     target_dir = Path(resolve_target(target_dir))
     if not target_dir.is_dir():
         raise ExportError(f"target {target_dir} is not a local directory: pass the target's Hugging Face directory")

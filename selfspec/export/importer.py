@@ -7,11 +7,14 @@ three ``architectures`` SGLang's exports carry (``LlamaForCausalLMEagle3``, ``Ll
 optional ``--speculative-token-map`` file, ``MedusaModel``). Reading refuses, with one
 :class:`~selfspec.heads.io.HeadFormatError` that names the fix and before anything is written: an unknown format or
 architecture, a truncated or corrupt safetensors file, missing / unexpected / wrong-shape tensors (all listed), tensor
-names under a trainer prefix (``module.``, ``_orig_mod.``, ...), config flags the head cannot compute (EAGLE-3.1
-norms, ``norm_before_residual``), an embedding that is not the target's, a head for another target (sizes, layer
-count, or the recorded fingerprint). ``d2t`` is applied once: the draft ids are ``arange(S) + d2t``, and ``t2d`` must
-mark exactly those ids. Every tensor of the file is consumed: loaded into the head, or (``embed_tokens.weight``)
-checked equal to the target's embedding, which selfspec heads use.
+names under a trainer prefix (``module.``, ``_orig_mod.``, ...), config flags the head cannot compute
+(``norm_before_residual``, ``norm_before_fc``, a ``target_hidden_size`` of its own; in the SGLang layout any EAGLE-3.1
+flag, which SGLang's ``LlamaForCausalLMEagle3`` does not compute) or that are not booleans, an embedding that is not
+the target's, a head for another target (sizes, layer count, or the recorded fingerprint). A speculators EAGLE-3.1
+checkpoint (``fc_norm`` and / or ``norm_output`` true, arXiv:2605.09992) becomes the EAGLE-3.1 head with the same
+flags, its ``fc_norm.{0,1,2}.weight`` included. ``d2t`` is applied once: the draft ids are ``arange(S) + d2t``, and
+``t2d`` must mark exactly those ids. Every tensor of the file is consumed: loaded into the head, or
+(``embed_tokens.weight``) checked equal to the target's embedding, which selfspec heads use.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from transformers import AutoConfig
 from selfspec.export.common import TOKEN_MAP_NAME, Head, rename_exact
 from selfspec.export.medusa_vllm import MEDUSA_ARCHITECTURE, read_vllm_medusa
 from selfspec.export.sglang import EAGLE3_ARCHITECTURE, EAGLE_ARCHITECTURE, eagle3_names, eagle_names
+from selfspec.export.speculators import speculators_names
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head, check_vocab_maps, default_target_layers
 from selfspec.heads.fingerprint import target_fingerprint
@@ -44,6 +48,9 @@ if TYPE_CHECKING:
 __all__ = ["IMPORT_FORMATS", "import_heads", "read_foreign_head"]
 
 IMPORT_FORMATS = ("speculators", "sglang")
+# speculators' Eagle3SpeculatorConfig norm flags (speculators/models/eagle3/config.py), all default false.
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+EAGLE31_FLAGS = ("fc_norm", "norm_output")  # the ones selfspec's head computes (Eagle3Config fields)
 
 
 def _arch(raw: dict[str, Any], where: str) -> Any:
@@ -94,22 +101,43 @@ def _embed_consumed(state: dict[str, torch.Tensor], target: PreTrainedModel, whe
         )
 
 
+def _norm_flags(raw: dict[str, Any], fmt: str, where: str) -> dict[str, bool]:
+    """The EAGLE-3.1 flags of a config (``{fc_norm, norm_output}``, missing = false), refusing a flag that is not a
+    boolean, a flag selfspec's head does not compute, and in the SGLang layout (whose ``LlamaForCausalLMEagle3``
+    computes none of them) any set flag."""
+    flags = {k: raw.get(k, False) for k in NORM_FLAGS}
+    odd = sorted(k for k, v in flags.items() if not isinstance(v, bool))
+    if odd:
+        raise HeadFormatError(f"{where}: {odd} must be true or false, got {[flags[k] for k in odd]}")
+    on = [k for k in NORM_FLAGS if flags[k]]
+    unsupported = [k for k in on if fmt == "sglang" or k not in EAGLE31_FLAGS]
+    if unsupported:
+        fix = (
+            "SGLang's LlamaForCausalLMEagle3 computes none of them; import the trainer's speculators export "
+            "(--format speculators) if it has one"
+            if fmt == "sglang"
+            else f"selfspec's EAGLE-3 head computes {list(EAGLE31_FLAGS)} (EAGLE-3.1) and none of the others"
+        )
+        raise HeadFormatError(f"{where}: {unsupported} set; {fix}")
+    return {k: flags[k] for k in EAGLE31_FLAGS}
+
+
 def _eagle3(d: Path, raw: dict[str, Any], fmt: str, target: PreTrainedModel) -> Eagle3Head:
     where = str(d / CONFIG_NAME)
+    flags = _norm_flags(raw, fmt, where)
     if fmt == "speculators":
         if raw.get("speculators_model_type") != "eagle3":
             raise HeadFormatError(
                 f"{where}: speculators_model_type must be 'eagle3', got {raw.get('speculators_model_type')!r}"
             )
-        flags = [k for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output") if raw.get(k)]
-        if flags or raw.get("target_hidden_size") not in (None, raw["transformer_layer_config"].get("hidden_size")):
-            raise HeadFormatError(
-                f"{where}: {flags or ['target_hidden_size']} set; selfspec's EAGLE-3 head computes none"
-            )
-        layer_raw, prefix = raw["transformer_layer_config"], "layers.0."
+        if raw.get("target_hidden_size") not in (None, raw["transformer_layer_config"].get("hidden_size")):
+            raise HeadFormatError(f"{where}: ['target_hidden_size'] set; selfspec's EAGLE-3 head computes none")
+        layer_raw, names = raw["transformer_layer_config"], speculators_names(flags["fc_norm"])
         layers = raw.get("eagle_aux_hidden_state_layer_ids")
     else:
-        layer_raw, prefix = raw, "midlayer."
+        for key in NORM_FLAGS:  # checked false above; not transformers config fields
+            raw.pop(key, None)
+        layer_raw, names = raw, eagle3_names("midlayer.")
         aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         layers = raw.get("selfspec_target_layers") or ([i + 1 for i in aux] if aux else None)  # SGLang: layer outputs
     arch = _arch(layer_raw, where)
@@ -117,7 +145,7 @@ def _eagle3(d: Path, raw: dict[str, Any], fmt: str, target: PreTrainedModel) -> 
     S = int(raw.get("draft_vocab_size") or arch.vocab_size)
     state = read_safetensors(d / WEIGHTS_NAME)
     _embed_consumed(state, target, str(d / WEIGHTS_NAME))
-    state = _renamed(state, eagle3_names(prefix), fmt, d)
+    state = _renamed(state, names, fmt, d)
     if S == arch.vocab_size and "d2t" not in state and "t2d" not in state:
         state["d2t"], state["t2d"] = torch.zeros(S, dtype=torch.long), torch.ones(S, dtype=torch.bool)
     if "d2t" in state and "t2d" in state:
@@ -136,6 +164,7 @@ def _eagle3(d: Path, raw: dict[str, Any], fmt: str, target: PreTrainedModel) -> 
                 or ""
             ),
             target_fingerprint=target_fingerprint(target),
+            **flags,
         )
     except ValueError as err:
         raise HeadFormatError(f"{where}: {err}") from err

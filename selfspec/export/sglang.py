@@ -31,6 +31,8 @@ The contract, read from the engines' code:
   (``EAGLEWorker.__init__`` in ``eagle_worker.py``), exactly selfspec's ``lm_head[draft_ids]``. The export writes
   that file, a list of S target ids, as :data:`~selfspec.export.common.TOKEN_MAP_NAME` beside ``config.json``
   (``selfspec_speculative_token_map`` in the config names it); SGLang needs the flag to use it.
+* EAGLE-3.1 heads (``fc_norm`` / ``norm_output``, arXiv:2605.09992) are refused (:func:`check_sglang_eagle31`): the
+  ``llama_eagle3.py`` above computes neither (see there).
 * Medusa heads (SGLang has no Medusa drafter) are written in vLLM's ``MedusaModel`` layout
   (:mod:`selfspec.export.medusa_vllm`).
 """
@@ -61,6 +63,7 @@ from selfspec.heads.medusa import MedusaHeads
 __all__ = [
     "EAGLE3_ARCHITECTURE",
     "EAGLE_ARCHITECTURE",
+    "check_sglang_eagle31",
     "eagle3_names",
     "eagle_names",
     "export_sglang",
@@ -137,7 +140,33 @@ def sglang_aux_layer_ids(target_layers: tuple[int, ...], num_layers: int) -> lis
     return [i - 1 for i in target_layers]
 
 
+def check_sglang_eagle31(head: Eagle3Head) -> None:
+    """Refuse an EAGLE-3.1 head: SGLang would load it and draft with another function, silently.
+
+    Read in sglang ``python/sglang/srt/models/llama_eagle3.py`` (``LlamaModel.forward``,
+    ``LlamaForCausalLMEagle3.load_weights``): ``fc`` is applied to the raw fused target states (no per-layer norm:
+    ``fc_norm``), the state handed to the next draft step is the pre-norm ``hidden_states_to_aux`` (not ``norm(o)``:
+    ``norm_output``), neither flag is read from the config, and the loader skips names it does not know, so
+    ``fc_norm.*`` would be dropped without a word. (SpecForge PR #879 points at a later SGLang whose
+    ``llama_eagle3.py`` has a ``norm_output`` config field, default false; the refusal stays until an SGLang that
+    computes both flags is read and its draft logits checked.)
+
+    Raises:
+        ExportError: naming the flags and the formats that take the head.
+    """
+    flags = head.config.eagle31_flags
+    if flags:
+        raise ExportError(
+            f"this is an EAGLE-3.1 head ({', '.join(f'{k}=true' for k in flags)}); SGLang's LlamaForCausalLMEagle3 "
+            "(llama_eagle3.py) applies fc to the raw fused states and feeds the pre-norm state to the next draft "
+            "step, and skips tensors it does not know, so it would draft with another function. Export it with "
+            "--format speculators (vLLM), serve it with selfspec, or train with eagle3.fc_norm / eagle3.norm_output "
+            "false for SGLang"
+        )
+
+
 def _eagle3(head: Eagle3Head, target_name_or_path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    check_sglang_eagle31(head)
     tensors = layer_tensors(head, eagle3_names("midlayer."), FORMAT)
     cfg = llama_config_dict(head)
     cfg.update(
@@ -215,8 +244,9 @@ def export_sglang(head: Head, out_dir: str | Path, *, target_name_or_path: str) 
 
     Raises:
         ExportError: a head whose decoder layer is not Llama's, a tensor the layout does not name or a trainer
-            prefix, an EAGLE-1 head without ``fc.bias``, target layers SGLang cannot name, an ``out_dir`` holding
-            other files; what :func:`~selfspec.export.medusa_vllm.export_vllm_medusa` raises. Nothing is written then.
+            prefix, an EAGLE-3.1 head (:func:`check_sglang_eagle31`), an EAGLE-1 head without ``fc.bias``, target
+            layers SGLang cannot name, an ``out_dir`` holding other files; what
+            :func:`~selfspec.export.medusa_vllm.export_vllm_medusa` raises. Nothing is written then.
     """
     family = family_name(head)
     extra: dict[str, bytes] = {}

@@ -10,7 +10,7 @@ aux layers in ``vllm/v1/worker/gpu_model_runner.py``):
   ``draft_vocab_size`` S, ``eagle_aux_hidden_state_layer_ids`` (the target layers whose INPUT hidden states are
   fused: vLLM captures ``hidden_states + residual`` before layer ``idx`` for each id, the same convention as
   selfspec's ``target_layers``), ``norm_before_residual: false`` (written: vLLM defaults a missing one to
-  ``true``), the EAGLE-3.1 flags ``norm_before_fc`` / ``fc_norm`` / ``norm_output`` all ``false``, and
+  ``true``), the EAGLE-3.1 flags (below), and
   ``speculators_config`` = ``{algorithm: "eagle3", proposal_methods: [{proposal_type: "greedy",
   speculative_tokens, verifier_accept_k: 1, accept_tolerance: 0.0}], default_proposal_method: "greedy",
   verifier: {name_or_path, architectures}}``.
@@ -22,6 +22,16 @@ aux layers in ``vllm/v1/worker/gpu_model_runner.py``):
   ``_keys_to_ignore_on_load_missing``, but with transformers 5.19 a missing one is left as uninitialised memory that
   ``load_verifier_weights`` (which refills only NaN) keeps: measured here, a checkpoint without it gave draft logits
   off by up to 0.64 on the tiny Llama target. vLLM's ``llama_eagle3.py`` loads the draft's embedding when present.
+
+EAGLE-3.1 (arXiv:2605.09992): ``fc_norm`` and ``norm_output`` are the head's own
+(:class:`~selfspec.heads.eagle3.Eagle3Config`), ``norm_before_fc`` is ``false``. In speculators' ``Eagle3DraftModel``
+(``core.py``: ``__init__`` builds ``fc_norm`` as a ``ModuleList`` of one ``norm_class(hidden_size,
+eps=rms_norm_eps)`` per aux layer; ``forward`` norms each ``chunk`` of the fused states before ``fc``, and with
+``norm_output`` sets ``hidden_states = self.norm(hidden_states)`` before ``lm_head`` and the next step) these are
+selfspec's functions exactly; their tensors are ``fc_norm.{0,1,2}.weight [D]``. vLLM takes the same config fields
+from a speculators config since vllm-project/vllm#46488 ("Propagate norm_output and fc_norm config for Eagle3
+speculators"); an older ``llama_eagle3.py`` reads neither (its ``LlamaModel.forward`` returns the pre-norm state for
+the next step, ``combine_hidden_states`` applies ``fc`` alone), so serve an EAGLE-3.1 head with a vLLM after it.
 
 EAGLE-1 is not a speculators 0.9.0 family (its ``EagleSpeculator`` was removed before 0.5.0): an EAGLE-1 head is
 refused here and exports with ``--format sglang``.
@@ -40,10 +50,19 @@ from selfspec.export.common import ExportError, Head, family_name, llama_config_
 from selfspec.export.sglang import eagle3_names, layer_tensors
 from selfspec.heads.eagle3 import Eagle3Head
 
-__all__ = ["SPECULATORS_VERSION", "export_speculators"]
+__all__ = ["SPECULATORS_VERSION", "export_speculators", "speculators_names"]
 
 SPECULATORS_VERSION = "0.9.0"
 FORMAT = "speculators"
+
+
+def speculators_names(fc_norm: bool) -> dict[str, str]:
+    """selfspec :class:`Eagle3Head` module names -> speculators tensor names: the EAGLE-3 layout with the layer under
+    ``layers.0.`` and, for an EAGLE-3.1 head with ``fc_norm``, ``fc_norm.{0,1,2}.weight`` (the same names)."""
+    names = eagle3_names("layers.0.")
+    if fc_norm:
+        names.update({f"fc_norm.{i}.weight": f"fc_norm.{i}.weight" for i in range(3)})
+    return names
 
 
 def _layer_config(head: Eagle3Head) -> dict[str, Any]:
@@ -63,7 +82,8 @@ def export_speculators(
     """Write ``head`` in the speculators format (see the module docstring), atomically.
 
     Args:
-        head: an :class:`Eagle3Head` whose decoder layer is Llama's, any float dtype (written as it is).
+        head: an :class:`Eagle3Head` (EAGLE-3 or EAGLE-3.1) whose decoder layer is Llama's, any float dtype (written
+            as it is).
         out_dir: the directory to write (created, or replaced as a whole).
         target_name_or_path: the verifier (target) Hub id or directory, written as
             ``speculators_config.verifier.name_or_path``; vLLM and speculators read the target's config from it.
@@ -96,7 +116,7 @@ def export_speculators(
             f"target_layers {layers} repeat a layer; speculators requires distinct eagle_aux_hidden_state_layer_ids "
             "(a target of at least 3 layers gives distinct defaults)"
         )
-    tensors = layer_tensors(head, eagle3_names("layers.0."), FORMAT)
+    tensors = layer_tensors(head, speculators_names(head.config.fc_norm), FORMAT)
     if head.config.draft_vocab_size == head.config.vocab_size:
         del tensors["d2t"], tensors["t2d"]
     tensors["embed_tokens.weight"] = target_embedding(head).to(head.fc.weight.dtype)
@@ -109,10 +129,10 @@ def export_speculators(
         "dtype": layer_cfg["dtype"],
         "eagle_aux_hidden_state_layer_ids": layers,
         "embed_requires_grad": False,
-        "fc_norm": False,
+        "fc_norm": head.config.fc_norm,
         "norm_before_fc": False,
         "norm_before_residual": False,
-        "norm_output": False,
+        "norm_output": head.config.norm_output,
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",

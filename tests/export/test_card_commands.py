@@ -35,6 +35,7 @@ HEADS = {
     "eagle-reduced": lambda t: make_eagle(t, draft=40),
     "eagle-no-bias": _no_bias,
     "eagle3": lambda t: make_eagle3(t),
+    "eagle3.1": lambda t: make_eagle3(t, fc_norm=True, norm_output=True),  # speculators only
 }
 
 
@@ -59,7 +60,9 @@ def test_every_export_command_on_the_card_runs(case, target, target_dir, tmp_pat
         assert repo == "alice/tiny-heads"
         argv = [str(heads_dir), "--format", fmt, "--target", str(target_dir), "--out", out]
         assert main(["export", *argv]) == 0, (fmt, text)
-    assert bool(gguf_calls) == isinstance(head, Eagle3Head)
+    assert bool(gguf_calls) == (isinstance(head, Eagle3Head) and not head.config.eagle31_flags)
+    if case == "eagle3.1":
+        assert [fmt for _, fmt, _, _ in commands] == ["speculators"] and "EAGLE-3.1 head" in text
     for path in re.findall(r"--speculative-token-map (\S+)", text):
         assert (tmp_path / path).is_file()
     assert ("--speculative-token-map" in text) == (case == "eagle-reduced")

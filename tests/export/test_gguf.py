@@ -10,6 +10,7 @@ llama.cpp's own greedy text without the draft, and the acceptance llama.cpp repo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -73,6 +74,20 @@ def test_gguf_refuses_heads_that_are_not_eagle3(target, tmp_path):
     head = EagleHead(cfg, target.config, target=target)
     with pytest.raises(ExportError, match="EAGLE-3, DFlash and DSpark heads.*--format sglang"):
         export_gguf(head, tmp_path / "out", target_dir=tmp_path)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags", [dict(fc_norm=True), dict(norm_output=True)], ids=lambda f: next(iter(f)))
+def test_gguf_refuses_eagle31_heads(target, tmp_path, flags):
+    """llama.cpp's eagle3 draft (``src/models/eagle3.cpp``; its converter ``conversion/llama.py``) reads neither
+    EAGLE-3.1 option: such a head is refused, naming the flag and llama.cpp's reason, before anything is built or
+    written (the target directory is not even read)."""
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(eagle3_head(target).config, **flags)
+    head = Eagle3Head(cfg, target.config, draft_ids=IDS, target=target)
+    name = next(iter(flags))
+    with pytest.raises(ExportError, match=f"EAGLE-3.1 head \\({name}=true\\); llama.cpp's eagle3 draft"):
+        export_gguf(head, tmp_path / "out", target_dir=tmp_path / "nowhere")
     assert not (tmp_path / "out").exists()
 
 

@@ -7,7 +7,8 @@ match the contracts read from the engines' code (no engine runs here):
 * SGLang EAGLE-1: sglang ``python/sglang/srt/models/llama_eagle.py`` (``fc`` with bias, ``layers.0.*`` without
   ``input_layernorm``).
 * speculators: ``speculators/models/eagle3/core.py`` + ``model_definitions.py`` (0.9.0), vLLM
-  ``vllm/transformers_utils/configs/speculators/base.py`` (``validate_speculators_config``).
+  ``vllm/transformers_utils/configs/speculators/base.py`` (``validate_speculators_config``); EAGLE-3.1's flags from
+  ``speculators/models/eagle3/config.py`` (``Eagle3SpeculatorConfig``) and ``Eagle3DraftModel.fc_norm``.
 """
 
 from __future__ import annotations
@@ -196,3 +197,70 @@ def test_refusals_name_a_format_that_takes_the_head(target, tmp_path):
             with pytest.raises(ExportError, match="fc.bias"):
                 export_heads(head, "sglang", tmp_path / "x", target_name_or_path="t")
         assert "fc_bias=True" in str(refused.value) or fix.startswith("--format")
+
+
+# ------------------------------------------------------------------------------------------------ EAGLE-3.1
+def two_steps(head) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft logits of a first step (3D fused features) and of the step after it (the head's own D-wide outputs):
+    the second exercises ``norm_output``."""
+    feats, ids, pos = inputs(3 * D)
+    with torch.no_grad():
+        out = head(feats, ids, pos)
+        return head.draft_logits(out), head.draft_logits(head(out, ids, pos))
+
+
+def test_speculators_eagle31_layout_and_roundtrip(target, tmp_path):
+    """An EAGLE-3.1 head writes speculators' flags and ``fc_norm.{0,1,2}.weight`` (``Eagle3DraftModel.fc_norm``,
+    ``speculators/models/eagle3/core.py``) and reads back to the same head, both draft steps exact."""
+    head = make_eagle3(target, fc_norm=True, norm_output=True)
+    out = export_heads(head, "speculators", tmp_path / "sp", target_name_or_path="tiny-dir")
+    fc_norm = {f"fc_norm.{i}.weight": (D,) for i in range(3)}
+    assert shapes(out) == {**eagle3_contract("layers.0."), "embed_tokens.weight": (V, D), **fc_norm}
+    cfg = json.loads((out / "config.json").read_text())
+    flags = {k: cfg[k] for k in ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual")}
+    assert flags == {"fc_norm": True, "norm_output": True, "norm_before_fc": False, "norm_before_residual": False}
+    back = read_foreign_head(out, "speculators", target)
+    assert back.config.eagle31_flags == ("fc_norm", "norm_output")
+    for a, b in zip(two_steps(back), two_steps(head), strict=True):
+        assert (a - b).abs().max().item() == 0.0
+    only = export_heads(make_eagle3(target, norm_output=True), "speculators", tmp_path / "no", target_name_or_path="t")
+    assert not any(k.startswith("fc_norm.") for k in shapes(only))
+    assert read_foreign_head(only, "speculators", target).config.eagle31_flags == ("norm_output",)
+
+
+def _config_edit(d, **fields):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(fields)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"norm_before_fc": True}, r"\['norm_before_fc'\] set; selfspec's EAGLE-3 head computes"),
+        ({"norm_before_residual": True}, r"\['norm_before_residual'\] set"),
+        ({"fc_norm": "true"}, r"\['fc_norm'\] must be true or false"),
+        ({"norm_output": 1}, r"\['norm_output'\] must be true or false"),
+        ({"fc_norm": False}, r"unexpected tensors \['fc_norm.0.weight'"),  # flag off, its tensors there
+    ],
+)
+def test_speculators_import_refuses_what_the_head_cannot_compute(target, tmp_path, fields, match):
+    out = export_heads(make_eagle3(target, fc_norm=True), "speculators", tmp_path / "sp", target_name_or_path="t")
+    _config_edit(out, **fields)
+    with pytest.raises(HeadFormatError, match=match):
+        read_foreign_head(out, "speculators", target)
+
+
+def test_sglang_refuses_eagle31_both_ways(target, tmp_path):
+    """SGLang's ``llama_eagle3.py`` computes neither option: an EAGLE-3.1 head is not exported to its layout (nothing
+    written), and an SGLang-layout config that sets one is not imported."""
+    for flags in ({"fc_norm": True}, {"norm_output": True}):
+        with pytest.raises(ExportError, match=f"EAGLE-3.1 head \\({next(iter(flags))}=true\\).*--format speculators"):
+            export_heads(make_eagle3(target, **flags), "sglang", tmp_path / "x", target_name_or_path="t")
+    assert not (tmp_path / "x").exists()
+    out = export_heads(make_eagle3(target), "sglang", tmp_path / "sg", target_name_or_path="t")
+    _config_edit(out, norm_output=False)  # written false: still the EAGLE-3 head
+    assert read_foreign_head(out, "sglang", target).config.eagle31_flags == ()
+    _config_edit(out, norm_output=True)
+    with pytest.raises(HeadFormatError, match=r"\['norm_output'\] set; SGLang's LlamaForCausalLMEagle3 computes none"):
+        read_foreign_head(out, "sglang", target)
