@@ -7,6 +7,8 @@
   unknown or mistyped key is refused, and every problem is listed at once with its path and the fix. Profiles
   (:mod:`selfspec.decode.tuning`), bench reports (:mod:`selfspec.bench.report`), head configs
   (:mod:`selfspec.heads.config`) and training configs (:mod:`selfspec.train.config`) are all read by it.
+* :func:`read_cached` and :func:`write_cached` read and write a measurement's cache file, where a bad or unwritable
+  file is a warning and a new measurement, never an error.
 
 This module is in the bottom layer: it imports nothing of selfspec.
 """
@@ -19,13 +21,14 @@ import datetime
 import errno
 import functools
 import json
+import logging
 import math
 import os
 import shutil
 import types
 import typing
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -36,12 +39,16 @@ __all__ = [
     "cache_root",
     "now_utc",
     "profiles_dir",
+    "read_cached",
     "read_dataclass",
     "read_json",
     "replace_dir",
     "staging_dir",
+    "write_cached",
     "write_json",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
@@ -56,6 +63,30 @@ def cache_root() -> Path:
 def profiles_dir() -> Path:
     """Cache directory of cost profiles: ``<cache root>/profiles``."""
     return cache_root() / "profiles"
+
+
+def read_cached(path: Path, from_dict: Callable[[Any], T], what: str) -> T | None:
+    """The record cached in ``path`` (JSON, parsed by ``from_dict``), or None: no such file, or (with a warning
+    that names ``what``) a file that cannot be read or parsed, which the caller measures again. Never raises for a
+    bad cache file."""
+    if not path.exists():
+        return None
+    try:
+        return from_dict(read_json(path))
+    except (OSError, ValueError, TypeError) as err:
+        logger.warning("%s %s is unreadable (%s): measuring it again", what, path, err)
+        return None
+
+
+def write_cached(path: Path, data: dict[str, Any], what: str) -> None:
+    """Cache ``data`` in ``path`` (JSON, atomically); a cache that cannot be written is only a warning that names
+    ``what`` (the caller uses its measurement uncached)."""
+    try:
+        write_json(path, data)
+    except OSError as err:
+        logger.warning("cannot cache the %s in %s (%s); using it uncached", what, path, err)
+    else:
+        logger.info("%s cached in %s", what, path)
 
 
 def now_utc() -> str:

@@ -34,7 +34,7 @@ from selfspec.decode.loop import TreeCap
 from selfspec.decode.tuning.budget import choose_tree_budget
 from selfspec.decode.tuning.costs import CostProfile, cost_key, interleaved_medians, profile_stem
 from selfspec.decode.verifier import Verifier
-from selfspec.heads.files import now_utc, profiles_dir, read_json, write_json
+from selfspec.heads.files import now_utc, profiles_dir, read_cached, write_cached
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -223,20 +223,12 @@ def get_batch_cost_profile(
     (another key) or unreadable (with a warning). ``verifier``: the one that decodes, timed with its kernel
     plan (the plan follows from the target's cached batch-1 cost profile, so one file serves it)."""
     path = batch_cost_path(target)
-    if not refresh and path.exists():
-        try:
-            cached = BatchCostProfile.from_dict(read_json(path))
-        except (OSError, ValueError) as err:
-            logger.warning("batch cost profile %s is unreadable (%s): measuring it again", path, err)
-        else:
-            if dict(cached.key) == cost_key(target):
-                return cached
+    cached = None if refresh else read_cached(path, BatchCostProfile.from_dict, "batch cost profile")
+    if cached is not None and dict(cached.key) == cost_key(target):
+        return cached
     logger.warning("measuring this target's verification cost by batch size once (about 30 s; cached afterwards)")
     profile = measure_batch_cost_profile(target, verifier=verifier)
-    try:
-        write_json(path, profile.to_dict())
-    except OSError as err:
-        logger.warning("cannot cache the batch cost profile in %s (%s)", path, err)
+    write_cached(path, profile.to_dict(), "batch cost profile")
     return profile
 
 

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from selfspec.decode import kv
 from selfspec.decode.verifier import Verifier
 from selfspec.heads import cpu_linear
-from selfspec.heads.files import now_utc, profiles_dir, read_dataclass, read_json, write_json
+from selfspec.heads.files import now_utc, profiles_dir, read_cached, read_dataclass, read_json, write_cached, write_json
 from selfspec.heads.fingerprint import target_fingerprint
 
 if TYPE_CHECKING:
@@ -425,27 +425,16 @@ def get_cost_profile(
     """
     path = cost_profile_path(target)
     wanted = tuple(sorted({int(n) for n in node_counts}))
-    if not refresh and path.exists():
-        try:
-            cached = load_cost_profile(path)
-        except (OSError, ValueError, TypeError) as err:
-            logger.warning("cost profile %s is unreadable (%s): measuring it again", path, err)
+    cached = None if refresh else read_cached(path, CostProfile.from_dict, "cost profile")
+    if cached is not None:
+        if cached.key != cost_key(target):
+            logger.warning(
+                "cost profile %s was measured for %s, not %s: measuring it again", path, cached.key, cost_key(target)
+            )
+        elif (cached.node_counts, cached.context_length) != (wanted, context_length):
+            logger.info("cost profile %s covers other tree sizes: measuring it again", path)
         else:
-            if cached.key != cost_key(target):
-                logger.warning(
-                    "cost profile %s was measured for %s, not %s: measuring it again",
-                    path,
-                    cached.key,
-                    cost_key(target),
-                )
-            elif (cached.node_counts, cached.context_length) != (wanted, context_length):
-                logger.info("cost profile %s covers other tree sizes: measuring it again", path)
-            else:
-                return cached
+            return cached
     profile = measure_cost_profile(target, wanted, context_length, progress=True)
-    try:
-        save_cost_profile(profile, path)
-        logger.info("cost profile cached in %s", path)
-    except OSError as err:
-        logger.warning("cannot cache the cost profile in %s (%s); using it uncached", path, err)
+    write_cached(path, profile.to_dict(), "cost profile")
     return profile

@@ -24,7 +24,7 @@ from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import DraftTree
 from selfspec.decode.tuning.costs import DEFAULT_CONTEXT_LENGTH, cost_key, interleaved_medians, profile_stem
 from selfspec.decode.verifier import Verifier
-from selfspec.heads.files import now_utc, profiles_dir, read_dataclass, read_json, write_json
+from selfspec.heads.files import now_utc, profiles_dir, read_cached, read_dataclass, write_cached
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -151,22 +151,15 @@ def get_draft_cost(
     path = draft_cost_path(drafter, target)
     wanted = sorted({int(d) for d in depths})
     key = cost_key(target)
-    if not refresh and path.exists():
-        try:
-            cached = DraftCost.from_dict(read_json(path))
-        except (OSError, ValueError) as err:
-            logger.warning("draft cost profile %s is unreadable (%s): measuring it again", path, err)
-        else:
-            ms = {int(d): float(v) for d, v in cached.draft_ms.items()}
-            if dict(cached.key) != key:
-                logger.warning("draft cost profile %s was measured for %s: measuring it again", path, cached.key)
-            elif all(d in ms for d in wanted):
-                return {d: ms[d] for d in wanted}
+    cached = None if refresh else read_cached(path, DraftCost.from_dict, "draft cost profile")
+    if cached is not None:
+        ms = {int(d): float(v) for d, v in cached.draft_ms.items()}
+        if dict(cached.key) != key:
+            logger.warning("draft cost profile %s was measured for %s: measuring it again", path, cached.key)
+        elif all(d in ms for d in wanted):
+            return {d: ms[d] for d in wanted}
     logger.info("measuring EAGLE drafting cost at depths %s ...", wanted)
     ms = measure_draft_cost(drafter, target, wanted)
     record = DraftCost(key=key, top_k=drafter.top_k, draft_ms={str(d): v for d, v in ms.items()}, created_utc=now_utc())
-    try:
-        write_json(path, record.to_dict())
-    except OSError as err:
-        logger.warning("cannot cache the draft cost in %s (%s)", path, err)
+    write_cached(path, record.to_dict(), "draft cost profile")
     return ms
