@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from selfspec.bench.random_targets import REAL_SIZES, SIZES, build_target
+from selfspec.bench.random_targets import REAL_SIZES, SIZES, build_target, machine_record
 from selfspec.decode import kv
 from selfspec.decode.drafters import DraftLimit, MedusaDrafter, PromptLookupDrafter
 from selfspec.decode.loop import speculative_generate
@@ -237,13 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     repeats, warmup = (2, 1) if args.quick else (20, 5)
     t_start = time.perf_counter()
     report: dict = {
-        "device": args.device,
-        "accelerator": torch.cuda.get_device_name()
-        if args.device.startswith("cuda")
-        else platform.processor() or "cpu",
-        "dtype": args.dtype,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
+        **machine_record(args.device, args.dtype),
         "prefix_tokens": prefix,
         "repeats": repeats,
         "sizes": {},

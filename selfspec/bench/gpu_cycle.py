@@ -51,7 +51,6 @@ import argparse
 import contextlib
 import gc
 import importlib
-import platform
 import statistics
 import time
 import traceback
@@ -63,7 +62,7 @@ from unittest import mock
 import torch
 
 from selfspec.bench.host_syncs import HOST_READS, MOVES, Probe, count_syncs, transparent
-from selfspec.bench.random_targets import REAL_SIZES, SIZES, build_target
+from selfspec.bench.random_targets import REAL_SIZES, SIZES, build_target, machine_record
 from selfspec.bench.rigged_drafter import TREE_ACCURACY, RiggedDrafter, tree_parents
 from selfspec.decode import kv
 from selfspec.decode.loop import speculative_generate
@@ -419,14 +418,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     report: dict[str, Any] = {
-        "device": args.device,
-        "accelerator": torch.cuda.get_device_name()
-        if args.device.startswith("cuda")
-        else platform.processor() or "cpu",
-        "dtype": args.dtype,
-        "torch": torch.__version__,
+        **machine_record(args.device, args.dtype),
         "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(),
         "sync_count": {
             "debug": "torch.cuda.set_sync_debug_mode('warn'), every warning counted",
             "patch": "patched torch.Tensor host reads (" + ", ".join(HOST_READS) + "); moves to a device apart",

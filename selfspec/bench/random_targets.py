@@ -8,11 +8,13 @@ The shapes (:data:`SIZES`):
 * ``tiny``: 2 layers, hidden 64, vocab 512 (CPU dry runs; a wide init gives well-separated logits, so fp32
   greedy paths have no near-ties)
 
-Used by :mod:`selfspec.bench.gpu_curves` and :mod:`selfspec.bench.gpu_cycle`.
+Used by :mod:`selfspec.bench.gpu_curves` and :mod:`selfspec.bench.gpu_cycle`, whose reports open with
+:func:`machine_record`.
 """
 
 from __future__ import annotations
 
+import platform
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -89,3 +91,15 @@ def build_target(size: str, dtype: torch.dtype, device: str, eos_token_id: int |
     model.generation_config.eos_token_id = eos_token_id
     model.generation_config.pad_token_id = eos_token_id
     return model.eval().requires_grad_(False)
+
+
+def machine_record(device: str, dtype: str) -> dict[str, Any]:
+    """What a measurement ran on, the first keys of a GPU report: ``device`` and ``dtype`` as given, the
+    ``accelerator`` (the CUDA device's name, else the CPU's, else ``"cpu"``), the torch version and its threads."""
+    return {
+        "device": device,
+        "accelerator": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu",
+        "dtype": dtype,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
