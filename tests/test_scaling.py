@@ -101,8 +101,8 @@ def test_recipes_train_at_one_budget_and_bench_in_one_run(tmp_path, monkeypatch)
     assert [(r["name"], r["recipe"]) for r in rows] == [("p", "ce"), ("p", "tv")]
     assert rows[0]["feature_tokens"] == rows[1]["feature_tokens"] > 0  # the same data for both recipes
     assert all(r["train_steps"] == 3 and r["prompts"] == 1 for r in rows)
-    summary = json.loads((out / "p" / "tv" / "train_summary.json").read_text())
-    assert summary["config"]["medusa"]["loss"] == "tv"
+    for recipe, loss in (("ce", "ce"), ("tv", "tv")):
+        assert json.loads((out / "p" / recipe / "train_config.json").read_text())["medusa"]["loss"] == loss
     report = json.loads((out / "p" / "bench" / "report.json").read_text())
     assert set(report["samples"][0]["results"]) >= {"baseline", "ce", "tv"}  # one bench run, both heads
     assert "| p | tv | 0 + 20 |" in (out / "scaling.md").read_text()
