@@ -129,6 +129,17 @@ def test_loss_hand_built():
     _, ce_steps, _ = eagle3_step_loss(unrolled, b, lm, Eagle3Options(ttt_steps=1, loss="ce"), D)
     want = torch.nn.functional.cross_entropy(q[0], p.argmax(-1))
     assert ce_steps[0] == pytest.approx(float(want), abs=1e-4)
+    # the acceptance losses at step 0, from alpha = sum min(p, q) written out here
+    alpha = torch.minimum(p, torch.softmax(q[0], -1)).sum(-1)
+    lam = torch.exp(-3 * alpha)
+    wants = {
+        "tv": 1 - alpha,
+        "nla": -alpha.log(),
+        "lk_hybrid": lam * (p * (p.log() - torch.log_softmax(q[0], -1))).sum(-1) + (1 - lam) * (1 - alpha),
+    }
+    for kind, want in wants.items():
+        _, steps, _ = eagle3_step_loss(unrolled, b, lm, Eagle3Options(ttt_steps=1, loss=kind), D)
+        assert steps[0] == pytest.approx(float(want.mean()), abs=1e-4), kind
 
 
 def test_config_section():
