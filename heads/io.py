@@ -94,23 +94,41 @@ def tensor_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def open_safetensors(
+    path: str | Path, fix: str = FIX, what: str = "", error: type[ValueError] = HeadFormatError
+) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """``(metadata, tensors)`` of a safetensors file, the tensors on the CPU.
+
+    Args:
+        path: the file.
+        fix: what the message tells the user to do.
+        what: the kind of file the message names (``"suffix index"``: ``cannot read suffix index PATH``).
+        error: the ValueError raised.
+
+    Raises:
+        error: the file is missing, truncated or malformed (safetensors checks that the header covers the file
+            exactly).
+    """
+    p = Path(path)
+    name = f"{what} {p}" if what else str(p)
+    if not p.is_file():
+        raise error(f"cannot read {name}: the file is missing; {fix}")
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            return f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
+    except (OSError, SafetensorError) as err:
+        raise error(f"cannot read {name}: {err} (truncated or corrupt); {fix}") from err
+
+
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, on the CPU.
 
     Raises:
-        HeadFormatError: the file is missing, truncated or malformed (safetensors checks that the header
-            covers the file exactly), or its tensors do not match the ``selfspec_sha256`` checksum stored
-            in its metadata.
+        HeadFormatError: the file is missing, truncated or malformed (:func:`open_safetensors`), or its tensors do
+            not match the ``selfspec_sha256`` checksum stored in its metadata.
     """
     p = Path(path)
-    if not p.is_file():
-        raise HeadFormatError(f"cannot read {p}: the file is missing; {FIX}")
-    try:
-        with safe_open(str(p), framework="pt") as f:
-            metadata = f.metadata() or {}
-            state = {k: f.get_tensor(k) for k in f.keys()}
-    except (OSError, SafetensorError) as err:
-        raise HeadFormatError(f"cannot read {p}: {err} (truncated or corrupt); {FIX}") from err
+    metadata, state = open_safetensors(p)
     stored = metadata.get(CHECKSUM_KEY)
     if stored is not None and stored != tensor_digest(state):
         raise HeadFormatError(f"cannot read {p}: its tensors do not match their checksum (corrupt file); {FIX}")

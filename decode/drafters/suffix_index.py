@@ -34,10 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from selfspec.heads.io import tensor_digest
+from selfspec.heads.io import open_safetensors, tensor_digest
 
 FORMAT = "selfspec-suffix-index"
 FORMAT_VERSION = "1"
@@ -326,14 +325,7 @@ class SuffixIndex:
                 the message names the fix.
         """
         p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"cannot read suffix index {p}: no such file; {_FIX}")
-        try:
-            with safe_open(str(p), framework="pt") as f:
-                metadata = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except (OSError, SafetensorError) as err:
-            raise ValueError(f"cannot read suffix index {p}: {err} (truncated or corrupt); {_FIX}") from err
+        metadata, tensors = open_safetensors(p, _FIX, "suffix index", ValueError)
         bad = f"{p} is not a selfspec suffix index of format version {FORMAT_VERSION}"
         if metadata.get("format") != FORMAT or metadata.get("format_version") != FORMAT_VERSION:
             found = f"{metadata.get('format')!r} version {metadata.get('format_version')!r}"
