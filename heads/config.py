@@ -5,6 +5,7 @@ File reading and writing: :mod:`selfspec.heads.io`.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -12,9 +13,16 @@ import torch
 from selfspec.heads.files import read_dataclass
 
 # Re-exported: callers import the error and the readers from here as well as from selfspec.heads.io.
-from selfspec.heads.io import HeadFormatError, read_json, read_safetensors
+from selfspec.heads.io import CONFIG_NAME, HeadFormatError, check_fingerprint, read_json, read_safetensors
 
-__all__ = ["HeadFormatError", "config_from_dict", "draft_vocab_from_counts", "read_json", "read_safetensors"]
+__all__ = [
+    "HeadFormatError",
+    "config_from_dict",
+    "draft_vocab_from_counts",
+    "read_json",
+    "read_safetensors",
+    "read_selfspec_config",
+]
 
 C = TypeVar("C")
 
@@ -31,6 +39,34 @@ def config_from_dict(cls: type[C], data: dict[str, Any], where: str = "config") 
         return read_dataclass(cls, data, where, defaults=True)
     except (TypeError, ValueError) as err:
         raise HeadFormatError(str(err)) from err
+
+
+def read_selfspec_config(
+    directory: Path, raw: dict[str, Any], cls: type[C], target_fingerprint: str | None = None
+) -> C:
+    """The ``selfspec`` object of a head's ``config.json`` (``raw``, read from ``directory``; the object is popped
+    from it) as the family's config ``cls`` (:func:`config_from_dict`), and the head's target checked.
+
+    Args:
+        directory: the head directory (named in the messages).
+        raw: the parsed ``config.json``.
+        cls: the family's frozen config dataclass (with ``target`` and ``target_fingerprint`` fields).
+        target_fingerprint: when given, must equal the stored fingerprint
+            (:func:`~selfspec.heads.io.check_fingerprint`).
+
+    Raises:
+        HeadFormatError: no ``selfspec`` object, an invalid one, or a head trained on another target.
+    """
+    where = directory / CONFIG_NAME
+    ours = raw.pop("selfspec", None)
+    if not isinstance(ours, dict):
+        raise HeadFormatError(f"{where} lacks its 'selfspec' object; re-export with save_pretrained")
+    try:
+        config = config_from_dict(cls, ours, where=f"{where} ['selfspec']")
+    except (TypeError, ValueError) as err:
+        raise HeadFormatError(f"{where} ['selfspec']: {err}") from err
+    check_fingerprint(directory, config.target_fingerprint, target_fingerprint, config.target)
+    return config
 
 
 def draft_vocab_from_counts(counts: torch.Tensor, size: int) -> torch.Tensor:

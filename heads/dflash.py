@@ -44,7 +44,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from selfspec.heads.block_layers import BlockLayer
-from selfspec.heads.config import config_from_dict
+from selfspec.heads.config import read_selfspec_config
 from selfspec.heads.cpu_linear import project
 from selfspec.heads.eagle import logit_softcap, softcap
 from selfspec.heads.eagle3 import check_vocab_maps, vocab_maps
@@ -53,7 +53,6 @@ from selfspec.heads.io import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     HeadFormatError,
-    check_fingerprint,
     load_state,
     read_config,
     read_safetensors,
@@ -410,14 +409,7 @@ class BlockHead(nn.Module, HubMixin):
             raise HeadFormatError(
                 f"{where} is not a DFlash / DSpark head (head_type must be one of {BLOCK_HEAD_TYPES})"
             )
-        ours = raw.get("selfspec")
-        if not isinstance(ours, dict):
-            raise HeadFormatError(f"{where} lacks its 'selfspec' object; re-export with save_pretrained")
-        try:
-            config = config_from_dict(BlockConfig, ours, where=f"{where} ['selfspec']")
-        except (TypeError, ValueError) as err:
-            raise HeadFormatError(f"{where} ['selfspec']: {err}") from err
-        check_fingerprint(d, config.target_fingerprint, target_fingerprint, config.target)
+        config = read_selfspec_config(d, raw, BlockConfig, target_fingerprint)
         try:
             layer_config = Qwen3Config(**{k: v for k, v in raw.items() if k not in _LAYOUT_KEYS})
         except (TypeError, ValueError) as err:

@@ -49,7 +49,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from selfspec.heads.config import config_from_dict
+from selfspec.heads.config import read_selfspec_config
 from selfspec.heads.cpu_linear import project
 from selfspec.heads.hub import HubMixin
 from selfspec.heads.io import (
@@ -58,7 +58,6 @@ from selfspec.heads.io import (
     WEIGHTS_NAME,
     HeadFormatError,
     check_draft_ids,
-    check_fingerprint,
     load_state,
     read_config,
     read_safetensors,
@@ -299,14 +298,7 @@ def read_layer_head(
     raw = read_config(directory)
     if raw.pop("head_type", None) != head_type:
         raise HeadFormatError(f"{where} is not an {family} head (head_type must be {head_type!r})")
-    ours = raw.pop("selfspec", None)
-    if not isinstance(ours, dict):
-        raise HeadFormatError(f"{where} lacks its 'selfspec' object; re-export with save_pretrained")
-    try:
-        config = config_from_dict(config_cls, ours, where=f"{where} ['selfspec']")
-    except (TypeError, ValueError) as err:
-        raise HeadFormatError(f"{where} ['selfspec']: {err}") from err
-    check_fingerprint(directory, config.target_fingerprint, target_fingerprint, config.target)
+    config = read_selfspec_config(directory, raw, config_cls, target_fingerprint)
     if pop_fields is not None:
         pop_fields(raw, config)
     if raw.get("num_hidden_layers") != 1:
