@@ -221,8 +221,6 @@ class BlockHead(nn.Module, HubMixin):
         HeadFormatError: the layer config disagrees with ``config``, or the vocabulary maps are invalid.
     """
 
-    acceptance_profile = None  # as EAGLE heads: a profile to size decoding with when passed as a module
-
     def __init__(
         self,
         config: BlockConfig,
