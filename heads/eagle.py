@@ -332,9 +332,6 @@ class EagleHead(nn.Module, HubMixin):
         HeadFormatError: the architecture config disagrees with ``config``, or ``draft_ids`` is invalid.
     """
 
-    # An acceptance profile to size the decoding tree with when the head is passed as a module rather than a
-    # directory (selfspec.load reads <head_dir>/acceptance_profile.json otherwise); None: none.
-    acceptance_profile = None
     # EAGLE-1 heads take the target's last hidden state (EAGLE-3 heads name three layers).
     target_layers = None
 

@@ -242,10 +242,6 @@ class Eagle3Head(nn.Module, HubMixin):
         HeadFormatError: the architecture disagrees with ``config``, or the vocabulary maps are invalid.
     """
 
-    # An acceptance profile to size the decoding tree with when the head is passed as a module rather than a
-    # directory (selfspec.load reads <head_dir>/acceptance_profile.json otherwise); None: none.
-    acceptance_profile = None
-
     def __init__(
         self,
         config: Eagle3Config,

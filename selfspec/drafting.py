@@ -131,9 +131,9 @@ def plan_drafter(
     expected tokens per second on this machine (see :func:`_medusa_drafter`).
 
     EAGLE heads take ``depth``, ``top_k`` and ``total_tokens`` as ``eagle_options``. ``depth`` and
-    ``total_tokens`` default to ``"auto"``: when ``tune="auto"`` and the head carries an acceptance profile
-    (``<head_dir>/acceptance_profile.json`` written by ``selfspec tune-tree``, or an ``acceptance_profile``
-    attribute on a head module) they are chosen for this machine by :func:`~.tuning.budget.tune_tree_budget`
+    ``total_tokens`` default to ``"auto"``: when ``tune="auto"`` and the head directory holds an acceptance profile
+    (``<head_dir>/acceptance_profile.json``, written by training and by ``selfspec tune-tree``; a head passed as a
+    module has none) they are chosen for this machine by :func:`~.tuning.budget.tune_tree_budget`
     (verification and drafting costs measured once and cached); otherwise they are the defaults of
     :mod:`selfspec.decode.drafters.eagle`. Integers always win; giving one of the two fixes it and chooses the other.
 
@@ -301,7 +301,8 @@ def _eagle_drafter(
     fixed_total = None if total_tokens == "auto" else total_tokens
     profile = None
     if tune == "auto":
-        profile = load_acceptance_profile(head_dir, target=target) if head_dir is not None else head.acceptance_profile
+        # a head passed as a module has no directory, so no profile: it decodes with the default tree
+        profile = load_acceptance_profile(head_dir, target=target) if head_dir is not None else None
     budget, why = None, "it has no acceptance profile (run `selfspec tune-tree` to make one)"
     if tune == "off":
         why = "was loaded with tune='off'"

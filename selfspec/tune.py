@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from selfspec.console import parse_command
 from selfspec.decode.drafters.eagle import DEFAULT_TOP_K, EagleDrafter
 from selfspec.decode.tuning import budget as tree_budget
 from selfspec.decode.tuning import calibration, costs, draft_costs
@@ -88,8 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """``selfspec tune-tree ...``: returns 0 on success, 2 on bad arguments."""
     parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_command(parser, argv)
     if min(args.n_prompts, args.max_new_tokens, args.depth_max, args.total_tokens_max, args.top_k) < 1:
         parser.error("--n-prompts, --max-new-tokens, --depth-max, --total-tokens-max and --top-k must be >= 1")
     if args.max_new_tokens < 2:

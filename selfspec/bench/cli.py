@@ -16,6 +16,7 @@ from selfspec.bench.llamacpp import run_llamacpp_bench
 from selfspec.bench.methods import BUILTIN_METHODS, DEFAULT_METHODS, BenchSettings, build_methods, eagle_kwargs
 from selfspec.bench.outputs import summary_text, write_report
 from selfspec.bench.run import run_bench
+from selfspec.console import parse_command
 from selfspec.export.common import ExportError
 from selfspec.llamacpp import alias_gguf, find_llamacpp
 from selfspec.prompts import SHAREGPT_HELDOUT, load_prompts
@@ -172,8 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """``selfspec bench ...``: returns 0 on success, 2 on bad arguments."""
     parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_command(parser, argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

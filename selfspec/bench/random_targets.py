@@ -22,45 +22,26 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+# Llama shapes by name, one row each: the real models' (SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B) and a tiny one.
+_SIZE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "tie_word_embeddings",
+)
 SIZES: dict[str, dict[str, Any]] = {
-    "135m": dict(
-        hidden_size=576,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        intermediate_size=1536,
-        vocab_size=49152,
-        tie_word_embeddings=True,
-    ),
-    "1b": dict(
-        hidden_size=2048,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=8192,
-        vocab_size=128256,
-        tie_word_embeddings=True,
-    ),
-    "8b": dict(
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=14336,
-        vocab_size=128256,
-        tie_word_embeddings=False,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=512,
-        tie_word_embeddings=False,
-        initializer_range=0.2,
-    ),
+    name: dict(zip(_SIZE_FIELDS, row, strict=True))
+    for name, row in {
+        "135m": (576, 30, 9, 3, 1536, 49152, True),
+        "1b": (2048, 16, 32, 8, 8192, 128256, True),
+        "8b": (4096, 32, 32, 8, 14336, 128256, False),
+        "tiny": (64, 2, 4, 2, 128, 512, False),
+    }.items()
 }
+SIZES["tiny"]["initializer_range"] = 0.2
 REAL_SIZES = ("135m", "1b", "8b")
 
 

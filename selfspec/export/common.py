@@ -118,6 +118,44 @@ def require_llama(head: EagleHead | Eagle3Head, fmt: str) -> None:
         )
 
 
+def refuse_eagle31(head: Eagle3Head, engine: str, computes: str) -> None:
+    """Refuse an EAGLE-3.1 head (``fc_norm`` / ``norm_output``, arXiv:2605.09992) for an engine that computes neither.
+
+    Args:
+        head: the EAGLE-3 head being exported.
+        engine: the engine and its format, e.g. ``"llama.cpp"``.
+        computes: what the engine's code does instead (names its files), one clause.
+
+    Raises:
+        ExportError: the head sets a flag; names the flags, the engine, what it computes and the formats that take
+            the head.
+    """
+    flags = head.config.eagle31_flags
+    if flags:
+        raise ExportError(
+            f"this is an EAGLE-3.1 head ({', '.join(f'{k}=true' for k in flags)}); {computes}, so {engine} would "
+            "draft with another function. Export it with --format speculators (vLLM), serve it with selfspec, or "
+            f"train with eagle3.fc_norm / eagle3.norm_output false for {engine}"
+        )
+
+
+def gguf_field(reader: Any, path: str | Path, key: str, draft: str) -> list:
+    """One metadata field of a GGUF file as a list (a scalar field becomes a one-item list).
+
+    Args:
+        reader: the file's ``gguf.GGUFReader``. path: the file, for the message. key: the metadata key.
+        draft: what the converter was asked to write, for the message (``"an EAGLE-3 draft"``).
+
+    Raises:
+        ExportError: the key is missing (the converter did not see such a draft).
+    """
+    found = reader.fields.get(key)
+    if found is None:
+        raise ExportError(f"{path}: no {key} in the GGUF metadata; the converter did not see {draft}")
+    value = found.contents()
+    return value if isinstance(value, list) else [value]
+
+
 def llama_config_dict(head: EagleHead | Eagle3Head) -> dict[str, Any]:
     """The head's one-layer transformers config as a plain dict for an engine: ``num_hidden_layers: 1``,
     ``dtype`` / ``torch_dtype`` the head's, transformers' bookkeeping fields dropped, and the RoPE fields in

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFReader
 
-from selfspec.export.common import ExportError, Head, family_name, require_llama
+from selfspec.export.common import ExportError, Head, family_name, gguf_field, refuse_eagle31, require_llama
 from selfspec.export.gguf_block import convert_block_head
 from selfspec.export.sglang import export_sglang
 from selfspec.heads.dflash import BLOCK_HEAD_TYPES
@@ -86,15 +86,12 @@ def check_llamacpp_eagle31(head: Eagle3Head) -> None:
     Raises:
         ExportError: naming the flags and the formats that take the head.
     """
-    flags = head.config.eagle31_flags
-    if flags:
-        raise ExportError(
-            f"this is an EAGLE-3.1 head ({', '.join(f'{k}=true' for k in flags)}); llama.cpp's eagle3 draft "
-            "(src/models/eagle3.cpp, converter conversion/llama.py) applies fc to the raw fused features and feeds "
-            "the pre-norm state to the next draft step, reading neither flag, so it would draft with another "
-            "function. Export it with --format speculators (vLLM), serve it with selfspec, or train with "
-            "eagle3.fc_norm / eagle3.norm_output false for llama.cpp"
-        )
+    refuse_eagle31(
+        head,
+        "llama.cpp",
+        "llama.cpp's eagle3 draft (src/models/eagle3.cpp, converter conversion/llama.py) applies fc to the raw fused "
+        "features and feeds the pre-norm state to the next draft step, reading neither flag",
+    )
 
 
 def _target_config(target_dir: Path) -> dict:
@@ -203,10 +200,7 @@ def check_gguf(path: str | Path, head: Head) -> None:
     reader = GGUFReader(str(path))
 
     def field(key: str) -> list:
-        found = reader.fields.get(key)
-        if found is None:
-            raise ExportError(f"{path}: no {key} in the GGUF metadata; the converter did not see an EAGLE-3 draft")
-        return found.contents() if isinstance(found.contents(), list) else [found.contents()]
+        return gguf_field(reader, path, key, "an EAGLE-3 draft")
 
     arch = field("general.architecture")[0]
     if arch != "eagle3":

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFReader
 
-from selfspec.export.common import ExportError
+from selfspec.export.common import ExportError, gguf_field
 from selfspec.heads.dflash import BlockHead
 from selfspec.llamacpp import LlamaCpp
 
@@ -101,11 +101,7 @@ def check_block_gguf(path: str | Path, head: BlockHead) -> None:
     reader = GGUFReader(str(path))
 
     def field(key: str) -> list:
-        found = reader.fields.get(key)
-        if found is None:
-            raise ExportError(f"{path}: no {key} in the GGUF metadata; the converter did not see a DFlash draft")
-        value = found.contents()
-        return value if isinstance(value, list) else [value]
+        return gguf_field(reader, path, key, "a DFlash draft")
 
     if field("general.architecture")[0] != "dflash":
         raise ExportError(f"{path}: architecture {field('general.architecture')[0]!r}, expected 'dflash'")

@@ -51,6 +51,7 @@ from selfspec.export.common import (
     Head,
     family_name,
     llama_config_dict,
+    refuse_eagle31,
     rename_exact,
     require_llama,
     write_export,
@@ -154,15 +155,12 @@ def check_sglang_eagle31(head: Eagle3Head) -> None:
     Raises:
         ExportError: naming the flags and the formats that take the head.
     """
-    flags = head.config.eagle31_flags
-    if flags:
-        raise ExportError(
-            f"this is an EAGLE-3.1 head ({', '.join(f'{k}=true' for k in flags)}); SGLang's LlamaForCausalLMEagle3 "
-            "(llama_eagle3.py) applies fc to the raw fused states and feeds the pre-norm state to the next draft "
-            "step, and skips tensors it does not know, so it would draft with another function. Export it with "
-            "--format speculators (vLLM), serve it with selfspec, or train with eagle3.fc_norm / eagle3.norm_output "
-            "false for SGLang"
-        )
+    refuse_eagle31(
+        head,
+        "SGLang",
+        "SGLang's LlamaForCausalLMEagle3 (llama_eagle3.py) applies fc to the raw fused states, feeds the pre-norm "
+        "state to the next draft step and skips tensors it does not know",
+    )
 
 
 def _eagle3(head: Eagle3Head, target_name_or_path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -525,13 +525,8 @@ def test_make_drafter_overrides_and_fallbacks(oracle, head_dir):
     plan = plan_drafter(t, head_dir, depth=9)
     too_deep = plan.drafter
     assert (too_deep.depth, too_deep.total_tokens, plan.tree_budget.source) == (9, DEFAULT_TOTAL_TOKENS, "default")
-    # a module: defaults, unless it carries a profile
+    # a module has no directory and so no profile: the default tree
     assert plan_drafter(t, head).tree_budget.source == "default"
-    head.acceptance_profile = calibration.load_acceptance_profile(head_dir)
-    try:
-        assert plan_drafter(t, head).tree_budget.source == "auto"
-    finally:
-        del head.acceptance_profile
     with pytest.raises(ValueError, match="integer or 'auto'"):
         make_drafter(t, head_dir, depth="deep")
 
