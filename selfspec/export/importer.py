@@ -1,5 +1,5 @@
-"""Import heads trained elsewhere (the speculators and SGLang / SpecForge EAGLE layouts, vLLM's ``MedusaModel``) into
-selfspec heads, strictly.
+"""Import heads trained elsewhere (the speculators EAGLE-3, DFlash and DSpark layouts, the SGLang / SpecForge EAGLE
+layouts, vLLM's ``MedusaModel``) into selfspec heads, strictly.
 
 The layouts are those :mod:`selfspec.export.speculators`, :mod:`selfspec.export.sglang` and
 :mod:`selfspec.export.medusa_vllm` write (their docstrings cite the engine files); ``--format sglang`` reads the
@@ -29,6 +29,8 @@ from selfspec.export.common import TOKEN_MAP_NAME, Head, rename_exact
 from selfspec.export.medusa_vllm import MEDUSA_ARCHITECTURE, read_vllm_medusa
 from selfspec.export.sglang import EAGLE3_ARCHITECTURE, EAGLE_ARCHITECTURE, eagle3_names, eagle_names
 from selfspec.export.speculators import speculators_names
+from selfspec.export.speculators_block import read_speculators_block
+from selfspec.heads.dflash import BLOCK_HEAD_TYPES
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head, check_vocab_maps, default_target_layers
 from selfspec.heads.fingerprint import target_fingerprint
@@ -219,7 +221,8 @@ def read_foreign_head(src: str | Path, fmt: str, target: PreTrainedModel) -> Hea
 
     Args:
         src: the directory (``config.json`` + ``model.safetensors``).
-        fmt: ``"speculators"`` (EAGLE-3) or ``"sglang"`` (``LlamaForCausalLMEagle3``, ``LlamaForCausalLMEagle`` or
+        fmt: ``"speculators"`` (EAGLE-3; DFlash and DSpark, :func:`~selfspec.export.speculators_block.
+            read_speculators_block`) or ``"sglang"`` (``LlamaForCausalLMEagle3``, ``LlamaForCausalLMEagle`` or
             vLLM's ``MedusaModel``).
         target: the frozen target the head drafts for; sizes, layers and any recorded fingerprint are checked.
 
@@ -236,6 +239,8 @@ def read_foreign_head(src: str | Path, fmt: str, target: PreTrainedModel) -> Hea
                 f"{d / CONFIG_NAME} is not a speculators config (no speculators_model_type / "
                 "transformer_layer_config); try --format sglang"
             )
+        if raw["speculators_model_type"] in BLOCK_HEAD_TYPES:
+            return read_speculators_block(d, raw, target)
         return _eagle3(d, raw, fmt, target)
     arch = list(raw.get("architectures") or [])
     if arch == [EAGLE3_ARCHITECTURE]:

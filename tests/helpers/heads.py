@@ -136,8 +136,16 @@ def draft_logits(head, width: int) -> torch.Tensor:
     return head.draft_logits(head(feats, ids, pos))
 
 
-def block_head(target, head_type: str, block_size: int, draft: int | None = None, seed: int = 3) -> BlockHead:
-    """A random DFlash / DSpark head of two layers (wide init: varied drafts, some accepted, most rejected)."""
+def block_head(
+    target,
+    head_type: str,
+    block_size: int,
+    draft: int | None = None,
+    seed: int = 3,
+    target_layer_ids: tuple[int, ...] | None = None,
+) -> BlockHead:
+    """A random DFlash / DSpark head of two layers (wide init: varied drafts, some accepted, most rejected);
+    ``target_layer_ids`` default :func:`~selfspec.heads.dflash.default_target_layer_ids`."""
     c = target.config
     cfg = BlockConfig(
         head_type=head_type,
@@ -150,6 +158,7 @@ def block_head(target, head_type: str, block_size: int, draft: int | None = None
         draft_vocab_size=draft,
         markov_rank=8 if head_type == "dspark" else 0,
         confidence=head_type == "dspark",
+        target_layer_ids=target_layer_ids,
     )
     torch.manual_seed(seed)
     ids = (
