@@ -44,6 +44,8 @@ FAMILIES = {
         "Li et al. 2024, EAGLE https://arxiv.org/abs/2401.15077 and EAGLE-2 https://arxiv.org/abs/2406.16858",
     ),
     "eagle3": Family("eagle3", "EAGLE-3", "Li et al. 2025, EAGLE-3, https://arxiv.org/abs/2503.01840"),
+    "dflash": Family("dflash", "DFlash", "Chen et al. 2026, DFlash, https://arxiv.org/abs/2602.06036"),
+    "dspark": Family("dspark", "DSpark", "DeepSeek 2026, DSpark, https://arxiv.org/abs/2607.05147"),
 }
 
 
@@ -109,6 +111,19 @@ def _describe(head_type: str, config: Mapping[str, Any]) -> str:
             "One decoder layer of the target's kind over `fc(concat(embed(x), feature))`, predicting the next "
             f"feature; the target's own lm_head scores it, over {draft} of the target's {vocab} tokens."
         )
+    if head_type in ("dflash", "dspark"):
+        fused = ", ".join(str(i) for i in ours.get("target_layer_ids") or [])
+        extra = (
+            f" plus a rank-{ours.get('markov_rank')} Markov logit bias"
+            + (" and a confidence head" if ours.get("confidence") else "")
+            if head_type == "dspark"
+            else ""
+        )
+        return (
+            f"{ours.get('num_layers')} Qwen3-style layers drafting a block of {ours.get('block_size')} slots in one "
+            f"forward over the fused outputs of target layers ({fused}){extra}; the target's embedding and lm_head are "
+            f"shared, over {draft} of the target's {vocab} tokens."
+        )
     layers = ", ".join(str(i) for i in ours.get("target_layers") or [])
     eagle31 = [k for k in ("fc_norm", "norm_output") if ours.get(k)]
     return (
@@ -155,6 +170,33 @@ SGLang has no Medusa drafter: serve these heads with vLLM or selfspec.
 
 llama.cpp has no Medusa drafter (`--spec-type` offers `draft-eagle3`, n-gram and other drafters): train an
 EAGLE-3 head with selfspec for llama.cpp.
+"""
+    if head_type in ("dflash", "dspark"):
+        return f"""### vLLM
+
+Export to the `speculators` format (`speculators_model_type: {head_type}`), which vLLM serves directly:
+
+```bash
+selfspec export {repo_id} --format speculators --target {target} --out {name}-speculators
+vllm serve {name}-speculators
+```
+
+### SGLang
+
+`selfspec export` writes no SGLang `DFLASH` layout yet: serve these heads with vLLM, llama.cpp or selfspec.
+
+### llama.cpp
+
+Export to GGUF (selfspec runs llama.cpp's own `convert_hf_to_gguf.py ... --target-model-dir TARGET`), then give the
+draft to the target's GGUF:
+
+```bash
+selfspec export {repo_id} --format gguf --target {target} --out {name}-gguf
+llama-server -m TARGET.gguf -md {name}-gguf/<the .gguf file it wrote> --spec-type draft-{head_type}
+```
+
+Both exports refuse a target whose token embedding is scaled (Gemma), and the speculators export one whose logits
+are soft-capped: those engines would draft with another function.
 """
     if layer_type != "llama":
         return f"""### vLLM, SGLang and llama.cpp

@@ -13,12 +13,13 @@ import selfspec.export.cli as export_cli
 from selfspec.card import head_card
 from selfspec.cli import main
 from selfspec.heads import Eagle3Head
+from selfspec.heads.dflash import BlockHead
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.eagle3 import Eagle3Config
 from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.io import read_config
 from tests.helpers.archs import tiny_target
-from tests.helpers.heads import make_eagle, make_eagle3, make_medusa
+from tests.helpers.heads import block_head, make_eagle, make_eagle3, make_medusa
 
 EXPORT = re.compile(r"selfspec export (\S+) --format (\S+) --target (\S+) --out (\S+)")
 
@@ -36,6 +37,8 @@ HEADS = {
     "eagle-no-bias": _no_bias,
     "eagle3": lambda t: make_eagle3(t),
     "eagle3.1": lambda t: make_eagle3(t, fc_norm=True, norm_output=True),  # speculators only
+    "dflash": lambda t: block_head(t, "dflash", 4, target_layer_ids=(0, 1)),
+    "dspark-reduced": lambda t: block_head(t, "dspark", 4, draft=40, target_layer_ids=(0, 1)),
 }
 
 
@@ -60,7 +63,8 @@ def test_every_export_command_on_the_card_runs(case, target, target_dir, tmp_pat
         assert repo == "alice/tiny-heads"
         argv = [str(heads_dir), "--format", fmt, "--target", str(target_dir), "--out", out]
         assert main(["export", *argv]) == 0, (fmt, text)
-    assert bool(gguf_calls) == (isinstance(head, Eagle3Head) and not head.config.eagle31_flags)
+    gguf = isinstance(head, BlockHead) or (isinstance(head, Eagle3Head) and not head.config.eagle31_flags)
+    assert bool(gguf_calls) == gguf
     if case == "eagle3.1":
         assert [fmt for _, fmt, _, _ in commands] == ["speculators"] and "EAGLE-3.1 head" in text
     for path in re.findall(r"--speculative-token-map (\S+)", text):
