@@ -13,8 +13,17 @@ from selfspec.cli import main
 from selfspec.export.cli import export_heads
 from selfspec.export.importer import import_heads
 from selfspec.heads import Eagle3Head, EagleHead, HeadFormatError, MedusaHeads, load_heads
+from selfspec.heads.dflash import BlockHead
 from tests.helpers.archs import tiny_target
-from tests.helpers.heads import draft_logits, make_eagle, make_eagle3, make_medusa, medusa_logits
+from tests.helpers.heads import (
+    block_head,
+    block_logits,
+    draft_logits,
+    make_eagle,
+    make_eagle3,
+    make_medusa,
+    medusa_logits,
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +36,8 @@ def target_dir(target, tmp_path_factory):
 def logits(head) -> torch.Tensor:
     if isinstance(head, MedusaHeads):
         return medusa_logits(head)
+    if isinstance(head, BlockHead):
+        return torch.cat([x.reshape(-1) for x in block_logits(head) if x is not None])
     return draft_logits(head, 32 if isinstance(head, EagleHead) else 96)  # EAGLE-1 takes D, EAGLE-3 3D features
 
 
@@ -35,6 +46,10 @@ CASES = {
     "eagle3-sglang": (lambda t: make_eagle3(t), "sglang"),
     "eagle-reduced-sglang": (lambda t: make_eagle(t, draft=40), "sglang"),
     "medusa-shared-sglang": (lambda t: make_medusa(t, own_lm_head=False, draft=40), "sglang"),
+    "dspark-reduced-speculators": (
+        lambda t: block_head(t, "dspark", 4, draft=40, target_layer_ids=(0, 1)),
+        "speculators",
+    ),
 }
 
 
@@ -59,7 +74,7 @@ def test_command_errors_name_the_fix(target, target_dir, tmp_path, capsys):
     assert main(["export", str(tmp_path / "heads"), "--format", "onnx", *common]) == 2
     assert "unknown export format 'onnx'; choose one of ['speculators', 'sglang', 'gguf']" in capsys.readouterr().out
     assert main(["export", str(tmp_path / "heads"), "--format", "speculators", *common]) == 2
-    assert "holds EAGLE-3 heads, not eagle; export with --format sglang" in capsys.readouterr().out
+    assert "holds EAGLE-3, DFlash and DSpark heads, not eagle; export with --format sglang" in capsys.readouterr().out
     assert main(["export", str(tmp_path / "heads"), "--format", "gguf", *common]) == 2  # refused before llama.cpp
     assert "the gguf format holds EAGLE-3, DFlash and DSpark heads" in capsys.readouterr().out
     other = tmp_path / "other-target"

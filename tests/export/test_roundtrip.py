@@ -111,7 +111,7 @@ def test_bad_input(target, tmp_path):
     head = make_eagle3(target)
     with pytest.raises(HeadFormatError, match="unknown export format 'onnx'"):
         export_heads(head, "onnx", tmp_path / "x", target_name_or_path="t")
-    with pytest.raises(ExportError, match="holds EAGLE-3 heads, not eagle"):
+    with pytest.raises(ExportError, match="holds EAGLE-3, DFlash and DSpark heads, not eagle"):
         export_heads(make_eagle(target), "speculators", tmp_path / "x", target_name_or_path="t")
     qwen = tiny_target("qwen3")
     from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head

@@ -24,38 +24,13 @@ from selfspec.export.speculators_env import build_env
 from selfspec.heads.io import HeadFormatError, read_safetensors
 from tests.helpers.archs import tiny_target
 from tests.helpers.engines import engine_missing
-from tests.helpers.heads import block_head
+from tests.helpers.heads import ANCHOR, block_head, block_inputs, block_logits
 
 LAYERS = (0, 1)  # distinct target layers of the 3-layer tiny target
-T, ANCHOR = 12, 5  # sequence length and the block's anchor position
 
 
 def make(target, head_type: str, draft: int | None = None):
     return block_head(target, head_type, 4, draft=draft, target_layer_ids=LAYERS)
-
-
-def block_inputs(head):
-    """Fixed target features ``[1, T, k D]``, ids ``[1, T]`` and positions ``[1, T]``."""
-    g = torch.Generator().manual_seed(7)
-    k, D = len(head.config.target_layer_ids), head.config.hidden_size
-    return torch.randn(1, T, k * D, generator=g), torch.randint(0, 95, (1, T), generator=g), torch.arange(T)[None]
-
-
-@torch.no_grad()
-def our_block(head) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """selfspec's draft logits ``[B, S]`` of the full block anchored at :data:`ANCHOR` (DSpark: Markov bias with the
-    true previous tokens, as in training) and DSpark's confidence logits ``[B]``."""
-    feats, ids, pos = block_inputs(head)
-    B = head.config.block_size
-    ctx = head.context(feats[:, :ANCHOR], pos[:, :ANCHOR])
-    tokens = torch.full((1, B), head.config.mask_token_id)
-    tokens[0, 0] = ids[0, ANCHOR]
-    z = head(tokens, pos[:, ANCHOR : ANCHOR + B], ctx)[0]
-    logits = head.draft_logits(z)
-    markov = head.markov(ids[0, ANCHOR : ANCHOR + B])
-    if markov is None:
-        return logits, None
-    return logits + markov[0], head.confidence_logits(z, markov[1])
 
 
 def test_layout(target, tmp_path):
@@ -89,7 +64,7 @@ def test_round_trip_gives_identical_logits(target, tmp_path, head_type, draft):
     back = read_foreign_head(out, "speculators", target).eval()
     assert dataclasses.replace(back.config, target="", target_fingerprint="") == head.config  # the helper's: ""
     assert back.config.target == "tiny"
-    for ours, theirs in zip(our_block(head), our_block(back), strict=True):
+    for ours, theirs in zip(block_logits(head), block_logits(back), strict=True):
         assert (ours is None and theirs is None) or torch.equal(ours, theirs)
 
 
@@ -216,7 +191,7 @@ def test_speculators_computes_our_block_head(spec_python, target, tmp_path, head
     done = subprocess.run([*cmd, head_type], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     theirs = torch.load(tmp_path / "out.pt")
-    logits, confidence = our_block(head)
+    logits, confidence = block_logits(head)
     B, S = head.config.block_size, head.config.n_draft
     assert theirs["logits"].shape == (1, B, S)
     diffs = [(theirs["logits"][0] - logits).abs().max().item()]

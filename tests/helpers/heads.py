@@ -169,3 +169,31 @@ def block_head(
         if p.dim() > 1:
             torch.nn.init.normal_(p, std=0.2)
     return head.eval()
+
+
+ANCHOR = 5  # the anchor position of block_logits' block (in a sequence of 12)
+
+
+def block_inputs(head: BlockHead, T: int = 12):
+    """Fixed target features ``[1, T, k D]``, ids ``[1, T]`` (never the mask token) and positions ``[1, T]``."""
+    g = torch.Generator().manual_seed(7)
+    k, D = len(head.config.target_layer_ids), head.config.hidden_size
+    return torch.randn(1, T, k * D, generator=g), torch.randint(0, 95, (1, T), generator=g), torch.arange(T)[None]
+
+
+@torch.no_grad()
+def block_logits(head: BlockHead) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The draft logits ``[B, S]`` of the full block anchored at :data:`ANCHOR` on :func:`block_inputs` (DSpark:
+    with the Markov bias of the true previous tokens, as in training) and DSpark's confidence logits ``[B]`` (None
+    without the head)."""
+    feats, ids, pos = block_inputs(head)
+    B = head.config.block_size
+    ctx = head.context(feats[:, :ANCHOR], pos[:, :ANCHOR])
+    tokens = torch.full((1, B), head.config.mask_token_id)
+    tokens[0, 0] = ids[0, ANCHOR]
+    z = head(tokens, pos[:, ANCHOR : ANCHOR + B], ctx)[0]
+    logits = head.draft_logits(z)
+    markov = head.markov(ids[0, ANCHOR : ANCHOR + B])
+    if markov is None:
+        return logits, None
+    return logits + markov[0], head.confidence_logits(z, markov[1])
