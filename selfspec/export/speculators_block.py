@@ -39,13 +39,13 @@ are speculators' (``fc``, ``hidden_norm``, ``layers.N.*``, ``norm``; ``lm_head``
 reduced vocabulary; ``markov_head.markov_w{1,2}``, ``confidence_head.proj``); no ``embed_tokens`` (speculators'
 own ``save_pretrained`` writes none either).
 
-Refused, because speculators would compute another function: a target whose token embedding is not a plain
+Export refuses what speculators would compute differently: a target whose token embedding is not a plain
 ``nn.Embedding`` (Gemma's scaled embedding: speculators looks up the raw ``embed_tokens.weight`` rows), a target with
-final-logit soft-capping (speculators' ``lm_head`` output is not capped), repeated target layers (vLLM captures
-each aux layer once). Import refuses what selfspec's head does not compute: sliding-window layers, attention bias, a
-non-Qwen3 layer, another Markov head type, a confidence head without the Markov code, ``sample_from_anchor`` other
-than the family's, aux layers 0 (the embedding output) or the target's last (vLLM's pre-norm final state, which
-``transformers`` returns after the final norm).
+final-logit soft-capping (speculators' ``lm_head`` output is not capped); and repeated target layers, which
+speculators' ``resolve_target_layer_ids`` refuses. Import refuses what selfspec's head does not compute:
+sliding-window layers, attention bias, a non-Qwen3 layer, another Markov head type, a confidence head without the
+Markov code, ``sample_from_anchor`` other than the family's, aux layers 0 (the embedding output) or the target's last
+(vLLM's pre-norm final state, which ``transformers`` returns after the final norm).
 """
 
 from __future__ import annotations
@@ -102,8 +102,9 @@ def _refuse_other_function(head: BlockHead) -> None:
     layers = list(head.config.target_layers)
     if len(set(layers)) != len(layers):
         raise ExportError(
-            f"target_layer_ids {list(head.config.target_layer_ids)} repeat a layer; vLLM captures each aux hidden "
-            "state layer once, so the fused features would be short: train with distinct target_layer_ids"
+            f"target_layer_ids {list(head.config.target_layer_ids)} repeat a layer; speculators requires distinct "
+            "aux_hidden_state_layer_ids (resolve_target_layer_ids, speculators/models/utils.py): train with distinct "
+            "target_layer_ids (a target of at least 6 layers gives distinct defaults)"
         )
 
 
