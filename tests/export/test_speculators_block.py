@@ -200,3 +200,5 @@ def test_speculators_computes_our_block_head(spec_python, target, tmp_path, head
         diffs.append((theirs["confidence"][0] - confidence).abs().max().item())
     print(f"speculators vs selfspec {head_type} S={S}: max |diff| logits, confidence = {diffs}")
     assert max(diffs) < 1e-5
+    seen_anchor = block_logits(head, context=ANCHOR + 1)[0]  # the anchor's own features too: another function
+    assert (theirs["logits"][0] - seen_anchor).abs().max().item() > 1e-3

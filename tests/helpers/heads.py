@@ -182,13 +182,14 @@ def block_inputs(head: BlockHead, T: int = 12):
 
 
 @torch.no_grad()
-def block_logits(head: BlockHead) -> tuple[torch.Tensor, torch.Tensor | None]:
+def block_logits(head: BlockHead, context: int = ANCHOR) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The draft logits ``[B, S]`` of the full block anchored at :data:`ANCHOR` on :func:`block_inputs` (DSpark:
     with the Markov bias of the true previous tokens, as in training) and DSpark's confidence logits ``[B]`` (None
-    without the head)."""
+    without the head); the block attends the first ``context`` positions' features (the anchor's own: ``ANCHOR + 1``,
+    a control that must differ)."""
     feats, ids, pos = block_inputs(head)
     B = head.config.block_size
-    ctx = head.context(feats[:, :ANCHOR], pos[:, :ANCHOR])
+    ctx = head.context(feats[:, :context], pos[:, :context])
     tokens = torch.full((1, B), head.config.mask_token_id)
     tokens[0, 0] = ids[0, ANCHOR]
     z = head(tokens, pos[:, ANCHOR : ANCHOR + B], ctx)[0]
