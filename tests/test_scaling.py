@@ -25,27 +25,8 @@ def test_points_are_parsed_and_checked():
 
 @pytest.mark.slow  # two training runs and two benches, each in its own process (~2.5 min on 2 cores)
 def test_two_points_train_bench_and_tabulate(tmp_path, monkeypatch):
-    target_dir = tmp_path / "target"
-    tiny_target("llama").save_pretrained(target_dir)
-    tiny_tokenizer().save_pretrained(target_dir)
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(c) + "\n" for c in conversations(40)))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(
-        "".join(
-            json.dumps({"question_id": i, "category": "writing", "turns": [f"tell me about the {t} please"]}) + "\n"
-            for i, t in enumerate(["sea", "moon"])
-        )
-    )
-    config = tmp_path / "tiny.yaml"
-    config.write_text(
-        f"head: medusa\ntarget: {target_dir}\ndata: {data}\nself_distill: false\nmax_length: 32\n"
-        "draft_vocab_size: 64\nlr: 0.003\nwarmup_steps: 1\neval_every: 1000\nsave_every: 1000\n"
-        "calibrate_prompts: 0\neval_fraction: 0.2\nmedusa: {num_heads: 2, batch_positions: 16}\n"
-    )
+    argv = tiny_curve(tmp_path, conversations_count=40, topics=("sea", "moon"))
     out = tmp_path / "curve"
-    argv = ["--config", str(config), "--out", str(out), "--threads", "1", "--target", str(target_dir)]
-    argv += ["--bench-prompts", str(prompts), "--bench-num-prompts", "2", "--bench-max-new-tokens", "8"]
     argv += ["--points", "small:0:10:0.02", "large:0:30:0.04", "--override", "max_steps=4"]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert cli_main(["scaling-curve", *argv]) == 0
@@ -78,22 +59,8 @@ def test_recipes_are_parsed_and_checked():
 
 @pytest.mark.slow  # two training runs and one bench, each in its own process (~1.5 min on 2 cores)
 def test_recipes_train_at_one_budget_and_bench_in_one_run(tmp_path, monkeypatch):
-    target_dir = tmp_path / "target"
-    tiny_target("llama").save_pretrained(target_dir)
-    tiny_tokenizer().save_pretrained(target_dir)
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(c) + "\n" for c in conversations(30)))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["tell me about the sea"]}) + "\n")
-    config = tmp_path / "tiny.yaml"
-    config.write_text(
-        f"head: medusa\ntarget: {target_dir}\ndata: {data}\nself_distill: false\nmax_length: 32\n"
-        "draft_vocab_size: 64\nlr: 0.003\nwarmup_steps: 1\neval_every: 1000\nsave_every: 1000\n"
-        "calibrate_prompts: 0\neval_fraction: 0.2\nmedusa: {num_heads: 2, batch_positions: 16}\n"
-    )
+    argv = tiny_curve(tmp_path, conversations_count=30, topics=("sea",))
     out = tmp_path / "curve"
-    argv = ["--config", str(config), "--out", str(out), "--threads", "1", "--target", str(target_dir)]
-    argv += ["--bench-prompts", str(prompts), "--bench-num-prompts", "1", "--bench-max-new-tokens", "8"]
     argv += ["--points", "p:0:20:0.02", "--override", "max_steps=3", "--recipes", "ce=", "tv=medusa.loss=tv"]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert scaling.main(argv) == 0
@@ -106,3 +73,35 @@ def test_recipes_train_at_one_budget_and_bench_in_one_run(tmp_path, monkeypatch)
     report = json.loads((out / "p" / "bench" / "report.json").read_text())
     assert set(report["samples"][0]["results"]) >= {"baseline", "ce", "tv"}  # one bench run, both heads
     assert "| p | tv | 0 + 20 |" in (out / "scaling.md").read_text()
+
+
+def tiny_curve(tmp_path, conversations_count: int, topics: tuple[str, ...]) -> list[str]:
+    """A saved tiny target, its data, one writing prompt per topic and a Medusa config: the scaling-curve arguments
+    for them (``--out tmp_path/curve``, 1 thread, 8 new tokens a prompt); callers add points and overrides."""
+    target_dir = tmp_path / "target"
+    tiny_target("llama").save_pretrained(target_dir)
+    tiny_tokenizer().save_pretrained(target_dir)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in conversations(conversations_count)))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"question_id": i, "category": "writing", "turns": [f"tell me about the {t} please"]}) + "\n"
+            for i, t in enumerate(topics)
+        )
+    )
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        f"head: medusa\ntarget: {target_dir}\ndata: {data}\nself_distill: false\nmax_length: 32\n"
+        "draft_vocab_size: 64\nlr: 0.003\nwarmup_steps: 1\neval_every: 1000\nsave_every: 1000\n"
+        "calibrate_prompts: 0\neval_fraction: 0.2\nmedusa: {num_heads: 2, batch_positions: 16}\n"
+    )
+    argv = ["--config", str(config), "--out", str(tmp_path / "curve"), "--threads", "1", "--target", str(target_dir)]
+    return argv + [
+        "--bench-prompts",
+        str(prompts),
+        "--bench-num-prompts",
+        str(len(topics)),
+        "--bench-max-new-tokens",
+        "8",
+    ]
