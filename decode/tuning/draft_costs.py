@@ -130,12 +130,13 @@ def measure_draft_cost(
 
 
 def draft_cost_path(drafter: EagleDrafter, target: PreTrainedModel) -> Path:
-    """Cache file of an EAGLE drafter's cost by depth (it depends on the head's shapes and ``top_k``, not on
-    its weights)."""
+    """Cache file of an EAGLE drafter's cost by depth (it depends on the head's shapes, its EAGLE-3.1 norms and
+    ``top_k``, not on its weights)."""
     cfg = drafter.head.config
     stem = profile_stem(cost_key(target), next(target.parameters()).device)
-    if cfg.head_type == "eagle3":  # fc over three layers, no bias: its own cost
-        return profiles_dir() / f"draft-eagle3-{stem}-k{drafter.top_k}-v{cfg.draft_vocab_size}.json"
+    if cfg.head_type == "eagle3":  # fc over three layers, no bias: its own cost; EAGLE-3.1's norms add to it
+        flags = "".join(f"-{flag}" for flag in cfg.eagle31_flags)
+        return profiles_dir() / f"draft-eagle3-{stem}-k{drafter.top_k}-v{cfg.draft_vocab_size}{flags}.json"
     return profiles_dir() / f"draft-eagle-{stem}-k{drafter.top_k}-v{cfg.n_draft}-b{int(cfg.fc_bias)}.json"
 
 

@@ -24,9 +24,10 @@ from selfspec.decode.verifier import Verifier
 from selfspec.decode.verify import verify_greedy
 from selfspec.heads import files, load_heads
 from selfspec.heads.config import HeadFormatError
+from tests.helpers.archs import tiny_target
 from tests.helpers.decoding import prompts, reference
 from tests.helpers.drafters import NO_LIMIT
-from tests.helpers.heads import SecondBestHead, random_head
+from tests.helpers.heads import SecondBestHead, make_eagle3, random_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -427,6 +428,17 @@ def test_draft_cost_measured_per_depth_and_cached(oracle):
     assert draft_costs.get_draft_cost(drafter, t, [2]) == {2: ms[2]}
     draft_costs.draft_cost_path(drafter, t).write_text("[]")
     assert set(draft_costs.get_draft_cost(drafter, t, [1])) == {1}  # corrupt: re-measured, no crash
+
+
+def test_draft_cost_file_tells_eagle31_from_eagle3():
+    """EAGLE-3.1's norms are extra work a draft step pays: its cost is cached apart from an EAGLE-3 head's."""
+    t = tiny_target("llama")
+    paths = {
+        flags: draft_costs.draft_cost_path(EagleDrafter(make_eagle3(t, **dict.fromkeys(flags, True)), t, 2, 2, 3), t)
+        for flags in [(), ("fc_norm", "norm_output"), ("fc_norm",)]
+    }
+    assert len(set(paths.values())) == 3
+    assert paths[("fc_norm", "norm_output")].name.endswith("-v40-fc_norm-norm_output.json")
 
 
 @pytest.fixture
