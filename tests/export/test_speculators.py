@@ -13,15 +13,12 @@ whose logits equal the EAGLE drafter's (``tests/train/test_eagle3_train.py``).
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 
 from selfspec.export.cli import export_heads
-from selfspec.export.speculators_env import build_env
 from selfspec.train.eagle3 import UnrolledEagle3
-from tests.helpers.engines import engine_missing
+from tests.helpers.engines import run_engine_script
 from tests.helpers.heads import draft_logits, inputs, make_eagle3
 
 pytestmark = pytest.mark.slow  # the speculators venv (built once per machine, about a minute)
@@ -43,29 +40,15 @@ torch.save(got, sys.argv[3])
 """
 
 
-@pytest.fixture(scope="module")
-def spec_python():
-    try:
-        return build_env()
-    except (RuntimeError, OSError) as err:
-        engine_missing(
-            f"the speculators environment cannot be built here ({err}); run python -m selfspec.export.speculators_env"
-        )
-
-
 def speculators_logits(spec_python, head, target, tmp_path, steps: int) -> list[torch.Tensor]:
     """Export ``head``, run ``steps`` training-time-test steps of speculators' own model on :func:`inputs`, and
     return its ``lm_head`` outputs, one ``[1, T, S]`` per step."""
     target.save_pretrained(tmp_path / "target")
     out = export_heads(head, "speculators", tmp_path / "spec", target_name_or_path=str(tmp_path / "target"))
     features, ids, pos = inputs(96)
-    torch.save({"features": features, "ids": ids, "pos": pos}, tmp_path / "io.pt")
-    (tmp_path / "run.py").write_text(SCRIPT)
-    cmd = [str(spec_python), str(tmp_path / "run.py"), str(out), str(tmp_path / "io.pt"), str(tmp_path / "out.pt")]
-    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([*cmd, str(steps)], capture_output=True, text=True, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(tmp_path / "out.pt")
+    return run_engine_script(
+        spec_python, SCRIPT, out, {"features": features, "ids": ids, "pos": pos}, tmp_path, str(steps)
+    )
 
 
 @pytest.mark.parametrize("draft", [40, 96])

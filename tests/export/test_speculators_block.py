@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 
 import pytest
 import torch
@@ -20,10 +19,9 @@ import torch
 from selfspec.export.cli import export_heads
 from selfspec.export.common import ExportError
 from selfspec.export.importer import read_foreign_head
-from selfspec.export.speculators_env import build_env
 from selfspec.heads.io import HeadFormatError, read_safetensors
 from tests.helpers.archs import tiny_target
-from tests.helpers.engines import engine_missing
+from tests.helpers.engines import run_engine_script
 from tests.helpers.heads import ANCHOR, block_head, block_inputs, block_logits
 
 LAYERS = (0, 1)  # distinct target layers of the 3-layer tiny target
@@ -85,40 +83,28 @@ def test_repeated_target_layers_are_refused(target, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("edit", "match"),
+    ("head_type", "edit", "match"),
     [
-        (lambda c: c.update(sample_from_anchor=True), "sample_from_anchor"),
-        (lambda c: c.update(aux_hidden_state_layer_ids=[0, 2]), r"in \[1, 2\]"),
-        (lambda c: c.update(aux_hidden_state_layer_ids=[1, 3]), r"in \[1, 2\]"),
-        (lambda c: c.update(mask_token_id=None), "mask_token_id"),
-        (lambda c: c["transformer_layer_config"].update(attention_bias=True), "attention_bias"),
-        (lambda c: c["transformer_layer_config"].update(model_type="llama"), "Qwen3"),
+        ("dflash", lambda c: c.update(sample_from_anchor=True), "sample_from_anchor"),
+        ("dflash", lambda c: c.update(aux_hidden_state_layer_ids=[0, 2]), r"in \[1, 2\]"),
+        ("dflash", lambda c: c.update(aux_hidden_state_layer_ids=[1, 3]), r"in \[1, 2\]"),
+        ("dflash", lambda c: c.update(mask_token_id=None), "mask_token_id"),
+        ("dflash", lambda c: c["transformer_layer_config"].update(attention_bias=True), "attention_bias"),
+        ("dflash", lambda c: c["transformer_layer_config"].update(model_type="llama"), "Qwen3"),
         (
+            "dflash",
             lambda c: c["transformer_layer_config"].update(layer_types=["sliding_attention", "full_attention"]),
             "sliding-window",
         ),
+        # other DSpark heads
+        ("dspark", lambda c: c.update(markov_head_type="gated"), "vanilla"),
+        ("dspark", lambda c: c.update(confidence_head_with_markov=False), "Markov code"),
+        ("dspark", lambda c: c.update(sample_from_anchor=False), "sample_from_anchor"),
+        ("dspark", lambda c: c.update(markov_rank=0), "markov_rank"),
     ],
 )
-def test_import_refuses_what_selfspec_does_not_compute(target, tmp_path, edit, match):
-    out = export_heads(make(target, "dflash"), "speculators", tmp_path / "spec", target_name_or_path="tiny")
-    cfg = json.loads((out / "config.json").read_text())
-    edit(cfg)
-    (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(HeadFormatError, match=match):
-        read_foreign_head(out, "speculators", target)
-
-
-@pytest.mark.parametrize(
-    ("edit", "match"),
-    [
-        (lambda c: c.update(markov_head_type="gated"), "vanilla"),
-        (lambda c: c.update(confidence_head_with_markov=False), "Markov code"),
-        (lambda c: c.update(sample_from_anchor=False), "sample_from_anchor"),
-        (lambda c: c.update(markov_rank=0), "markov_rank"),
-    ],
-)
-def test_import_refuses_other_dspark_heads(target, tmp_path, edit, match):
-    out = export_heads(make(target, "dspark"), "speculators", tmp_path / "spec", target_name_or_path="tiny")
+def test_import_refuses_what_selfspec_does_not_compute(target, tmp_path, head_type, edit, match):
+    out = export_heads(make(target, head_type), "speculators", tmp_path / "spec", target_name_or_path="tiny")
     cfg = json.loads((out / "config.json").read_text())
     edit(cfg)
     (out / "config.json").write_text(json.dumps(cfg))
@@ -167,16 +153,6 @@ torch.save(got, sys.argv[3])
 """
 
 
-@pytest.fixture(scope="module")
-def spec_python():
-    try:
-        return build_env()
-    except (RuntimeError, OSError) as err:
-        engine_missing(
-            f"the speculators environment cannot be built here ({err}); run python -m selfspec.export.speculators_env"
-        )
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("head_type", "draft"), [("dflash", None), ("dflash", 40), ("dspark", None), ("dspark", 40)])
 def test_speculators_computes_our_block_head(spec_python, target, tmp_path, head_type, draft):
@@ -184,13 +160,8 @@ def test_speculators_computes_our_block_head(spec_python, target, tmp_path, head
     target.save_pretrained(tmp_path / "target")
     out = export_heads(head, "speculators", tmp_path / "spec", target_name_or_path=str(tmp_path / "target"))
     feats, ids, pos = block_inputs(head)
-    torch.save({"features": feats, "ids": ids, "pos": pos, "anchor": ANCHOR}, tmp_path / "io.pt")
-    (tmp_path / "run.py").write_text(SCRIPT)
-    cmd = [str(spec_python), str(tmp_path / "run.py"), str(out), str(tmp_path / "io.pt"), str(tmp_path / "out.pt")]
-    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([*cmd, head_type], capture_output=True, text=True, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    theirs = torch.load(tmp_path / "out.pt")
+    io = {"features": feats, "ids": ids, "pos": pos, "anchor": ANCHOR}
+    theirs = run_engine_script(spec_python, SCRIPT, out, io, tmp_path, head_type)
     logits, confidence = block_logits(head)
     B, S = head.config.block_size, head.config.n_draft
     assert theirs["logits"].shape == (1, B, S)

@@ -9,9 +9,12 @@ CI means the engines judged the exports.
 from __future__ import annotations
 
 import os
-from typing import NoReturn
+import subprocess
+from pathlib import Path
+from typing import Any, NoReturn
 
 import pytest
+import torch
 
 REQUIRE = "SELFSPEC_REQUIRE_ENGINES"
 
@@ -34,3 +37,25 @@ def engine_missing(reason: str) -> NoReturn:
     if engines_required():
         pytest.fail(f"{reason} ({REQUIRE}=1: every engine proof must run)", pytrace=False)
     pytest.skip(reason)
+
+
+def run_engine_script(python: Path, script: str, export_dir: Path, io: dict[str, Any], work: Path, *args: str) -> Any:
+    """Run ``script`` with an engine's own Python (offline, nothing of this environment on its path) as
+    ``python run.py EXPORT_DIR IO.pt OUT.pt *args`` and return what it saved in ``OUT.pt``.
+
+    Args:
+        python: the engine venv's interpreter.
+        script: the program; it reads ``sys.argv[1:]`` as above.
+        export_dir: the exported head.
+        io: tensors for the script (saved with ``torch.save``).
+        work: a scratch directory.
+
+    Raises:
+        AssertionError: the script failed (with the end of its stderr).
+    """
+    torch.save(io, work / "io.pt")
+    (work / "run.py").write_text(script)
+    cmd = [str(python), str(work / "run.py"), str(export_dir), str(work / "io.pt"), str(work / "out.pt"), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(work / "out.pt")
