@@ -172,6 +172,19 @@ llama.cpp has no Medusa drafter (`--spec-type` offers `draft-eagle3`, n-gram and
 EAGLE-3 head with selfspec for llama.cpp.
 """
     if head_type in ("dflash", "dspark"):
+        algorithm = head_type.upper()
+        sglang_block = (
+            f"""Export to SGLang's `{"DFlashDraftModel" if head_type == "dflash" else "Qwen3DSparkModel"}` layout, then:
+
+```bash
+selfspec export {repo_id} --format sglang --target {target} --out {name}-sglang
+python -m sglang.launch_server --model-path {base_model} --speculative-algorithm {algorithm} \\
+    --speculative-draft-model-path {name}-sglang
+```"""
+            if not reduced
+            else "SGLang's DFLASH / DSPARK drafters use the target's full lm_head and this head drafts over a reduced "
+            "vocabulary: serve it with vLLM, llama.cpp or selfspec, or train one with `draft_vocab_size: null`."
+        )
         return f"""### vLLM
 
 Export to the `speculators` format (`speculators_model_type: {head_type}`), which vLLM serves directly:
@@ -183,7 +196,7 @@ vllm serve {name}-speculators
 
 ### SGLang
 
-`selfspec export` writes no SGLang `DFLASH` layout yet: serve these heads with vLLM, llama.cpp or selfspec.
+{sglang_block}
 
 ### llama.cpp
 

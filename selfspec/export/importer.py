@@ -1,5 +1,6 @@
 """Import heads trained elsewhere (the speculators EAGLE-3, DFlash and DSpark layouts, the SGLang / SpecForge EAGLE
-layouts, vLLM's ``MedusaModel``) into selfspec heads, strictly.
+layouts, vLLM's ``MedusaModel``, the DFlash / DSpark layouts of SGLang and of the published checkpoints) into selfspec
+heads, strictly.
 
 The layouts are those :mod:`selfspec.export.speculators`, :mod:`selfspec.export.sglang` and
 :mod:`selfspec.export.medusa_vllm` write (their docstrings cite the engine files); ``--format sglang`` reads the
@@ -28,6 +29,7 @@ from transformers import AutoConfig
 from selfspec.export.common import TOKEN_MAP_NAME, Head, rename_exact
 from selfspec.export.medusa_vllm import MEDUSA_ARCHITECTURE, read_vllm_medusa
 from selfspec.export.sglang import EAGLE3_ARCHITECTURE, EAGLE_ARCHITECTURE, eagle3_names, eagle_names
+from selfspec.export.sglang_block import SGLANG_BLOCK_ARCHITECTURES, read_sglang_block
 from selfspec.export.speculators import speculators_names
 from selfspec.export.speculators_block import read_speculators_block
 from selfspec.heads.dflash import BLOCK_HEAD_TYPES
@@ -222,8 +224,9 @@ def read_foreign_head(src: str | Path, fmt: str, target: PreTrainedModel) -> Hea
     Args:
         src: the directory (``config.json`` + ``model.safetensors``).
         fmt: ``"speculators"`` (EAGLE-3; DFlash and DSpark, :func:`~selfspec.export.speculators_block.
-            read_speculators_block`) or ``"sglang"`` (``LlamaForCausalLMEagle3``, ``LlamaForCausalLMEagle`` or
-            vLLM's ``MedusaModel``).
+            read_speculators_block`) or ``"sglang"`` (``LlamaForCausalLMEagle3``, ``LlamaForCausalLMEagle``,
+            vLLM's ``MedusaModel``; ``DFlashDraftModel`` and ``Qwen3DSparkModel``, also the published z-lab DFlash
+            and DeepSpec DSpark checkpoints, :func:`~selfspec.export.sglang_block.read_sglang_block`).
         target: the frozen target the head drafts for; sizes, layers and any recorded fingerprint are checked.
 
     Raises:
@@ -249,9 +252,16 @@ def read_foreign_head(src: str | Path, fmt: str, target: PreTrainedModel) -> Hea
         return _eagle(d, raw, target)
     if arch == [MEDUSA_ARCHITECTURE] or (not arch and raw.get("model_type") == "medusa"):
         return read_vllm_medusa(d, raw, target)
+    if len(arch) == 1 and arch[0] in SGLANG_BLOCK_ARCHITECTURES.values():
+        if "selfspec" in raw:
+            raise HeadFormatError(
+                f"{d / CONFIG_NAME} is a selfspec head directory already: load it with selfspec.load, no import"
+            )
+        return read_sglang_block(d, raw, target)
+    known = [EAGLE3_ARCHITECTURE, EAGLE_ARCHITECTURE, MEDUSA_ARCHITECTURE, *SGLANG_BLOCK_ARCHITECTURES.values()]
     raise HeadFormatError(
-        f"{d / CONFIG_NAME} has architectures {arch}; the sglang format reads {[EAGLE3_ARCHITECTURE]}, "
-        f"{[EAGLE_ARCHITECTURE]} or {[MEDUSA_ARCHITECTURE]} (a speculators directory: --format speculators)"
+        f"{d / CONFIG_NAME} has architectures {arch}; the sglang format reads one of {known} "
+        "(a speculators directory: --format speculators)"
     )
 
 

@@ -1,5 +1,5 @@
 """Export to the SGLang / SpecForge draft layouts: ``LlamaForCausalLMEagle3`` (EAGLE-3) and ``LlamaForCausalLMEagle``
-(EAGLE-1).
+(EAGLE-1); DFlash and DSpark heads: :mod:`selfspec.export.sglang_block`.
 
 The contract, read from the engines' code:
 
@@ -57,6 +57,8 @@ from selfspec.export.common import (
     write_export,
 )
 from selfspec.export.medusa_vllm import export_vllm_medusa
+from selfspec.export.sglang_block import export_sglang_block
+from selfspec.heads.dflash import BlockHead
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.eagle3 import Eagle3Head
 from selfspec.heads.medusa import MedusaHeads
@@ -231,8 +233,10 @@ def export_sglang(head: Head, out_dir: str | Path, *, target_name_or_path: str) 
 
     Args:
         head: an :class:`Eagle3Head` (-> ``LlamaForCausalLMEagle3``), :class:`EagleHead`
-            (-> ``LlamaForCausalLMEagle``) or :class:`MedusaHeads` (-> vLLM's ``MedusaModel``,
-            :func:`selfspec.export.medusa_vllm.export_vllm_medusa`), fp32 or any float dtype (written as it is).
+            (-> ``LlamaForCausalLMEagle``), :class:`MedusaHeads` (-> vLLM's ``MedusaModel``,
+            :func:`selfspec.export.medusa_vllm.export_vllm_medusa`) or a DFlash / DSpark :class:`BlockHead`
+            (-> ``DFlashDraftModel`` / ``Qwen3DSparkModel``, :func:`selfspec.export.sglang_block.export_sglang_block`),
+            fp32 or any float dtype (written as it is).
         out_dir: the directory to write (created, or a previous export replaced as a whole).
         target_name_or_path: the target model the head drafts for (its Hub id or directory), written as
             ``target_model`` in the config for the user and for converters that ask for it.
@@ -244,16 +248,19 @@ def export_sglang(head: Head, out_dir: str | Path, *, target_name_or_path: str) 
         ExportError: a head whose decoder layer is not Llama's, a tensor the layout does not name or a trainer
             prefix, an EAGLE-3.1 head (:func:`check_sglang_eagle31`), an EAGLE-1 head without ``fc.bias``, target
             layers SGLang cannot name, an ``out_dir`` holding other files; what
-            :func:`~selfspec.export.medusa_vllm.export_vllm_medusa` raises. Nothing is written then.
+            :func:`~selfspec.export.medusa_vllm.export_vllm_medusa` and
+            :func:`~selfspec.export.sglang_block.export_sglang_block` raise. Nothing is written then.
     """
     family = family_name(head)
     extra: dict[str, bytes] = {}
     if isinstance(head, MedusaHeads):
         return export_vllm_medusa(head, out_dir, target_name_or_path=target_name_or_path)
+    if isinstance(head, BlockHead):
+        return export_sglang_block(head, out_dir, target_name_or_path=target_name_or_path)
     if isinstance(head, Eagle3Head):
         cfg, tensors = _eagle3(head, target_name_or_path)
     elif isinstance(head, EagleHead):
         cfg, tensors, extra = _eagle(head, target_name_or_path)
     else:
-        raise ExportError(f"the sglang format holds Medusa, EAGLE-1 and EAGLE-3 heads, not {family}")
+        raise ExportError(f"the sglang format holds Medusa, EAGLE-1, EAGLE-3, DFlash and DSpark heads, not {family}")
     return write_export(out_dir, cfg, tensors, extra)

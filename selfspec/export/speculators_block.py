@@ -65,7 +65,13 @@ from selfspec.heads.io import CONFIG_NAME, WEIGHTS_NAME, HeadFormatError, load_s
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["SPECULATORS_BLOCK_ARCHITECTURES", "export_speculators_block", "read_speculators_block"]
+__all__ = [
+    "SPECULATORS_BLOCK_ARCHITECTURES",
+    "check_plain_block",
+    "export_speculators_block",
+    "read_speculators_block",
+    "verifier_copy",
+]
 
 SPECULATORS_VERSION = "0.9.0"
 SPECULATORS_BLOCK_ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
@@ -80,31 +86,41 @@ def _names(head: BlockHead) -> dict[str, str]:
     return {k: k for k in head.state_dict() if not k.startswith("rotary.")}
 
 
-def _refuse_other_function(head: BlockHead) -> None:
+def check_plain_block(head: BlockHead, engine: str, *, embed_code: str, cap_code: str) -> None:
+    """Refuse a block head an engine would compute with another function: a target whose token embedding is not a
+    plain ``nn.Embedding`` (Gemma's scaled embedding), a target with final-logit soft-capping, repeated target layers.
+
+    Args:
+        head: the head, its target attached.
+        engine: the engine, named in the messages.
+        embed_code: how the engine embeds the block (where its code shows it), for the scaled-embedding refusal.
+        cap_code: how the engine computes draft logits (where its code shows it), for the soft-cap refusal.
+
+    Raises:
+        ExportError: naming the reason and the fix.
+    """
     if head._target is None:
         raise ExportError(
-            "the speculators export checks the target's embedding: load the head with load_heads(DIR, target)"
+            f"the {engine} export checks the target's embedding: load the head with load_heads(DIR, target)"
         )
     embed = head._shared()[0]
     if type(embed) is not torch.nn.Embedding:
         raise ExportError(
-            f"the target's token embedding is a {type(embed).__name__} (scaled): speculators' DFlash / DSpark model "
-            "embeds the block with a plain nn.Embedding of the verifier's raw embed_tokens.weight "
-            "(speculators/model.py DraftVocabMixin), so it would draft from unscaled rows; keep this head in selfspec"
+            f"the target's token embedding is a {type(embed).__name__} (scaled), but {engine} embeds the block "
+            f"with the raw rows ({embed_code}), so it would draft from unscaled rows; keep this head in selfspec"
         )
     if head.logit_softcap is not None:
         raise ExportError(
             f"the target soft-caps its logits (final_logit_softcapping {head.logit_softcap}), and so do the head's "
-            "draft logits; speculators' DFlash / DSpark lm_head output is not capped "
-            "(speculators/models/dflash/core.py _backbone_forward), so it would draft with another function; "
+            f"draft logits, but {engine}'s are not capped ({cap_code}), so it would draft with another function; "
             "keep this head in selfspec"
         )
     layers = list(head.config.target_layers)
     if len(set(layers)) != len(layers):
         raise ExportError(
-            f"target_layer_ids {list(head.config.target_layer_ids)} repeat a layer; speculators requires distinct "
-            "aux_hidden_state_layer_ids (resolve_target_layer_ids, speculators/models/utils.py): train with distinct "
-            "target_layer_ids (a target of at least 6 layers gives distinct defaults)"
+            f"target_layer_ids {list(head.config.target_layer_ids)} repeat a layer; {engine} captures each target "
+            "layer once (speculators: resolve_target_layer_ids, speculators/models/utils.py, refuses repeats): train "
+            "with distinct target_layer_ids (a target of at least 6 layers gives distinct defaults)"
         )
 
 
@@ -134,7 +150,12 @@ def export_speculators_block(head: BlockHead, out_dir: str | Path, *, target_nam
         ExportError: no target attached, a scaled embedding or soft-capped logits of the target, repeated target
             layers (see the module docstring), a tensor the layout does not name.
     """
-    _refuse_other_function(head)
+    check_plain_block(
+        head,
+        "speculators",
+        embed_code="a plain nn.Embedding of the verifier's embed_tokens.weight, speculators/model.py DraftVocabMixin",
+        cap_code="speculators/models/dflash/core.py _backbone_forward",
+    )
     cfg = head.config
     verifier = Path(target_name_or_path) / CONFIG_NAME
     verifier_architectures = list(read_json(verifier).get("architectures") or []) if verifier.is_file() else []
@@ -257,13 +278,18 @@ def _block_config(raw: dict[str, Any], layer: Qwen3Config, target: PreTrainedMod
         raise HeadFormatError(f"{where}: {err}") from err
 
 
-def _verifier_copy(state: dict[str, torch.Tensor], name: str, own: torch.Tensor, where: str) -> None:
-    """Consume ``state[name]`` (optional): speculators refills it from the verifier, so it must be the target's."""
+def verifier_copy(state: dict[str, torch.Tensor], name: str, own: torch.Tensor, where: str) -> None:
+    """Consume ``state[name]`` (optional): the engines take it from the target (speculators refills it from the
+    verifier, SGLang skips it), so it must be the target's.
+
+    Raises:
+        HeadFormatError: ``state[name]`` is there and is not ``own``.
+    """
     got = state.pop(name, None)
     if got is not None and (got.shape != own.shape or not torch.equal(got.to(own.dtype), own)):
         raise HeadFormatError(
-            f"{where}: {name} is not the target's (speculators replaces it with the verifier's on load, selfspec uses "
-            "the target's); pass the target the head was trained on"
+            f"{where}: {name} is not the target's (the engines and selfspec use the target's); pass the target the "
+            "head was trained on"
         )
 
 
@@ -294,9 +320,9 @@ def read_speculators_block(d: Path, raw: dict[str, Any], target: PreTrainedModel
     config = _block_config(raw, layer, target, where)
     path = d / WEIGHTS_NAME
     state = read_safetensors(path)
-    _verifier_copy(state, "embed_tokens.weight", target.get_input_embeddings().weight.detach(), str(path))
+    verifier_copy(state, "embed_tokens.weight", target.get_input_embeddings().weight.detach(), str(path))
     if config.n_draft == config.vocab_size:
-        _verifier_copy(state, "lm_head.weight", target.get_output_embeddings().weight.detach(), str(path))
+        verifier_copy(state, "lm_head.weight", target.get_output_embeddings().weight.detach(), str(path))
     draft_ids = None
     if "d2t" in state and "t2d" in state:
         check_vocab_maps(state["d2t"], state["t2d"], config.n_draft, config.vocab_size, str(path))
