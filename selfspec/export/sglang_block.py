@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import Qwen3Config
 
 from selfspec.export.common import ExportError, rename_exact, write_export
-from selfspec.export.speculators_block import check_plain_block, verifier_copy
+from selfspec.export.speculators_block import check_plain_block, dspark_heads, verifier_copy
 from selfspec.heads.dflash import BlockConfig, BlockHead
 from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.io import CONFIG_NAME, WEIGHTS_NAME, HeadFormatError, load_state, read_safetensors
@@ -212,16 +212,11 @@ def _block_config(raw: dict[str, Any], kind: str, layer: Qwen3Config, target: Pr
         problems.append(f"mask_token_id {mask} must be a token id of the target (0 .. {c.vocab_size - 1})")
     rank, confidence = 0, False
     if kind == "dspark":
-        rank, confidence = int(raw.get("markov_rank") or 0), bool(raw.get("enable_confidence_head", True))
-        if rank < 1:
-            problems.append(
-                "markov_rank is 0: a DeepSpec DFlash checkpoint, whose slots predict from the anchor (slot j the "
-                "token x_{n+1+j}), while selfspec's dflash head predicts in place; selfspec does not compute it"
-            )
-        if raw.get("markov_head_type", "vanilla") != "vanilla":
-            problems.append(f"markov_head_type {raw.get('markov_head_type')!r}; selfspec computes 'vanilla' only")
-        if confidence and not raw.get("confidence_head_with_markov", True):
-            problems.append("confidence_head_with_markov is false; selfspec's confidence head reads the Markov code")
+        no_markov = (
+            "markov_rank is 0: a DeepSpec DFlash checkpoint, whose slots predict from the anchor (slot j the token "
+            "x_{n+1+j}), while selfspec's dflash head predicts in place; selfspec does not compute it"
+        )
+        rank, confidence = dspark_heads(raw, problems, no_markov, 0)
     if problems:
         raise HeadFormatError(f"{where}: " + "; ".join(problems))
     try:

@@ -68,6 +68,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SPECULATORS_BLOCK_ARCHITECTURES",
     "check_plain_block",
+    "dspark_heads",
     "export_speculators_block",
     "read_speculators_block",
     "verifier_copy",
@@ -224,6 +225,20 @@ def _layer(raw: dict[str, Any], where: str) -> Qwen3Config:
         raise HeadFormatError(f"{where}: not a Qwen3 layer config ({err})") from err
 
 
+def dspark_heads(raw: dict[str, Any], problems: list[str], no_markov: str, default_rank: int) -> tuple[int, bool]:
+    """A DSpark checkpoint's ``(markov_rank, enable_confidence_head)``, appending to ``problems`` what selfspec's head
+    does not compute: no Markov head (``no_markov`` says why), a Markov head type other than ``vanilla``, a
+    confidence head without the Markov code. ``default_rank``: the layout's ``markov_rank`` when absent."""
+    rank, confidence = int(raw.get("markov_rank", default_rank) or 0), bool(raw.get("enable_confidence_head", True))
+    if rank < 1:
+        problems.append(no_markov)
+    if raw.get("markov_head_type", "vanilla") != "vanilla":
+        problems.append(f"markov_head_type {raw.get('markov_head_type')!r}; selfspec computes 'vanilla' only")
+    if confidence and not raw.get("confidence_head_with_markov", True):
+        problems.append("confidence_head_with_markov is false; selfspec's confidence head reads the Markov code")
+    return rank, confidence
+
+
 def _block_config(raw: dict[str, Any], layer: Qwen3Config, target: PreTrainedModel, where: str) -> BlockConfig:
     kind = raw["speculators_model_type"]
     L, c = target.config.num_hidden_layers, target.config
@@ -250,13 +265,9 @@ def _block_config(raw: dict[str, Any], layer: Qwen3Config, target: PreTrainedMod
         )
     rank, confidence = 0, False
     if kind == "dspark":
-        rank, confidence = int(raw.get("markov_rank", 256)), bool(raw.get("enable_confidence_head", True))
-        if rank < 1:
-            problems.append("markov_rank is 0; a selfspec dspark head has a Markov head (import it as dflash)")
-        if raw.get("markov_head_type", "vanilla") != "vanilla":
-            problems.append(f"markov_head_type {raw.get('markov_head_type')!r}; selfspec computes 'vanilla' only")
-        if confidence and not raw.get("confidence_head_with_markov", True):
-            problems.append("confidence_head_with_markov is false; selfspec's confidence head reads the Markov code")
+        rank, confidence = dspark_heads(
+            raw, problems, "markov_rank is 0; a selfspec dspark head has a Markov head (import it as dflash)", 256
+        )
     _refuse(where, problems)
     try:
         return BlockConfig(
