@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING, Any
 from transformers import Qwen3Config
 
 from selfspec.export.common import ExportError, rename_exact, write_export
-from selfspec.export.speculators_block import check_plain_block, dspark_heads, verifier_copy
-from selfspec.heads.dflash import BlockConfig, BlockHead
+from selfspec.export.speculators_block import block_config, check_plain_block, verifier_copy
+from selfspec.heads.dflash import BlockHead
 from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.io import CONFIG_NAME, WEIGHTS_NAME, HeadFormatError, load_state, read_safetensors
 
@@ -192,14 +192,11 @@ def _layer(raw: dict[str, Any], kind: str, where: str) -> Qwen3Config:
 
 
 def _block_config(raw: dict[str, Any], kind: str, layer: Qwen3Config, target: PreTrainedModel, where: str):
-    c, L = target.config, target.config.num_hidden_layers
+    """Refuse what the SGLang layouts say that selfspec's head does not compute, then read the config through the
+    speculators reader (:func:`~selfspec.export.speculators_block.block_config`), the layout translated."""
+    L = target.config.num_hidden_layers
     problems = []
-    if layer.hidden_size != c.hidden_size:
-        problems.append(
-            f"the head has hidden {layer.hidden_size}, the target {c.hidden_size}: it belongs to another target; "
-            "pass the target it was trained on"
-        )
-    if raw.get("draft_vocab_size") not in (None, c.vocab_size):
+    if raw.get("draft_vocab_size") not in (None, target.config.vocab_size):
         problems.append(f"draft_vocab_size {raw.get('draft_vocab_size')}: SGLang's layouts draft the full vocabulary")
     ids = _setting(raw, "target_layer_ids")
     if not ids or not all(isinstance(i, int) and 0 <= i <= L - 2 for i in ids):
@@ -208,34 +205,27 @@ def _block_config(raw: dict[str, Any], kind: str, layer: Qwen3Config, target: Pr
             "state after the final norm"
         )
     mask = _setting(raw, "mask_token_id")
-    if not isinstance(mask, int) or not 0 <= mask < c.vocab_size:
-        problems.append(f"mask_token_id {mask} must be a token id of the target (0 .. {c.vocab_size - 1})")
-    rank, confidence = 0, False
-    if kind == "dspark":
-        no_markov = (
+    if not isinstance(mask, int) or not 0 <= mask < target.config.vocab_size:
+        problems.append(f"mask_token_id {mask} must be a token id of the target (0 .. {target.config.vocab_size - 1})")
+    if kind == "dspark" and not raw.get("markov_rank"):
+        problems.append(
             "markov_rank is 0: a DeepSpec DFlash checkpoint, whose slots predict from the anchor (slot j the token "
             "x_{n+1+j}), while selfspec's dflash head predicts in place; selfspec does not compute it"
         )
-        rank, confidence = dspark_heads(raw, problems, no_markov, 0)
     if problems:
         raise HeadFormatError(f"{where}: " + "; ".join(problems))
-    try:
-        return BlockConfig(
-            head_type=kind,
-            hidden_size=layer.hidden_size,
-            vocab_size=c.vocab_size,
-            num_target_layers=L,
-            block_size=int(_setting(raw, "block_size", 16)),
-            num_layers=layer.num_hidden_layers,
-            mask_token_id=mask,
-            target_layer_ids=tuple(ids),
-            markov_rank=rank,
-            confidence=confidence,
-            target=str(raw.get("target_model") or ""),
-            target_fingerprint=target_fingerprint(target),
-        )
-    except (TypeError, ValueError) as err:
-        raise HeadFormatError(f"{where}: {err}") from err
+    speculators = {
+        "speculators_model_type": kind,
+        "aux_hidden_state_layer_ids": [i + 1 for i in ids],  # layer inputs
+        "block_size": int(_setting(raw, "block_size", 16)),
+        "mask_token_id": mask,
+        "sample_from_anchor": kind == "dspark",
+        "speculators_config": {"verifier": {"name_or_path": raw.get("target_model") or ""}},
+    }
+    if kind == "dspark":
+        keys = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+        speculators.update({k: raw[k] for k in keys if k in raw})
+    return block_config(speculators, layer, target, where)
 
 
 def read_sglang_block(d: Path, raw: dict[str, Any], target: PreTrainedModel) -> BlockHead:

@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SPECULATORS_BLOCK_ARCHITECTURES",
+    "block_config",
     "check_plain_block",
     "dspark_heads",
     "export_speculators_block",
@@ -239,7 +240,15 @@ def dspark_heads(raw: dict[str, Any], problems: list[str], no_markov: str, defau
     return rank, confidence
 
 
-def _block_config(raw: dict[str, Any], layer: Qwen3Config, target: PreTrainedModel, where: str) -> BlockConfig:
+def block_config(raw: dict[str, Any], layer: Qwen3Config, target: PreTrainedModel, where: str) -> BlockConfig:
+    """The :class:`BlockConfig` of a speculators ``dflash`` / ``dspark`` config ``raw`` (layer config ``layer``) for
+    ``target``; the SGLang reader translates its layouts into this one.
+
+    Raises:
+        HeadFormatError: a head for another target, aux layers outside ``[1, L - 1]``, no ``mask_token_id``, a
+            ``sample_from_anchor`` other than the family's, DSpark settings selfspec does not compute
+            (:func:`dspark_heads`), fields :class:`BlockConfig` refuses.
+    """
     kind = raw["speculators_model_type"]
     L, c = target.config.num_hidden_layers, target.config
     aux = raw.get("aux_hidden_state_layer_ids")
@@ -328,7 +337,7 @@ def read_speculators_block(d: Path, raw: dict[str, Any], target: PreTrainedModel
             f"{target_fingerprint(target)}: pass the target it was trained on"
         )
     layer = _layer(raw, where)
-    config = _block_config(raw, layer, target, where)
+    config = block_config(raw, layer, target, where)
     path = d / WEIGHTS_NAME
     state = read_safetensors(path)
     verifier_copy(state, "embed_tokens.weight", target.get_input_embeddings().weight.detach(), str(path))
