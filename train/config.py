@@ -126,6 +126,10 @@ class BlockOptions:
             (DSpark's ``0.1 CE + 0.9 TV``, plus the confidence head's BCE); ``"auto"``: ``ce`` for DFlash,
             ``dspark`` for DSpark. The confidence head trains (BCE) whatever the loss when the head has one.
         decay: position weights ``exp(-(k - 1) / decay)`` for the k-th draft of a block (DFlash: 7 at B = 16).
+        weights: ``"decay"`` (the weights above) or ``"confidence"``: draft-confidence weights after D-PACE
+            (arXiv:2605.18810, as the issue describes it): the k-th draft weighs ``prod_{j<k} q_j(y_j)``, the head's
+            own (detached) probability that its earlier drafts all equal the target's greedy tokens ``y``, so the
+            positions a block is likely to reach count, and the weights move with training.
         markov_rank: R of DSpark's Markov head.
         confidence: DSpark: train a confidence head (BCE against each slot's survival under greedy verification).
         batch_tokens: sequence tokens per optimiser step (whole sequences of up to ``max_length``).
@@ -140,6 +144,7 @@ class BlockOptions:
     anchors: int = 32
     loss: str = "auto"
     decay: float = 4.0
+    weights: str = "decay"
     markov_rank: int = 64
     confidence: bool = True
     batch_tokens: int = 2048
@@ -149,6 +154,8 @@ class BlockOptions:
         check_loss_kind(self.loss, "block.loss", extra=("auto", "dspark"))
         if not 2 <= self.block_size <= 64 or not 1 <= self.num_layers <= 8:
             raise ValueError("block.block_size must be in [2, 64] and block.num_layers in [1, 8]")
+        if self.weights not in ("decay", "confidence"):
+            raise ValueError(f"block.weights must be 'decay' or 'confidence', got {self.weights!r}")
         if self.anchors < 1 or self.decay <= 0 or self.markov_rank < 1:
             raise ValueError("block.anchors and block.markov_rank must be >= 1, block.decay > 0")
         if self.target_layer_ids is not None:

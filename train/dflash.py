@@ -13,7 +13,8 @@ Run it with ``selfspec train configs/dflash-smollm2.yaml`` (or ``head=dspark``).
   root (proven by ``tests/train/test_dflash_train.py``);
 * its k-th draft (k = 0 .. P - 1; slot ``k + 1`` for DFlash, slot k for DSpark) predicts ``x_{a+1+k}``; its label
   is the target's distribution there, ``softmax(lm_head(f_{a+k}))`` over the draft vocabulary (the greedy token for
-  the cross entropy), counted where ``a + 1 + k < T`` and ``m_{a+1+k}``, with weight ``exp(-k / decay)``;
+  the cross entropy), counted where ``a + 1 + k < T`` and ``m_{a+1+k}``, with weight ``exp(-k / decay)`` (or the
+  draft-confidence weights of :func:`position_weights`);
 * DSpark's Markov head takes the token before each draft: ``x_a`` for the first, then the target's greedy token at
   the previous draft (what the drafter chains through when the previous draft was accepted); its confidence head
   learns each draft's survival (all drafts up to it equal the target's greedy tokens) with a BCE.
@@ -42,7 +43,7 @@ from selfspec.train.losses import distribution_loss
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["BlockRecipe", "block_logits", "block_mask", "capture_block", "train_block"]
+__all__ = ["BlockRecipe", "block_logits", "block_mask", "capture_block", "position_weights", "train_block"]
 
 
 def block_mask(anchors: torch.Tensor, valid: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -174,8 +175,7 @@ def block_step_loss(
         per = 0.1 * distribution_loss(log_q, log_p, "ce") + 0.9 * distribution_loss(log_q, log_p, "tv")
     else:
         per = distribution_loss(log_q, log_p, loss_kind)
-    w = torch.exp(-torch.arange(P, device=z.device, dtype=torch.float32) / options.decay).expand_as(per)
-    w = w * scored
+    w = position_weights(log_q, greedy, scored, options)
     total_w = w.sum().clamp(min=1e-9)
     loss = (per * w).sum() / total_w + 0.0 * z.sum()
     hits = (log_q.argmax(-1) == greedy) & scored
@@ -188,6 +188,33 @@ def block_step_loss(
         logs["bce"] = round(float(bce[scored].mean().detach()) if bool(scored.any()) else 0.0, 4)
     logs["loss_" + loss_kind] = round(float(loss.detach()), 4)
     return loss, logs, int(scored.sum())
+
+
+def position_weights(
+    log_q: torch.Tensor, greedy: torch.Tensor, scored: torch.Tensor, options: BlockOptions
+) -> torch.Tensor:
+    """The weight of each draft in the block loss, 0 where it is not scored.
+
+    Args:
+        log_q: ``[..., P, S]`` float32 draft log-probabilities over the draft vocabulary.
+        greedy: Long ``[..., P]`` the target's greedy token at each draft (draft ids).
+        scored: Bool ``[..., P]``.
+        options: ``weights`` ``"decay"``: ``exp(-k / decay)`` for the k-th draft (k = 0 .. P - 1);
+            ``"confidence"`` (after D-PACE, arXiv:2605.18810): ``prod_{j<k} q_j(greedy_j)``, detached (an unscored
+            draft multiplies by 1).
+
+    Returns:
+        float32 ``[..., P]``.
+    """
+    P = log_q.shape[-2]
+    if options.weights == "decay":
+        w = torch.exp(-torch.arange(P, device=log_q.device, dtype=torch.float32) / options.decay)
+        return w.expand_as(scored) * scored
+    with torch.no_grad():
+        q_greedy = log_q.gather(-1, greedy.unsqueeze(-1)).squeeze(-1).exp()
+        q_greedy = torch.where(scored, q_greedy, torch.ones_like(q_greedy))
+        reach = torch.cumprod(torch.cat([torch.ones_like(q_greedy[..., :1]), q_greedy[..., :-1]], dim=-1), dim=-1)
+    return reach * scored
 
 
 def _previous(batch: dict[str, torch.Tensor], head: BlockHead, greedy: torch.Tensor) -> torch.Tensor:

@@ -75,8 +75,28 @@ def test_losses_on_hand_built_distributions():
     model = lambda *a: f.view(1, 1, 1, D).requires_grad_()  # noqa: E731
     ce = float(-p.log()[0])
     for kind, want in (("kl", 0.0), ("tv", 0.0), ("nla", 0.0), ("lk_hybrid", 0.0), ("ce", ce), ("dspark", 0.1 * ce)):
-        loss, _, scored = block_step_loss(model, Head, batch, lm_rows, BlockOptions(loss=kind))
-        assert scored == 1 and float(loss.detach()) == pytest.approx(want, abs=1e-6), kind
+        for weights in ("decay", "confidence"):  # one draft: weight 1 either way
+            loss, _, scored = block_step_loss(model, Head, batch, lm_rows, BlockOptions(loss=kind, weights=weights))
+            assert scored == 1 and float(loss.detach()) == pytest.approx(want, abs=1e-6), (kind, weights)
+
+
+def test_position_weights_decay_and_draft_confidence():
+    """``decay``: exp(-k / decay); ``confidence``: the head's own chance that its earlier drafts equal the target's
+    greedy tokens, an unscored draft counting as 1 and weighing 0 itself."""
+    from selfspec.train.config import BlockOptions
+    from selfspec.train.dflash import position_weights
+
+    q = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.8, 0.1], [0.25, 0.25, 0.5], [0.6, 0.2, 0.2]])  # [P = 4, S = 3]
+    log_q = q.log().requires_grad_()
+    greedy = torch.tensor([0, 1, 2, 0])
+    scored = torch.tensor([True, True, False, True])
+    decay = position_weights(log_q, greedy, scored, BlockOptions(decay=2.0))
+    assert torch.allclose(decay, torch.tensor([1.0, 0.60653066, 0.0, 0.22313016]), atol=1e-6)  # exp(-k / 2)
+    conf = position_weights(log_q, greedy, scored, BlockOptions(weights="confidence"))
+    assert torch.allclose(conf, torch.tensor([1.0, 0.5, 0.0, 0.5 * 0.8]), atol=1e-6)  # draft 2 unscored: x 1
+    assert not conf.requires_grad
+    with pytest.raises(ValueError, match="block.weights"):
+        BlockOptions(weights="dpace")
 
 
 @pytest.mark.parametrize("head_type", ["dflash", "dspark"])
