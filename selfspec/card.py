@@ -143,13 +143,15 @@ def _engines(
     layer_type: str = "llama",
     fc_bias: bool = True,
     eagle31: bool = False,
+    block_size: int = 0,
 ) -> str:
     """The vLLM, SGLang and llama.cpp sections: export first (``selfspec export`` loads the heads onto
     ``target``, their own target), then the engine's own command. Only commands the exporters run for these
     heads are given (:mod:`selfspec.export`): ``reduced``: the head drafts over a reduced vocabulary (an EAGLE-1
     export then carries SGLang's ``--speculative-token-map`` file); ``layer_type``: the EAGLE layer's model type
     (the engine layouts hold Llama layers); ``fc_bias``: SGLang's EAGLE-1 ``fc`` has a bias; ``eagle31``: an EAGLE-3.1
-    head (``fc_norm`` / ``norm_output``), which the SGLang and llama.cpp exports refuse."""
+    head (``fc_norm`` / ``norm_output``), which the SGLang and llama.cpp exports refuse; ``block_size``: a DSpark
+    head's block (SGLang's DSPARK verifies ``block_size + 1`` tokens)."""
     name = repo_id.split("/")[-1]
     if head_type == "medusa":
         return f"""### vLLM
@@ -173,13 +175,14 @@ EAGLE-3 head with selfspec for llama.cpp.
 """
     if head_type in ("dflash", "dspark"):
         algorithm = head_type.upper()
+        draft_tokens = f" --speculative-num-draft-tokens {block_size + 1}" if head_type == "dspark" else ""
         sglang_block = (
             f"""Export to SGLang's `{"DFlashDraftModel" if head_type == "dflash" else "Qwen3DSparkModel"}` layout, then:
 
 ```bash
 selfspec export {repo_id} --format sglang --target {target} --out {name}-sglang
 python -m sglang.launch_server --model-path {base_model} --speculative-algorithm {algorithm} \\
-    --speculative-draft-model-path {name}-sglang
+    --speculative-draft-model-path {name}-sglang{draft_tokens}
 ```"""
             if not reduced
             else "SGLang's DFLASH / DSPARK drafters use the target's full lm_head and this head drafts over a reduced "
@@ -388,6 +391,7 @@ def head_card(
         layer_type=layer_type,
         fc_bias=bool(ours.get("fc_bias", True)),
         eagle31=bool(ours.get("fc_norm") or ours.get("norm_output")),
+        block_size=int(ours.get("block_size") or 0),
     )
     body = f"""
 # {family.title} draft heads for {base_model}

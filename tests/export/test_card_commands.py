@@ -38,7 +38,8 @@ HEADS = {
     "eagle3": lambda t: make_eagle3(t),
     "eagle3.1": lambda t: make_eagle3(t, fc_norm=True, norm_output=True),  # speculators only
     "dflash": lambda t: block_head(t, "dflash", 4, target_layer_ids=(0, 1)),
-    "dspark-reduced": lambda t: block_head(t, "dspark", 4, draft=40, target_layer_ids=(0, 1)),
+    "dspark": lambda t: block_head(t, "dspark", 4, target_layer_ids=(0, 1)),
+    "dspark-reduced": lambda t: block_head(t, "dspark", 4, draft=40, target_layer_ids=(0, 1)),  # no sglang
 }
 
 
@@ -70,6 +71,9 @@ def test_every_export_command_on_the_card_runs(case, target, target_dir, tmp_pat
     for path in re.findall(r"--speculative-token-map (\S+)", text):
         assert (tmp_path / path).is_file()
     assert ("--speculative-token-map" in text) == (case == "eagle-reduced")
+    if isinstance(head, BlockHead):
+        assert ("sglang" in [fmt for _, fmt, _, _ in commands]) == (case != "dspark-reduced")
+        assert ("--speculative-num-draft-tokens 5" in text) == (case == "dspark")  # SGLang's DSPARK: B + 1
 
 
 def test_a_non_llama_eagle_head_gets_no_export_command(tmp_path):
