@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from selfspec.decode import kv
 from selfspec.decode.verifier import Verifier
 from selfspec.heads import cpu_linear
-from selfspec.heads.files import now_utc, profiles_dir, read_cached, read_dataclass, read_json, write_cached, write_json
+from selfspec.heads.files import now_utc, profiles_dir, read_cached, read_dataclass, write_cached
 from selfspec.heads.fingerprint import target_fingerprint
 
 if TYPE_CHECKING:
@@ -384,21 +384,6 @@ def tuned_verifier(target: PreTrainedModel, cost: CostProfile) -> Verifier:
 def cost_profile_path(target: PreTrainedModel) -> Path:
     """Cache file of ``target``'s cost profile on its device / dtype / threads."""
     return profiles_dir() / f"verify-{profile_stem(cost_key(target), _device_of(target))}.json"
-
-
-def save_cost_profile(profile: CostProfile, path: str | Path) -> Path:
-    """Write ``profile`` as JSON (atomically). Returns the path."""
-    return write_json(Path(path), profile.to_dict())
-
-
-def load_cost_profile(path: str | Path) -> CostProfile:
-    """Read a cost profile written by :func:`save_cost_profile`.
-
-    Raises:
-        ValueError: not JSON, or not a valid profile (the message says which).
-        OSError: the file does not exist or cannot be read.
-    """
-    return CostProfile.from_dict(read_json(path))
 
 
 def get_cost_profile(

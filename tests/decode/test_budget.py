@@ -24,6 +24,7 @@ from selfspec.decode.verifier import Verifier
 from selfspec.decode.verify import verify_greedy
 from selfspec.heads import files, load_heads
 from selfspec.heads.config import HeadFormatError
+from selfspec.heads.files import read_json, write_json
 from tests.helpers.archs import tiny_target
 from tests.helpers.decoding import prompts, reference
 from tests.helpers.drafters import NO_LIMIT
@@ -275,8 +276,8 @@ def test_calibration_restores_the_drafter_and_refuses_empty_runs(oracle):
 
 def test_cost_profile_json_round_trip(tmp_path):
     c = cost([1, 2, 4], [10.0, 11.5, 13.25])
-    path = costs.save_cost_profile(c, tmp_path / "p.json")
-    assert costs.load_cost_profile(path) == c
+    path = write_json(tmp_path / "p.json", c.to_dict())
+    assert CostProfile.from_dict(read_json(path)) == c
     data = json.loads(path.read_text())
     for broken in (
         {**data, "verify_ms": [1.0, 2.0]},
@@ -318,7 +319,7 @@ def test_cost_profile_kernel_plan_and_validation(tmp_path):
     assert cost([1, 2], [1.0, 2.0]).kernel_plan() == {}
     assert cost([1, 2], [1.0, 2.0]).verify_ms_linear == (1.0, 2.0)  # no curves given: the curve is plain linear
     assert cost([2, 4], [3.0, 4.0]).plain_step_ms == 3.0  # 1 node not measured: the smallest size
-    assert costs.load_cost_profile(costs.save_cost_profile(c, tmp_path / "w.json")) == c
+    assert CostProfile.from_dict(read_json(write_json(tmp_path / "w.json", c.to_dict()))) == c
     with pytest.raises(ValueError, match="was not measured"):
         cost([1, 2], [1.0, 2.0], kernels=("linear", "packed"))
     with pytest.raises(ValueError, match="kernels must name"):
@@ -407,7 +408,7 @@ def test_cost_profile_is_cached_and_remeasured_on_mismatch_or_corruption(oracle,
     with caplog.at_level(logging.WARNING, logger="selfspec.decode.tuning.costs"):
         costs.get_cost_profile(t, node_counts=sizes, context_length=16)
     assert len(measured) == 2 and "unreadable" in caplog.text
-    assert costs.load_cost_profile(path).key == costs.cost_key(t)  # rewritten
+    assert CostProfile.from_dict(read_json(path)).key == costs.cost_key(t)  # rewritten
     # another thread count is another machine setting: its own file
     torch.set_num_threads(2)
     try:
@@ -508,7 +509,7 @@ def test_make_drafter_auto_budget_keeps_greedy_exact(oracle, head_dir):
     assert costs.cost_profile_path(t).is_file()  # measured once, cached
     # verification runs the way its cost was measured
     verifier = make_verifier(t, drafter)
-    assert verifier.plan == costs.load_cost_profile(costs.cost_profile_path(t)).kernel_plan()
+    assert verifier.plan == CostProfile.from_dict(read_json(costs.cost_profile_path(t))).kernel_plan()
     for ids in prompts(2, seed=14):
         assert speculative_generate(verifier, drafter, ids, max_new_tokens=20).tokens == reference(t, ids, 20)
     again = plan_drafter(t, head_dir, depth="auto", total_tokens="auto")
