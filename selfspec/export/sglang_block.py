@@ -45,10 +45,17 @@ from typing import TYPE_CHECKING, Any
 from transformers import Qwen3Config
 
 from selfspec.export.common import ExportError, rename_exact, write_export
-from selfspec.export.speculators_block import block_config, check_plain_block, verifier_copy
+from selfspec.export.speculators_block import block_config, block_tensor_names, check_plain_block, verifier_copy
 from selfspec.heads.dflash import BlockHead
 from selfspec.heads.fingerprint import target_fingerprint
-from selfspec.heads.io import CONFIG_NAME, WEIGHTS_NAME, HeadFormatError, load_state, read_safetensors
+from selfspec.heads.io import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    HeadFormatError,
+    check_fingerprint,
+    load_state,
+    read_safetensors,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -85,10 +92,6 @@ _LAYOUT_KEYS = frozenset(
 )
 
 
-def _names(head: BlockHead) -> dict[str, str]:
-    return {k: k for k in head.state_dict() if not k.startswith("rotary.")}
-
-
 def export_sglang_block(head: BlockHead, out_dir: str | Path, *, target_name_or_path: str) -> Path:
     """Write a DFlash / DSpark ``head`` in the layout SGLang's ``DFLASH`` / ``DSPARK`` drafters load (module
     docstring), atomically.
@@ -120,7 +123,7 @@ def export_sglang_block(head: BlockHead, out_dir: str | Path, *, target_name_or_
             "another function: train with draft_vocab_size=null, or export --format speculators / gguf"
         )
     state = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary.")}
-    tensors = rename_exact(state, _names(head), FORMAT)
+    tensors = rename_exact(state, block_tensor_names(head), FORMAT)
     config = head.layer_config.to_dict()
     for key in ("_attn_implementation_autoset", "torch_dtype", "head_type", "selfspec", "architectures"):
         config.pop(key, None)
@@ -248,12 +251,8 @@ def read_sglang_block(d: Path, raw: dict[str, Any], target: PreTrainedModel) -> 
     """
     where = str(d / CONFIG_NAME)
     kind = {v: k for k, v in SGLANG_BLOCK_ARCHITECTURES.items()}[raw["architectures"][0]]
-    fingerprint = raw.get("selfspec_target_fingerprint", "")
-    if fingerprint and fingerprint != target_fingerprint(target):
-        raise HeadFormatError(
-            f"{where}: the head records target fingerprint {fingerprint}, the target given has "
-            f"{target_fingerprint(target)}: pass the target it was trained on"
-        )
+    if raw.get("selfspec_target_fingerprint"):  # published checkpoints record none
+        check_fingerprint(d, raw["selfspec_target_fingerprint"], target_fingerprint(target))
     layer = _layer(raw, kind, where)
     config = _block_config(raw, kind, layer, target, where)
     path = d / WEIGHTS_NAME
@@ -262,7 +261,7 @@ def read_sglang_block(d: Path, raw: dict[str, Any], target: PreTrainedModel) -> 
     verifier_copy(state, "lm_head.weight", target.get_output_embeddings().weight.detach(), str(path))
     head = BlockHead(config, layer)
     fix = f"pass the directory SGLang loads ({path}), or the right --format"
-    state = rename_exact(state, {v: k for k, v in _names(head).items()}, FORMAT, fix=fix)
+    state = rename_exact(state, {v: k for k, v in block_tensor_names(head).items()}, FORMAT, fix=fix)
     load_state(head, path, state)
     head.attach_target(target)
     return head

@@ -60,7 +60,15 @@ from selfspec.export.common import ExportError, rename_exact, write_export
 from selfspec.heads.dflash import BlockConfig, BlockHead
 from selfspec.heads.eagle3 import check_vocab_maps
 from selfspec.heads.fingerprint import target_fingerprint
-from selfspec.heads.io import CONFIG_NAME, WEIGHTS_NAME, HeadFormatError, load_state, read_json, read_safetensors
+from selfspec.heads.io import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    HeadFormatError,
+    check_fingerprint,
+    load_state,
+    read_json,
+    read_safetensors,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -68,6 +76,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SPECULATORS_BLOCK_ARCHITECTURES",
     "block_config",
+    "block_tensor_names",
     "check_plain_block",
     "dspark_heads",
     "export_speculators_block",
@@ -83,8 +92,8 @@ FORMAT = "speculators"
 _LAYER_EXTRAS = ("block_size", "_attn_implementation_autoset", "torch_dtype", "head_type", "selfspec")
 
 
-def _names(head: BlockHead) -> dict[str, str]:
-    """The head's tensor names, which are speculators' (identity), without the RoPE buffer."""
+def block_tensor_names(head: BlockHead) -> dict[str, str]:
+    """The head's tensor names, which are speculators' and SGLang's (identity), without the RoPE buffer."""
     return {k: k for k in head.state_dict() if not k.startswith("rotary.")}
 
 
@@ -162,7 +171,7 @@ def export_speculators_block(head: BlockHead, out_dir: str | Path, *, target_nam
     verifier = Path(target_name_or_path) / CONFIG_NAME
     verifier_architectures = list(read_json(verifier).get("architectures") or []) if verifier.is_file() else []
     state = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary.")}
-    tensors = rename_exact(state, _names(head), FORMAT)
+    tensors = rename_exact(state, block_tensor_names(head), FORMAT)
     anchor = cfg.head_type == "dspark"
     config: dict[str, Any] = {
         "architectures": [SPECULATORS_BLOCK_ARCHITECTURES[cfg.head_type]],
@@ -330,12 +339,8 @@ def read_speculators_block(d: Path, raw: dict[str, Any], target: PreTrainedModel
             full-vocabulary ``lm_head.weight`` that is not the target's.
     """
     where = str(d / CONFIG_NAME)
-    fingerprint = raw.get("selfspec_target_fingerprint", "")
-    if fingerprint and fingerprint != target_fingerprint(target):
-        raise HeadFormatError(
-            f"{where}: the head records target fingerprint {fingerprint}, the target given has "
-            f"{target_fingerprint(target)}: pass the target it was trained on"
-        )
+    if raw.get("selfspec_target_fingerprint"):  # published checkpoints record none
+        check_fingerprint(d, raw["selfspec_target_fingerprint"], target_fingerprint(target))
     layer = _layer(raw, where)
     config = block_config(raw, layer, target, where)
     path = d / WEIGHTS_NAME
@@ -349,7 +354,7 @@ def read_speculators_block(d: Path, raw: dict[str, Any], target: PreTrainedModel
         draft_ids = torch.arange(config.n_draft) + state["d2t"]  # d2t applied here, once
     head = BlockHead(config, layer, draft_ids)
     fix = f"pass the directory speculators saved ({path}), or the right --format"
-    state = rename_exact(state, {v: k for k, v in _names(head).items()}, FORMAT, fix=fix)
+    state = rename_exact(state, {v: k for k, v in block_tensor_names(head).items()}, FORMAT, fix=fix)
     load_state(head, path, state)
     head.attach_target(target)
     return head
