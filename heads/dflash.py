@@ -62,9 +62,12 @@ from selfspec.heads.io import (
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["BLOCK_HEAD_TYPES", "BlockConfig", "BlockHead", "default_target_layer_ids"]
+__all__ = ["BLOCK_HEAD_TYPES", "SIBLING_TOP_K", "BlockConfig", "BlockHead", "default_target_layer_ids"]
 
 BLOCK_HEAD_TYPES = ("dflash", "dspark")
+# candidates per slot whose held-out acceptance is measured (BlockConfig.heldout_siblings): the widest tree the
+# block drafter is sized to
+SIBLING_TOP_K = 4
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
 
 
@@ -110,6 +113,9 @@ class BlockConfig:
         heldout_top1: held-out agreement of the first draft with the target's greedy token, if measured.
         heldout_chain: held-out greedy chain acceptance by depth (``[d - 1]``: the share of blocks whose first d
             drafts the target accepts), from which decoding sizes the block to the machine; None if not measured.
+        heldout_siblings: ``[k - 2][d - 1]`` for k = 2 .. :data:`SIBLING_TOP_K`: the held-out share of blocks whose
+            first d - 1 drafts are accepted, whose d-th is not, and whose d-th target token is among the slot's next
+            k - 1 candidates (what a tree of ``top_k = k`` adds to tau at depth d); None if not measured.
 
     Raises:
         HeadFormatError: another head type, or fields out of range.
@@ -130,6 +136,7 @@ class BlockConfig:
     target_fingerprint: str = ""
     heldout_top1: float | None = None
     heldout_chain: tuple[float, ...] | None = None
+    heldout_siblings: tuple[tuple[float, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.head_type not in BLOCK_HEAD_TYPES:

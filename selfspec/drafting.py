@@ -252,32 +252,43 @@ def _block_drafter(
     head,
     tune: str = "auto",
     block_length: int | str = "auto",
-    block_top_k: int = 1,
+    block_top_k: int | str = "auto",
     confidence_min: float = 0.0,
 ) -> BlockDrafter:
-    """A :class:`~selfspec.decode.drafters.block.BlockDrafter` for a DFlash / DSpark head. ``block_length`` (draft
-    tokens per step) ``"auto"``: with ``tune="auto"`` and the head's held-out chain acceptance, the length that
-    maximises expected tokens per second on this machine (:func:`~.tuning.budget.choose_block_length`, from the cached
-    verification cost profile); else the head's whole block. ``block_top_k`` > 1 adds each position's next
-    candidates as leaves; ``confidence_min`` cuts a DSpark block at its confidence head.
+    """A :class:`~selfspec.decode.drafters.block.BlockDrafter` for a DFlash / DSpark head. ``block_length`` (chain
+    drafts per step) and ``block_top_k`` (candidates per slot; > 1 adds each slot's next candidates as leaves)
+    ``"auto"``: with ``tune="auto"`` and the head's held-out chain acceptance, the tree that maximises expected
+    tokens per second on this machine (:func:`~.tuning.budget.choose_block_length`, from the cached verification cost
+    profile and, for the width, the head's held-out sibling acceptance); else the head's whole block as a chain.
+    An integer fixes that field and sizes the other. ``confidence_min`` cuts a DSpark block at its confidence head.
 
     Raises:
-        ValueError: ``block_length`` neither an integer nor ``"auto"``, or out of the head's range.
+        ValueError: ``block_length`` or ``block_top_k`` neither an integer nor ``"auto"``, or out of the head's range.
     """
-    if block_length != "auto" and (isinstance(block_length, bool) or not isinstance(block_length, int)):
-        raise ValueError(f"block_length must be an integer or 'auto', got {block_length!r}")
+    for name, value in (("block_length", block_length), ("block_top_k", block_top_k)):
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{name} must be an integer or 'auto', got {value!r}")
+    cfg = head.config
     length = None if block_length == "auto" else block_length
-    chain = head.config.heldout_chain
-    if length is None and tune == "auto" and chain:
-        size = tree_budget.choose_block_length(costs.get_cost_profile(target), chain)
-        length = size.length
-        logger.info(
-            "block length sized to this machine: %d drafts (expected tau %.2f, %.2fx plain decoding)",
-            length,
-            size.expected_tau,
-            size.expected_speedup,
+    top_k = None if block_top_k == "auto" else block_top_k
+    branch_depth = None
+    chain = cfg.heldout_chain
+    if tune == "auto" and chain and (length is None or top_k is None):
+        rows = cfg.heldout_siblings or ()
+        width = top_k if top_k is None or top_k <= len(rows) + 1 else 1  # a width not profiled: chain sized alone
+        size = tree_budget.choose_block_length(
+            costs.get_cost_profile(target), chain, siblings=rows, length=length, top_k=width
         )
-    return BlockDrafter(head, target, length=length, top_k=block_top_k, confidence_min=confidence_min)
+        length = size.length
+        top_k, branch_depth = (size.top_k, size.branch_depth) if top_k in (None, size.top_k) else (top_k, None)
+        logger.info(
+            "block tree sized to this machine: %d chain drafts, %d candidates on the first %d (%d nodes; expected tau"
+            " %.2f, %.2fx plain decoding)",
+            length, top_k, branch_depth, size.nodes, size.expected_tau, size.expected_speedup,
+        )  # fmt: skip
+    return BlockDrafter(
+        head, target, length=length, top_k=top_k or 1, branch_depth=branch_depth, confidence_min=confidence_min
+    )
 
 
 def _eagle_drafter(

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.heads.block_layers import draft_layer_config
-from selfspec.heads.dflash import BlockConfig, BlockHead, default_target_layer_ids
+from selfspec.heads.dflash import SIBLING_TOP_K, BlockConfig, BlockHead, default_target_layer_ids
 from selfspec.heads.eagle import softcap
 from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.train.config import BlockOptions, TrainConfig
@@ -233,7 +233,10 @@ def evaluate(
     head's own previous drafts; ``chain[d-1]`` is the share of blocks (anchored at up to ``anchors`` assistant
     positions per held-out sequence, seeded) whose first d drafts all equal the target's greedy tokens (over the
     full vocabulary), counted over blocks whose d-th draft is scored; ``top1 = chain[0]``, ``chain_tau = 1 +
-    sum(chain)``. ``lm_full``: ``[V, D]``."""
+    sum(chain)``. ``siblings[k - 2][d - 1]`` (k = 2 .. :data:`SIBLING_TOP_K`): the share of those blocks whose first
+    d - 1 drafts are accepted, whose d-th is not, and whose d-th target token is among that slot's next k - 1
+    candidates: what a sibling leaf of the drafter's tree adds to tau there (``BlockDrafter`` with ``top_k = k``).
+    ``lm_full``: ``[V, D]``."""
     was = head.training
     head.eval()
     cfg = head.config
@@ -242,7 +245,8 @@ def evaluate(
     lm = lm_full.to(device=dev, dtype=dtype)
     ids = head.draft_ids
     g = torch.Generator().manual_seed(1234)
-    hits, counts = [0] * P, [0] * P
+    ks = range(2, min(SIBLING_TOP_K, cfg.n_draft) + 1)
+    hits, counts, sib_hits = [0] * P, [0] * P, [[0] * P for _ in ks]
     for s in range(0, len(store), seqs_per_batch):
         batch = collate_sequences(store, list(range(s, min(len(store), s + seqs_per_batch))), anchors, P, g)
         batch = {k: v.to(dev) for k, v in batch.items()}
@@ -259,14 +263,27 @@ def evaluate(
             if markov is not None:
                 scores = scores + markov[0].float()
             draft = ids[scores.argmax(-1)]
-            run = run & (draft == greedy[:, :, k])
             use = scored[:, :, k]
+            if len(ks):
+                top = ids[scores.topk(ks[-1], dim=-1).indices]  # [R, N, K]: the draft first
+                found = (top[..., 1:] == greedy[:, :, k].unsqueeze(-1)).cumsum(-1) > 0  # within the first k - 1
+                missed = run & use & (draft != greedy[:, :, k])
+                for i, _ in enumerate(ks):
+                    sib_hits[i][k] += int((missed & found[..., i]).sum())
+            run = run & (draft == greedy[:, :, k])
             hits[k] += int((run & use).sum())
             counts[k] += int(use.sum())
             prev = draft
     head.train(was)
     chain = [round(h / max(1, c), 4) for h, c in zip(hits, counts, strict=True)]
-    return {"positions": counts[0], "top1": chain[0], "chain": chain, "chain_tau": round(1 + sum(chain), 4)}
+    siblings = [[round(h / max(1, c), 4) for h, c in zip(row, counts, strict=True)] for row in sib_hits]
+    return {
+        "positions": counts[0],
+        "top1": chain[0],
+        "chain": chain,
+        "chain_tau": round(1 + sum(chain), 4),
+        "siblings": siblings,
+    }
 
 
 def collate_sequences(
@@ -390,7 +407,10 @@ class BlockRecipe(Recipe):
 
     def save(self, metrics: dict[str, Any], head_dir: Path) -> dict[str, Any]:
         self.head.config = dataclasses.replace(
-            self.head.config, heldout_top1=metrics["top1"], heldout_chain=tuple(metrics["chain"])
+            self.head.config,
+            heldout_top1=metrics["top1"],
+            heldout_chain=tuple(metrics["chain"]),
+            heldout_siblings=tuple(tuple(row) for row in metrics["siblings"]),
         )
         self.head.save_pretrained(head_dir)
         return {

@@ -238,41 +238,76 @@ def choose_medusa_tree_nodes(
 
 @dataclass(frozen=True)
 class BlockLength:
-    """The draft length chosen for a block drafter (:func:`choose_block_length`).
+    """The draft tree chosen for a block drafter (:func:`choose_block_length`): a chain of ``length`` drafts and,
+    with ``top_k`` > 1, the next ``top_k - 1`` candidates of each of its first ``branch_depth`` slots as leaves.
 
     Attributes:
-        length: draft tokens per step L (the verified chain has L + 1 nodes).
-        expected_tau: ``1 + sum_{d <= L} chain[d - 1]``.
-        expected_speedup: ``expected_tau * plain_step_ms / (draft_ms + verify_ms(L + 1))``.
-        table: ``(L, expected_tau, expected_speedup)`` for every length considered.
+        length: chain drafts per step L.
+        top_k: candidates per slot (1: the chain alone).
+        branch_depth: b, the chain depths with sibling leaves (0 when ``top_k`` is 1).
+        nodes: verified tree nodes, ``1 + L + b (top_k - 1)``.
+        expected_tau: ``1 + sum_{d <= L} chain[d - 1] + sum_{d <= b} siblings[top_k - 2][d - 1]``.
+        expected_speedup: ``expected_tau * plain_step_ms / (draft_ms + verify_ms(nodes))``.
+        table: ``(L, top_k, b, expected_tau, expected_speedup)`` for every tree considered.
     """
 
     length: int
+    top_k: int
+    branch_depth: int
+    nodes: int
     expected_tau: float
     expected_speedup: float
-    table: tuple[tuple[int, float, float], ...]
+    table: tuple[tuple[int, int, int, float, float], ...]
 
 
-def choose_block_length(cost: CostProfile, chain: Sequence[float], draft_ms: float = 0.0) -> BlockLength:
-    """Size a block drafter's chain to the machine: the L in ``1..len(chain)`` maximising
-    ``tau(L) / (draft_ms + verify_ms(L + 1))`` with ``tau(L) = 1 + sum_{d <= L} chain[d - 1]`` (``chain[d - 1]``: the
-    held-out share of blocks whose first d drafts the target accepts). One block forward drafts every length, so
-    ``draft_ms`` is the same for all of them. Ties go to the shorter chain.
+def choose_block_length(
+    cost: CostProfile,
+    chain: Sequence[float],
+    draft_ms: float = 0.0,
+    siblings: Sequence[Sequence[float]] | None = None,
+    length: int | None = None,
+    top_k: int | None = None,
+) -> BlockLength:
+    """Size a block drafter's tree to the machine: the chain length L in ``1..len(chain)`` and, where ``siblings``
+    is given, the width k and branched depths b, maximising ``tau / (draft_ms + verify_ms(nodes))`` with
+    ``tau = 1 + sum_{d <= L} chain[d - 1] + sum_{d <= b} siblings[k - 2][d - 1]`` and ``nodes = 1 + L + b (k - 1)``.
+    ``chain[d - 1]`` is the held-out share of blocks whose first d drafts the target accepts; ``siblings[k - 2][d -
+    1]`` the share whose d-th draft is refused but whose target token is among the slot's next k - 1 candidates (a
+    leaf: it adds one token and ends the path). One block forward drafts every tree, so ``draft_ms`` is the same
+    for all. Ties go to the smaller tree. ``length`` / ``top_k``: consider that chain length / width only.
 
     Raises:
-        ValueError: an empty ``chain``.
+        ValueError: an empty ``chain``, a ``siblings`` row shorter than ``chain``, ``length`` outside
+            ``1..len(chain)``, or a ``top_k`` > 1 without its ``siblings`` row.
     """
     if not chain:
         raise ValueError("need the head's held-out chain acceptance (heldout_chain in its config)")
+    siblings = [list(row) for row in siblings or ()]
+    if any(len(row) < len(chain) for row in siblings):
+        raise ValueError(f"every siblings row needs {len(chain)} depths (one per chain depth)")
+    if length is not None and not 1 <= length <= len(chain):
+        raise ValueError(f"length {length} is outside 1..{len(chain)} (the held-out chain's depths)")
+    if top_k is not None and not 1 <= top_k <= len(siblings) + 1:
+        raise ValueError(
+            f"top_k {top_k} needs held-out sibling acceptance for {top_k} candidates; have 1..{len(siblings) + 1}"
+        )
     plain = cost.plain_step_ms
     table, best = [], None
-    for n in range(1, len(chain) + 1):
-        tau = 1.0 + float(sum(chain[:n]))
-        option = (n, tau, tau * plain / (draft_ms + cost.verify_cost_ms(n + 1)))
-        table.append(option)
-        if best is None or option[2] > best[2]:
-            best = option
-    return BlockLength(best[0], best[1], best[2], tuple(table))
+    for n in [length] if length is not None else range(1, len(chain) + 1):
+        base = 1.0 + float(sum(chain[:n]))
+        trees = [(1, 0, base)]
+        for k, row in enumerate(siblings, start=2):
+            trees += [(k, b, base + float(sum(row[:b]))) for b in range(1, n + 1)]
+        for k, b, tau in trees:
+            if top_k is not None and k != top_k:
+                continue
+            nodes = 1 + n + b * (k - 1)
+            option = (n, k, b, tau, tau * plain / (draft_ms + cost.verify_cost_ms(nodes)))
+            table.append(option)
+            if best is None or option[4] > best[4]:
+                best = option
+    n, k, b, tau, speedup = best
+    return BlockLength(n, k, b, 1 + n + b * (k - 1), tau, speedup, tuple(table))
 
 
 def medusa_table_text(size: MedusaTreeSize, columns: Sequence[int] = DEFAULT_NODE_COUNTS) -> str:

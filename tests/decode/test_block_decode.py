@@ -129,7 +129,69 @@ def test_block_length_sized_from_acceptance_and_costs():
     )  # fmt: skip
     # chain shares 0.6, 0.4, 0.3, 0.1, 0.05: at 8 nodes the cost jumps, so 3 drafts (4 nodes) win
     size = choose_block_length(cost, [0.6, 0.4, 0.3, 0.1, 0.05, 0.02, 0.01])
-    assert size.length == 3 and size.expected_tau == pytest.approx(2.3)
+    assert (size.length, size.top_k, size.branch_depth, size.nodes) == (3, 1, 0, 4)
+    assert size.expected_tau == pytest.approx(2.3)
     assert size.expected_speedup == pytest.approx(2.3 * 10.0 / 12.0)
     with pytest.raises(ValueError, match="held-out chain"):
         choose_block_length(cost, [])
+
+
+def test_block_tree_width_sized_from_sibling_acceptance():
+    from selfspec.decode.tuning.budget import choose_block_length
+    from selfspec.decode.tuning.costs import CostProfile
+
+    cost = CostProfile(
+        target_fingerprint="f" * 16, device="cpu", dtype="torch.float32", threads=1, torch="2.13.0",
+        context_length=64, node_counts=(1, 2, 3, 4, 8), verify_ms=(10.0, 10.5, 11.0, 11.5, 20.0),
+    )  # fmt: skip
+    chain, siblings = [0.5, 0.2], [[0.3, 0.1], [0.35, 0.12]]
+    # by tau / verify_ms(nodes): chain L=1 1.5/10.5, L=2 1.7/11; one sibling (k=2) at depth 1: L=1 1.8/11,
+    # L=2 2.0/11.5 (4 nodes, the best); at both depths 2.1/13.625 (5 nodes: 11.5 + (20 - 11.5) / 4); k=3 at depth 1
+    # 2.05/13.625
+    size = choose_block_length(cost, chain, siblings=siblings)
+    assert (size.length, size.top_k, size.branch_depth, size.nodes) == (2, 2, 1, 4)
+    assert size.expected_tau == pytest.approx(2.0) and size.expected_speedup == pytest.approx(2.0 * 10.0 / 11.5)
+    assert len(size.table) == (1 + 1 + 1) + (1 + 2 + 2)  # per L: the chain, then k = 2, 3 at b = 1 .. L
+    assert (2, 3, 2, pytest.approx(2.17), pytest.approx(2.17 * 10.0 / (11.5 + 8.5 * 3 / 4))) in size.table
+    fixed = choose_block_length(cost, chain, siblings=siblings, length=1, top_k=3)
+    assert (fixed.length, fixed.top_k, fixed.branch_depth, fixed.expected_tau) == (1, 3, 1, pytest.approx(1.85))
+    # free of siblings, the chain alone is sized
+    assert choose_block_length(cost, chain).top_k == 1
+    with pytest.raises(ValueError, match="sibling"):
+        choose_block_length(cost, chain, siblings=siblings[:1], top_k=3)
+    with pytest.raises(ValueError, match="depths"):
+        choose_block_length(cost, chain, siblings=[[0.1]])
+    with pytest.raises(ValueError, match="outside"):
+        choose_block_length(cost, chain, length=3)
+
+
+def test_make_drafter_sizes_the_block_tree_from_the_heads_profile(monkeypatch):
+    """``tune="auto"``: chain length, width and branched depths come from the head's held-out chain and sibling
+    acceptance and this machine's verification costs (here a fixed profile); a fixed field is kept and the rest
+    sized around it; a width the head has no profile for keeps all depths branched."""
+    import dataclasses
+
+    from selfspec import drafting
+    from selfspec.api import make_drafter
+    from selfspec.decode.tuning.costs import CostProfile
+
+    cost = CostProfile(
+        target_fingerprint="f" * 16, device="cpu", dtype="torch.float32", threads=1, torch="2.13.0",
+        context_length=64, node_counts=(1, 2, 3, 4, 8), verify_ms=(10.0, 10.5, 11.0, 11.5, 20.0),
+    )  # fmt: skip
+    monkeypatch.setattr(drafting.costs, "get_cost_profile", lambda target: cost)
+    target = tiny_target("llama")
+    head = block_head(target, "dflash", 3)
+    profile = {"heldout_chain": (0.5, 0.2), "heldout_siblings": ((0.3, 0.1), (0.35, 0.12))}
+    head.config = dataclasses.replace(head.config, **profile)
+    got = make_drafter(target, head, tune="auto")
+    assert (got.length, got.top_k, got.branch_depth) == (2, 2, 1)
+    got = make_drafter(target, head, tune="auto", block_top_k=1)
+    assert (got.length, got.top_k) == (2, 1)
+    got = make_drafter(target, head, tune="auto", block_length=1)
+    assert (got.length, got.top_k, got.branch_depth) == (1, 2, 1)
+    got = make_drafter(target, head, tune="auto", block_top_k=5)  # no profile for 5 candidates
+    assert (got.length, got.top_k, got.branch_depth) == (2, 5, 2)
+    assert make_drafter(target, head, tune="off").top_k == 1
+    with pytest.raises(ValueError, match="block_top_k"):
+        make_drafter(target, head, tune="auto", block_top_k="wide")

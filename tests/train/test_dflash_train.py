@@ -123,6 +123,13 @@ def test_recipe_trains_saves_reloads_and_decodes_exactly(tmp_path, head_type):
     assert len(summary["heldout"]["chain"]) == (4 if head_type == "dspark" else 3)
     drafter = make_drafter(target, heads, tune="off")
     assert isinstance(drafter, BlockDrafter) and drafter.head.config.heldout_chain == tuple(summary["heldout"]["chain"])
+    # sibling acceptance for widths 2 .. 4: one share per chain depth, growing with the width; a sibling only
+    # counts where the chain's own draft was refused, so chain and sibling shares add to at most 1
+    chain, siblings = summary["heldout"]["chain"], summary["heldout"]["siblings"]
+    assert len(siblings) == 3 and all(len(row) == len(chain) for row in siblings)
+    assert all(a <= b for lo, hi in zip(siblings, siblings[1:], strict=False) for a, b in zip(lo, hi, strict=True))
+    assert all(c + s <= 1.0 for c, s in zip(chain, siblings[-1], strict=True))
+    assert drafter.head.config.heldout_siblings == tuple(tuple(row) for row in siblings)
     ids = torch.randint(3, 96, (10,), generator=torch.Generator().manual_seed(1))
     ref = target.generate(ids[None], do_sample=False, max_new_tokens=20, min_new_tokens=20, pad_token_id=0)
     assert speculative_generate(target, drafter, ids, max_new_tokens=20).tokens == ref[0, 10:].tolist()
