@@ -122,11 +122,13 @@ class BlockDrafter(Drafter):
         room = min(self.length, chain_room(limit))
         if room < 1:
             return DraftTree(tokens=root, parents=torch.tensor([-1], device=device))
-        slots = cfg.first_slot + room  # the block's slots this step needs (anchor included)
+        # The whole block, however few drafts this step keeps: attention inside the block goes both ways, so a
+        # shorter block would give its slots other outputs than the block the head was trained (and is exported) on.
+        slots = cfg.block_size
         tokens = torch.full((1, slots), cfg.mask_token_id, dtype=torch.long, device=device)
         tokens[0, 0] = root[0]
         pos = torch.arange(n, n + slots, device=device).unsqueeze(0)
-        z = head(tokens, pos, self._context.layers)[0, cfg.first_slot :]  # [room, D]
+        z = head(tokens, pos, self._context.layers)[0, cfg.first_slot : cfg.first_slot + room]  # [room, D]
         logits = head.draft_logits(z).float()  # [room, S]
         ids = head.draft_ids
         chain: list[int] = []
