@@ -1,7 +1,7 @@
 """Block drafting (DFlash, DSpark) through the one decode loop: greedy output equal to ``generate``'s on every
 architecture of the matrix, for several block sizes, chain and top-k trees, a DSpark block cut by its confidence
-head, a batch; the drafter's block logits equal the training forward's for the same prefix (fp32, 1e-5); the block
-length sized from held-out acceptance."""
+head, a batch; sampling keeps the target's law (seeded chi-square); the drafter's block logits equal the training
+forward's for the same prefix (fp32, 1e-5); the block tree sized from held-out acceptance."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from selfspec.decode.loop import speculative_generate, speculative_generate_batc
 from selfspec.decode.sampling import SamplingConfig
 from tests.helpers.archs import ARCHS, tiny_target
 from tests.helpers.heads import block_head
+from tests.helpers.sampling import SAMPLING, processed_probs
+from tests.helpers.stats import chi2_critical
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -195,3 +197,39 @@ def test_make_drafter_sizes_the_block_tree_from_the_heads_profile(monkeypatch):
     assert make_drafter(target, head, tune="off").top_k == 1
     with pytest.raises(ValueError, match="block_top_k"):
         make_drafter(target, head, tune="auto", block_top_k="wide")
+
+
+@pytest.mark.parametrize("head_type", ["dflash", "dspark"])
+def test_sampling_keeps_the_target_distribution(head_type):
+    """Seeded Pearson chi-square (as tests/decode/test_architectures.py) of the first two sampled tokens
+    (temperature 0.7, top-k 6) against the target's exact law, drafted by a random block head as a tree (chain of
+    3, 2 candidates per slot) whose draft vocabulary is the tokens the target can sample at the first two positions
+    (so drafts are both accepted and refused): N = 300, pairs with expected count >= 5 (the rest pooled),
+    alpha = 0.001."""
+    t = tiny_target("llama")
+    ids = prompt(7, 12)
+    p1 = processed_probs(t, ids)
+    expected, support = {}, set(p1.nonzero().flatten().tolist())
+    for x1 in p1.nonzero().flatten().tolist():
+        p2 = processed_probs(t, torch.cat([ids, torch.tensor([x1])]))
+        support |= set(p2.nonzero().flatten().tolist())
+        for x2 in p2.nonzero().flatten().tolist():
+            expected[(x1, x2)] = float(p1[x1] * p2[x2])
+    head = block_head(t, head_type, 4, draft_ids=torch.tensor(sorted(support)))
+    gen, counts, accepted, n = torch.Generator().manual_seed(4321), {}, 0, 300
+    for _ in range(n):
+        drafter = BlockDrafter(head, t, length=3, top_k=2)
+        out = speculative_generate(t, drafter, ids, max_new_tokens=3, sampling=SAMPLING, generator=gen)
+        key = (out.tokens[0], out.tokens[1])
+        assert key in expected  # never a pair the target cannot produce
+        counts[key] = counts.get(key, 0) + 1
+        accepted += sum(out.stats.accepted_by_depth) > 0
+    big = [k for k, p in expected.items() if p * n >= 5]
+    obs = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
+    exp = [expected[k] * n for k in big] + [n * (1 - sum(expected[k] for k in big))]
+    if exp[-1] < 5:  # pool too small to be its own bin: merge it into the last kept one
+        obs[-2] += obs.pop()
+        exp[-2] += exp.pop()
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))
+    assert len(obs) >= 3 and chi2 < chi2_critical(len(obs) - 1), (chi2, len(obs))
+    assert 0 < accepted < n

@@ -143,10 +143,13 @@ def block_head(
     draft: int | None = None,
     seed: int = 3,
     target_layer_ids: tuple[int, ...] | None = None,
+    draft_ids: torch.Tensor | None = None,
 ) -> BlockHead:
     """A random DFlash / DSpark head of two layers (wide init: varied drafts, some accepted, most rejected);
-    ``target_layer_ids`` default :func:`~selfspec.heads.dflash.default_target_layer_ids`."""
+    ``target_layer_ids`` default :func:`~selfspec.heads.dflash.default_target_layer_ids`; ``draft_ids``: its draft
+    vocabulary (default: every ``V // draft``-th id, or the full vocabulary)."""
     c = target.config
+    draft = draft if draft_ids is None else draft_ids.numel()
     cfg = BlockConfig(
         head_type=head_type,
         hidden_size=c.hidden_size,
@@ -164,6 +167,7 @@ def block_head(
     ids = (
         None if draft is None else torch.arange(0, target.config.vocab_size, target.config.vocab_size // draft)[:draft]
     )
+    ids = ids if draft_ids is None else draft_ids
     head = BlockHead(cfg, draft_layer_config(c, 2, block_size), ids, target)
     for p in head.parameters():
         if p.dim() > 1:
