@@ -148,8 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("selfspec", "llamacpp"),
         default="selfspec",
         help="selfspec (default): its own decoder against transformers generate and its no-draft decoding; "
-        "llamacpp: plain llama.cpp against each --heads (EAGLE-3, exported to GGUF) and llama.cpp's n-gram drafts, "
-        "with settings swept once per machine (needs `python -m selfspec.llamacpp` and selfspec[llamacpp])",
+        "llamacpp: plain llama.cpp against each --heads (EAGLE-3, DFlash or DSpark, exported to GGUF) and "
+        "llama.cpp's n-gram drafts, with settings swept once per machine (needs `python -m selfspec.llamacpp` and "
+        "selfspec[llamacpp])",
     )
     p.add_argument(
         "--ngram",

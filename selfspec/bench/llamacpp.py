@@ -250,7 +250,7 @@ def run_llamacpp_bench(
         build: the llama.cpp build (:func:`selfspec.llamacpp.ensure_llamacpp`).
         target_gguf: the target's GGUF (:func:`selfspec.llamacpp.alias_gguf` for the SmolLM2 alias).
         target_dir: the target's Hugging Face directory, for the converter.
-        heads: method name -> head directory (EAGLE-3 heads: the only family llama.cpp drafts with).
+        heads: method name -> head directory (EAGLE-3, DFlash or DSpark heads: the families llama.cpp drafts with).
         ngram: which of :data:`NGRAM_METHODS` to run.
         threads: llama.cpp's threads (``-t`` / ``-tb``).
         given: method -> a fixed setting instead of the sweep's.
@@ -262,8 +262,8 @@ def run_llamacpp_bench(
     Raises:
         ValueError: sampling asked for (llama.cpp runs greedy here), an unknown n-gram method, a taken name,
             no prompt turn fits.
-        selfspec.export.common.ExportError: a head llama.cpp cannot load (not EAGLE-3, not a Llama layer, another
-            target); the message names the fix. Nothing falls back to another engine.
+        selfspec.export.common.ExportError: a head llama.cpp cannot load (not EAGLE-3 / DFlash / DSpark, a layer
+            kind it lacks, another target); the message names the fix. Nothing falls back to another engine.
     """
     if settings.do_sample:
         raise ValueError("the llama.cpp bench decodes greedily (--temp 0): pass --temperature 0")
