@@ -507,3 +507,21 @@ def test_batch_bench_reports_tokens_per_s_by_batch_size_and_the_rule(tmp_path, m
     assert "| 2 | prompt_lookup_fixed |" in text and json.loads(paths[0].read_text()) == report
     with pytest.raises(ValueError, match="cannot fill a batch of 64"):
         run_batch_bench(target, tokenizer, models, prompts, settings, [64])
+
+
+def test_bench_runs_block_heads_exactly_and_names_their_tree(tmp_path):
+    """DFlash and DSpark heads (saved, then loaded back as --heads DIR is) through the bench: the baseline's tokens on
+    every turn, and each method's description names the block tree it drafted with."""
+    from tests.helpers.heads import block_head
+
+    target, tokenizer = tiny_target("llama"), CharTokenizer()
+    dirs = {t: block_head(target, t, 4).save_pretrained(tmp_path / t) for t in ("dflash", "dspark")}
+    settings = BenchSettings(max_new_tokens=14, warmup=0, eos_token_ids=())
+    methods = build_methods(target, tokenizer, settings, methods=["baseline"], heads=dirs)
+    assert methods["dflash"].description.endswith("(block tree: a chain of 3 drafts)")
+    assert methods["dspark"].description.endswith("(block tree: a chain of 4 drafts)")
+    prompts = [BenchPrompt("a", "x", ("hello there, hello",))]
+    report = run_bench(target, tokenizer, methods, prompts, settings).to_dict()
+    assert report["mismatches"] == []
+    reference = report["samples"][0]["results"]["baseline"]["tokens"]
+    assert [report["samples"][0]["results"][t]["tokens"] for t in dirs] == [reference, reference]

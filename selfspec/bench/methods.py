@@ -15,7 +15,7 @@ import torch
 
 from selfspec.api import DrafterPlan, SpeculativeModel, make_drafter, make_verifier, plan_drafter
 from selfspec.bench.report import TreeBudgetRecord
-from selfspec.decode.drafters import NoDraftDrafter, PromptLookupDrafter
+from selfspec.decode.drafters import BlockDrafter, NoDraftDrafter, PromptLookupDrafter
 from selfspec.decode.drafters.eagle import EagleDrafter
 from selfspec.decode.drafters.hybrid import HybridDrafter
 from selfspec.decode.drafters.suffix_index import SuffixIndex
@@ -335,6 +335,10 @@ def build_methods(
         model = SpeculativeModel(target, tokenizer, plan.drafter, verifier, plan.tree_budget)
         method = selfspec_method(model, settings, eos)
         source = f" from {head}" if isinstance(head, (str, Path)) else ""
+        if isinstance(plan.drafter, BlockDrafter):  # the tree sized at load (the EAGLE budget has its own record)
+            d = plan.drafter
+            width = f", {d.top_k} candidates on the first {d.branch_depth}" if d.top_k > 1 else ""
+            source += f" (block tree: a chain of {d.length} drafts{width})"
         out[name] = dataclasses.replace(
             method, description=method.description + source, tree_budget=tree_budget_record(plan)
         )
