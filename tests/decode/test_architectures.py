@@ -42,7 +42,7 @@ from tests.helpers.archs import ARCHS, CONFIGS, WINDOW, tiny_target
 from tests.helpers.drafters import OracleDrafter, TargetTopKDrafter
 from tests.helpers.heads import make_eagle3, random_heads
 from tests.helpers.sampling import N_SAMPLES, SAMPLING, processed_probs
-from tests.helpers.stats import chi2_critical
+from tests.helpers.stats import chi2_critical, pooled_chi2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -296,14 +296,7 @@ def test_sampling_keeps_the_target_distribution(arch):
         assert key in expected  # never a pair the target cannot produce
         counts[key] = counts.get(key, 0) + 1
         accepted += out.stats.accepted_per_step[0] > 1
-    big = [k for k, p in expected.items() if p * N_SAMPLES >= 5]
-    obs = [counts.get(k, 0) for k in big] + [N_SAMPLES - sum(counts.get(k, 0) for k in big)]
-    exp = [expected[k] * N_SAMPLES for k in big] + [N_SAMPLES * (1 - sum(expected[k] for k in big))]
-    if exp[-1] < 5:  # pool too small to be its own bin: merge it into the last kept one
-        obs[-2] += obs.pop()
-        exp[-2] += exp.pop()
-    chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))
-    dof = len(obs) - 1
+    chi2, dof = pooled_chi2(counts, expected, N_SAMPLES)
     assert dof >= 2
     assert chi2 < chi2_critical(dof), (chi2, dof)
     assert 0 < accepted < N_SAMPLES

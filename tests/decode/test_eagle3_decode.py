@@ -22,7 +22,7 @@ from selfspec.train.eagle_data import collate, pack_rows
 from tests.helpers.archs import tiny_target
 from tests.helpers.drafters import NO_LIMIT
 from tests.helpers.sampling import N_SAMPLES, SAMPLING, processed_probs
-from tests.helpers.stats import chi2_critical
+from tests.helpers.stats import chi2_critical, pooled_chi2
 from tests.helpers.training import distilled_store
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -215,14 +215,8 @@ def test_sampling_keeps_the_target_distribution():
         assert key in expected
         counts[key] = counts.get(key, 0) + 1
         accepted += out.stats.accepted_per_step[0] > 1
-    big = [k for k, p in expected.items() if p * N_SAMPLES >= 5]
-    obs = [counts.get(k, 0) for k in big] + [N_SAMPLES - sum(counts.get(k, 0) for k in big)]
-    exp = [expected[k] * N_SAMPLES for k in big] + [N_SAMPLES * (1 - sum(expected[k] for k in big))]
-    if exp[-1] < 5:
-        obs[-2] += obs.pop()
-        exp[-2] += exp.pop()
-    chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))
-    assert len(obs) - 1 >= 2 and chi2 < chi2_critical(len(obs) - 1), (chi2, len(obs) - 1)
+    chi2, dof = pooled_chi2(counts, expected, N_SAMPLES)
+    assert dof >= 2 and chi2 < chi2_critical(dof), (chi2, dof)
     assert 0 < accepted < N_SAMPLES
 
 
