@@ -110,10 +110,12 @@ FAMILY_BUDGET = {
     "eagle3": ["eagle3.batch_tokens=256"],
     "eagle": ["eagle.batch_tokens=256"],
     "medusa": ["medusa.num_heads=2", "medusa.batch_positions=64"],
+    "dflash": ["block.batch_tokens=256", "block.anchors=8", "block.block_size=4"],
+    "dspark": ["block.batch_tokens=256", "block.anchors=8", "block.block_size=4"],
 }
 
 
-@pytest.mark.parametrize("head", ["eagle3", "eagle", "medusa"])
+@pytest.mark.parametrize("head", ["eagle3", "eagle", "medusa", "dflash", "dspark"])
 def test_quickstart_command_runs_end_to_end_on_a_tiny_target(tiny_target_dir, tmp_path, head, capsys):
     from selfspec.cli import main as selfspec_main
     from selfspec.train.data import load_conversations, split_conversations
@@ -162,8 +164,8 @@ def test_quickstart_command_runs_end_to_end_on_a_tiny_target(tiny_target_dir, tm
         expected |= {"acceptance_profile.json"}
     assert {p.name for p in heads.iterdir()} == expected
     config = json.loads((heads / "config.json").read_text())
-    assert config["head_type"] == head
-    ours = config["selfspec"] if head in ("eagle", "eagle3") else config
+    ours = config["selfspec"] if head in ("eagle", "eagle3", "dflash", "dspark") else config
+    assert ours["head_type"] == head
     assert ours["draft_vocab_size"] == 512 and len(ours["target_fingerprint"]) == 16
     assert any((out / "features").iterdir())  # the target's features, computed once and cached
     summary = json.loads((out / "train_summary.json").read_text())
@@ -171,6 +173,8 @@ def test_quickstart_command_runs_end_to_end_on_a_tiny_target(tiny_target_dir, tm
     if head in ("eagle", "eagle3"):
         profile = json.loads((heads / "acceptance_profile.json").read_text())
         assert summary["acceptance_profile"]["prompts"] == 2 and profile
+    if head in ("dflash", "dspark"):  # the block's tree is sized from these at load
+        assert len(ours["heldout_chain"]) == 3 + (head == "dspark") and len(ours["heldout_siblings"]) == 3
     train_config = json.loads((out / "train_config.json").read_text())
     assert train_config["target"] == str(tiny_target_dir) and train_config["data"] == str(data)
 
