@@ -268,8 +268,8 @@ def evaluate(
                 top = ids[scores.topk(ks[-1], dim=-1).indices]  # [R, N, K]: the draft first
                 found = (top[..., 1:] == greedy[:, :, k].unsqueeze(-1)).cumsum(-1) > 0  # within the first k - 1
                 missed = run & use & (draft != greedy[:, :, k])
-                for i, _ in enumerate(ks):
-                    sib_hits[i][k] += int((missed & found[..., i]).sum())
+                for i, row in enumerate(sib_hits):
+                    row[k] += int((missed & found[..., i]).sum())
             run = run & (draft == greedy[:, :, k])
             hits[k] += int((run & use).sum())
             counts[k] += int(use.sum())

@@ -245,7 +245,6 @@ class BlockLength:
         length: chain drafts per step L.
         top_k: candidates per slot (1: the chain alone).
         branch_depth: b, the chain depths with sibling leaves (0 when ``top_k`` is 1).
-        nodes: verified tree nodes, ``1 + L + b (top_k - 1)``.
         expected_tau: ``1 + sum_{d <= L} chain[d - 1] + sum_{d <= b} siblings[top_k - 2][d - 1]``.
         expected_speedup: ``expected_tau * plain_step_ms / (draft_ms + verify_ms(nodes))``.
         table: ``(L, top_k, b, expected_tau, expected_speedup)`` for every tree considered.
@@ -254,10 +253,20 @@ class BlockLength:
     length: int
     top_k: int
     branch_depth: int
-    nodes: int
     expected_tau: float
     expected_speedup: float
     table: tuple[tuple[int, int, int, float, float], ...]
+
+    @property
+    def nodes(self) -> int:
+        """Verified tree nodes: ``1 + L + b (top_k - 1)``."""
+        return tree_nodes(self.length, self.top_k, self.branch_depth)
+
+
+def tree_nodes(length: int, top_k: int, branch_depth: int) -> int:
+    """Nodes of a block tree: the root, a chain of ``length`` drafts, ``top_k - 1`` leaves at ``branch_depth``
+    depths."""
+    return 1 + length + branch_depth * (top_k - 1)
 
 
 def choose_block_length(
@@ -301,13 +310,11 @@ def choose_block_length(
         for k, b, tau in trees:
             if top_k is not None and k != top_k:
                 continue
-            nodes = 1 + n + b * (k - 1)
-            option = (n, k, b, tau, tau * plain / (draft_ms + cost.verify_cost_ms(nodes)))
+            option = (n, k, b, tau, tau * plain / (draft_ms + cost.verify_cost_ms(tree_nodes(n, k, b))))
             table.append(option)
             if best is None or option[4] > best[4]:
                 best = option
-    n, k, b, tau, speedup = best
-    return BlockLength(n, k, b, 1 + n + b * (k - 1), tau, speedup, tuple(table))
+    return BlockLength(*best, tuple(table))
 
 
 def medusa_table_text(size: MedusaTreeSize, columns: Sequence[int] = DEFAULT_NODE_COUNTS) -> str:
