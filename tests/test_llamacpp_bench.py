@@ -64,8 +64,8 @@ def test_the_sweep_finds_the_best_setting_and_caches_it(rigged):
     assert choice.chosen["eagle3"] == tuning.head_setting(draft_max=2, p_min=0.5, outtype="q8_0")
     assert choice.chosen["ngram_simple"] == tuning.ngram_setting("ngram-simple", draft_max=4, ngram_size=3)
     points = choice.sweep["eagle3"]
-    # 2 GGUF types + 4 new draft lengths + 2 new p_min + 1 new thread count, each measured once
-    assert len(points) == len({p.setting for p in points}) == 9
+    # 2 GGUF types + 4 new draft lengths + 4 new p_min + 1 new thread count, each measured once
+    assert len(points) == len({p.setting for p in points}) == 11
     best = max(points, key=lambda p: p.speedup)
     assert best.speedup == pytest.approx(1.0 + 0.1 + 0.25 + 0.05)
     assert best.tokens_per_step == pytest.approx(64 / 34) and best.acceptance == pytest.approx(0.75)

@@ -31,7 +31,7 @@ from selfspec.llamacpp import Generation, LlamaCpp, build_info, completion, forw
 
 logger = logging.getLogger(__name__)
 
-SWEEP_VERSION = 1
+SWEEP_VERSION = 2
 CALIBRATION_PROMPTS = (
     "Explain in a few sentences why the sky is blue.",
     "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
@@ -98,14 +98,15 @@ def candidate_settings(spec_type: str, best: LlamaCppSetting | None, stage: int)
         stages = [
             [dataclasses.replace(base, outtype=t) for t in ("f16", "q8_0")],
             [dataclasses.replace(base, draft_max=k) for k in lengths],
-            [dataclasses.replace(base, p_min=p) for p in (0.0, 0.5, 0.8)],
+            # p_min reaches 0.95: on a CPU the cut is the strongest lever (it drafts only where acceptance is likely)
+            [dataclasses.replace(base, p_min=p) for p in (0.0, 0.5, 0.8, 0.9, 0.95)],
             [dataclasses.replace(base, draft_threads=t) for t in (None, 1)],
         ]
     else:
         base = best or ngram_setting(spec_type)
         stages = [
-            [dataclasses.replace(base, ngram_size=n) for n in (2, 3, 4)],
-            [dataclasses.replace(base, draft_max=k) for k in (4, 8, 16)],
+            [dataclasses.replace(base, ngram_size=n) for n in (2, 3, 4, 5)],
+            [dataclasses.replace(base, draft_max=k) for k in (2, 4, 8, 16)],
         ]
     return stages[stage] if stage < len(stages) else []
 
