@@ -24,7 +24,7 @@ from selfspec.decode.drafters.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT
 from selfspec.decode.drafters.suffix_index import SuffixIndex
 from selfspec.decode.tree import greedy_tree_from_accuracy, static_tree
 from selfspec.decode.tuning import budget as tree_budget
-from selfspec.decode.tuning import costs
+from selfspec.decode.tuning import costs, draft_costs
 from selfspec.decode.tuning.budget import TreeBudget
 from selfspec.decode.tuning.calibration import AcceptanceProfile, load_acceptance_profile
 from selfspec.decode.verifier import Verifier
@@ -259,7 +259,8 @@ def _block_drafter(
     drafts per step) and ``block_top_k`` (candidates per slot; > 1 adds each slot's next candidates as leaves)
     ``"auto"``: with ``tune="auto"`` and the head's held-out chain acceptance, the tree that maximises expected
     tokens per second on this machine (:func:`~.tuning.budget.choose_block_length`, from the cached verification cost
-    profile and, for the width, the head's held-out sibling acceptance); else the head's whole block as a chain.
+    profile, the cached cost of one block forward and, for the width, the head's held-out sibling acceptance); else
+    the head's whole block as a chain.
     An integer fixes that field and sizes the other. ``confidence_min`` cuts a DSpark block at its confidence head.
 
     Raises:
@@ -276,15 +277,17 @@ def _block_drafter(
     if tune == "auto" and chain and (length is None or top_k is None):
         rows = cfg.heldout_siblings or ()
         width = top_k if top_k is None or top_k <= len(rows) + 1 else 1  # a width not profiled: chain sized alone
+        whole = cfg.max_drafts  # one forward over the whole block whatever the tree: one cost for every shape
+        draft_ms = draft_costs.get_draft_cost(BlockDrafter(head, target), target, [whole])[whole]
         size = tree_budget.choose_block_length(
-            costs.get_cost_profile(target), chain, siblings=rows, length=length, top_k=width
+            costs.get_cost_profile(target), chain, draft_ms, siblings=rows, length=length, top_k=width
         )
         length = size.length
         top_k, branch_depth = (size.top_k, size.branch_depth) if top_k in (None, size.top_k) else (top_k, None)
         logger.info(
-            "block tree sized to this machine: %d chain drafts, %d candidates on the first %d (%d nodes; expected tau"
-            " %.2f, %.2fx plain decoding)",
-            length, top_k, branch_depth, size.nodes, size.expected_tau, size.expected_speedup,
+            "block tree sized to this machine: %d chain drafts, %d candidates on the first %d (%d nodes; block"
+            " forward %.1f ms; expected tau %.2f, %.2fx plain decoding)",
+            length, top_k, branch_depth, size.nodes, draft_ms, size.expected_tau, size.expected_speedup,
         )  # fmt: skip
     return BlockDrafter(
         head, target, length=length, top_k=top_k or 1, branch_depth=branch_depth, confidence_min=confidence_min

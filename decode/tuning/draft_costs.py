@@ -1,10 +1,12 @@
-"""What drafting costs here: median ms of one EAGLE draft by depth, cached on disk.
+"""What drafting costs here: median ms of one draft by depth, cached on disk.
 
-The tree budget (:func:`selfspec.decode.tuning.budget.tune_tree_budget`) weighs the verification cost of a tree
-(:mod:`selfspec.decode.tuning.costs`) against the cost of drafting it; for EAGLE that grows with the draft
-depth (one head forward per level). Measured like the verification cost (interleaved medians, same
-identity :func:`~selfspec.decode.tuning.costs.cost_key`) and cached as JSON beside it under
-``<cache root>/profiles``.
+The tree budgets (:func:`selfspec.decode.tuning.budget.tune_tree_budget`,
+:func:`~selfspec.decode.tuning.budget.choose_block_length`) weigh the verification cost of a tree
+(:mod:`selfspec.decode.tuning.costs`) against the cost of drafting it. For EAGLE that grows with the draft
+depth (one head forward per level); a DFlash / DSpark block drafter runs one forward over its whole block
+whatever it keeps, so its cost is measured once, at the block's length. Measured like the verification cost
+(interleaved medians, same identity :func:`~selfspec.decode.tuning.costs.cost_key`) and cached as JSON beside
+it under ``<cache root>/profiles``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from selfspec.decode.drafters.base import AcceptedPath, DraftLimit
+from selfspec.decode.drafters.block import BlockDrafter
 from selfspec.decode.drafters.eagle import EagleDrafter
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import DraftTree
@@ -37,7 +40,7 @@ _DRAFT_FORMAT = "selfspec-draft-cost"
 
 @dataclass(frozen=True)
 class DraftCost:
-    """Median ms of one EAGLE draft by depth, as cached on disk.
+    """Median ms of one draft by depth (EAGLE) or block length (DFlash / DSpark), as cached on disk.
 
     Attributes:
         key: the measurement's identity (:func:`cost_key`).
@@ -73,21 +76,24 @@ class DraftCost:
 
 @torch.inference_mode()
 def measure_draft_cost(
-    drafter: EagleDrafter,
+    drafter: EagleDrafter | BlockDrafter,
     target: PreTrainedModel,
     depths: Sequence[int],
     context_length: int = DEFAULT_CONTEXT_LENGTH,
     repeats: int = 5,
 ) -> dict[int, float]:
-    """Median wall ms of one :meth:`~selfspec.decode.drafters.eagle.EagleDrafter.propose` at each draft depth.
+    """Median wall ms of one drafting step (``accept`` of a step with nothing accepted, then ``propose``) at each
+    draft depth.
 
-    One drafter per depth is built from ``drafter``'s head and ``top_k`` (``drafter`` itself is not
-    used or changed). Each is begun on ``context_length`` random tokens with the target's real features
-    (one untimed propose feeds them); each timed call then feeds one accepted pair, as a decoding step
-    with nothing accepted does, and grows the tree to the depth.
+    One drafter per depth is built from ``drafter``'s head (and, for EAGLE, its ``top_k``; ``drafter`` itself is
+    not used or changed). Each is begun on ``context_length`` random tokens with the target's real features.
+    EAGLE: one untimed propose feeds the prompt's pairs; each timed call then feeds one accepted pair, as a
+    decoding step with nothing accepted does, and grows the tree to the depth. Block drafters: each timed call
+    feeds one position and runs the whole block, keeping ``depth`` drafts (the context grows by one per call).
 
     Args:
-        drafter: an :class:`~selfspec.decode.drafters.eagle.EagleDrafter` attached to ``target`` (the template).
+        drafter: an :class:`~selfspec.decode.drafters.eagle.EagleDrafter` or
+            :class:`~selfspec.decode.drafters.block.BlockDrafter` attached to ``target`` (the template).
         target: the frozen target.
         depths: draft depths d >= 1.
         context_length: prompt tokens before the draft.
@@ -97,11 +103,14 @@ def measure_draft_cost(
         ``{depth: ms}``.
 
     Raises:
-        ValueError: an empty ``depths`` or a depth < 1.
+        ValueError: an empty ``depths``, a depth < 1, or (block drafters) a depth beyond the head's block.
     """
     depths = sorted({int(d) for d in depths})
     if not depths or depths[0] < 1:
         raise ValueError("need draft depths >= 1")
+    block = isinstance(drafter, BlockDrafter)
+    if block and depths[-1] > drafter.head.config.max_drafts:
+        raise ValueError(f"a block drafter drafts at most {drafter.head.config.max_drafts} tokens, not {depths[-1]}")
     device = next(target.parameters()).device
     gen = torch.Generator().manual_seed(1)
     context = torch.randint(0, target.config.vocab_size, (context_length + 1,), generator=gen).to(device)
@@ -111,7 +120,23 @@ def measure_draft_cost(
     hidden = hidden[1] if layers else hidden
     greedy = SamplingConfig()
 
+    def block_at(length: int) -> Callable[[], None]:
+        at_length = BlockDrafter(drafter.head, target, length=length)
+        at_length.begin(context[:-1], hidden)
+        grown = [context]
+
+        def step() -> None:
+            ctx = grown[0]
+            root = DraftTree(tokens=ctx[-1:], parents=torch.tensor([-1], device=device))
+            at_length.accept(AcceptedPath(root, (0,), ctx[-1:], hidden[-1:], 0))
+            grown[0] = torch.cat([ctx, ctx[-1:]])  # the drafter now holds one more position
+            at_length.propose(grown[0], greedy, None, DraftLimit(useful_depth=length))
+
+        return step
+
     def at(depth: int) -> Callable[[], None]:
+        if block:
+            return block_at(depth)
         at_depth = EagleDrafter(drafter.head, target, depth, drafter.top_k, drafter.total_tokens)
         at_depth.begin(context[:-1], hidden)
         limit = DraftLimit(useful_depth=depth)
@@ -129,11 +154,14 @@ def measure_draft_cost(
     return {d: round(ms, 4) for d, ms in medians.items()}
 
 
-def draft_cost_path(drafter: EagleDrafter, target: PreTrainedModel) -> Path:
-    """Cache file of an EAGLE drafter's cost by depth (it depends on the head's shapes, its EAGLE-3.1 norms and
-    ``top_k``, not on its weights)."""
+def draft_cost_path(drafter: EagleDrafter | BlockDrafter, target: PreTrainedModel) -> Path:
+    """Cache file of a drafter's cost by depth (it depends on the head's shapes, EAGLE-3.1's norms and EAGLE's
+    ``top_k``, not on the weights; a block drafter's on its block, layers, draft vocabulary and Markov rank)."""
     cfg = drafter.head.config
     stem = profile_stem(cost_key(target), next(target.parameters()).device)
+    if isinstance(drafter, BlockDrafter):
+        shape = f"b{cfg.block_size}-l{cfg.num_layers}-v{cfg.n_draft}-r{cfg.markov_rank}"
+        return profiles_dir() / f"draft-{cfg.head_type}-{stem}-{shape}.json"
     if cfg.head_type == "eagle3":  # fc over three layers, no bias: its own cost; EAGLE-3.1's norms add to it
         flags = "".join(f"-{flag}" for flag in cfg.eagle31_flags)
         return profiles_dir() / f"draft-eagle3-{stem}-k{drafter.top_k}-v{cfg.draft_vocab_size}{flags}.json"
@@ -141,10 +169,10 @@ def draft_cost_path(drafter: EagleDrafter, target: PreTrainedModel) -> Path:
 
 
 def get_draft_cost(
-    drafter: EagleDrafter, target: PreTrainedModel, depths: Sequence[int], refresh: bool = False
+    drafter: EagleDrafter | BlockDrafter, target: PreTrainedModel, depths: Sequence[int], refresh: bool = False
 ) -> dict[int, float]:
-    """:func:`measure_draft_cost`, cached like :func:`get_cost_profile` (same identity plus the head's
-    draft vocabulary size, ``fc`` bias and ``top_k``). A bad cache file is re-measured with a warning.
+    """:func:`measure_draft_cost`, cached like :func:`get_cost_profile` (same identity plus the head's shapes:
+    :func:`draft_cost_path`). A bad cache file is re-measured with a warning.
 
     Returns:
         ``{depth: ms}`` for every requested depth.
@@ -159,7 +187,7 @@ def get_draft_cost(
             logger.warning("draft cost profile %s was measured for %s: measuring it again", path, cached.key)
         elif all(d in ms for d in wanted):
             return {d: ms[d] for d in wanted}
-    logger.info("measuring EAGLE drafting cost at depths %s ...", wanted)
+    logger.info("measuring %s drafting cost at depths %s ...", drafter.head.config.head_type, wanted)
     ms = measure_draft_cost(drafter, target, wanted)
     record = DraftCost(key=key, top_k=drafter.top_k, draft_ms={str(d): v for d, v in ms.items()}, created_utc=now_utc())
     write_cached(path, record.to_dict(), "draft cost profile")

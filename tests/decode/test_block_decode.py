@@ -134,6 +134,9 @@ def test_block_length_sized_from_acceptance_and_costs():
     assert (size.length, size.top_k, size.branch_depth, size.nodes) == (3, 1, 0, 4)
     assert size.expected_tau == pytest.approx(2.3)
     assert size.expected_speedup == pytest.approx(2.3 * 10.0 / 12.0)
+    # the block forward costs the same for every tree: it lowers every option alike (the ratio moves, not the tree)
+    drafted = choose_block_length(cost, [0.6, 0.4, 0.3, 0.1, 0.05, 0.02, 0.01], draft_ms=5.0)
+    assert drafted.length == 3 and drafted.expected_speedup == pytest.approx(2.3 * 10.0 / 17.0)
     with pytest.raises(ValueError, match="held-out chain"):
         choose_block_length(cost, [])
 
@@ -182,12 +185,14 @@ def test_make_drafter_sizes_the_block_tree_from_the_heads_profile(monkeypatch):
         context_length=64, node_counts=(1, 2, 3, 4, 8), verify_ms=(10.0, 10.5, 11.0, 11.5, 20.0),
     )  # fmt: skip
     monkeypatch.setattr(drafting.costs, "get_cost_profile", lambda target: cost)
+    drafted = []  # the block forward's cost: asked once per sizing, at the whole block (2 drafts for B = 3)
+    monkeypatch.setattr(drafting.draft_costs, "get_draft_cost", lambda d, t, depths: drafted.append(depths) or {2: 2.0})
     target = tiny_target("llama")
     head = block_head(target, "dflash", 3)
     profile = {"heldout_chain": (0.5, 0.2), "heldout_siblings": ((0.3, 0.1), (0.35, 0.12))}
     head.config = dataclasses.replace(head.config, **profile)
     got = make_drafter(target, head, tune="auto")
-    assert (got.length, got.top_k, got.branch_depth) == (2, 2, 1)
+    assert (got.length, got.top_k, got.branch_depth) == (2, 2, 1) and drafted == [[2]]
     got = make_drafter(target, head, tune="auto", block_top_k=1)
     assert (got.length, got.top_k) == (2, 1)
     got = make_drafter(target, head, tune="auto", block_length=1)

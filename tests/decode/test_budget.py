@@ -12,6 +12,7 @@ import torch
 
 from selfspec.api import make_drafter, make_verifier, plan_drafter
 from selfspec.decode.drafters import Drafter
+from selfspec.decode.drafters.block import BlockDrafter
 from selfspec.decode.drafters.eagle import DEFAULT_DEPTH, DEFAULT_TOTAL_TOKENS, EagleDrafter
 from selfspec.decode.kv import crop_cache, new_cache
 from selfspec.decode.loop import speculative_generate
@@ -28,7 +29,7 @@ from selfspec.heads.files import read_json, write_json
 from tests.helpers.archs import tiny_target
 from tests.helpers.decoding import prompts, reference
 from tests.helpers.drafters import NO_LIMIT
-from tests.helpers.heads import SecondBestHead, make_eagle3, random_head
+from tests.helpers.heads import SecondBestHead, block_head, make_eagle3, random_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -429,6 +430,26 @@ def test_draft_cost_measured_per_depth_and_cached(oracle):
     assert draft_costs.get_draft_cost(drafter, t, [2]) == {2: ms[2]}
     draft_costs.draft_cost_path(drafter, t).write_text("[]")
     assert set(draft_costs.get_draft_cost(drafter, t, [1])) == {1}  # corrupt: re-measured, no crash
+
+
+def test_block_draft_cost_measured_at_the_block_and_cached_per_head_shape(monkeypatch):
+    """A block drafter's step (one position fed, the whole block run) is timed at the lengths asked, cached per
+    head shape (type, block, layers), and read back without measuring; a length beyond the block is refused."""
+    t = tiny_target("qwen2")
+    dspark = BlockDrafter(block_head(t, "dspark", 4), t)
+    ms = draft_costs.get_draft_cost(dspark, t, [1, dspark.length])
+    assert set(ms) == {1, dspark.length} and all(v > 0 for v in ms.values())
+    path = draft_costs.draft_cost_path(dspark, t)
+    assert path.is_file() and path.name.startswith("draft-dspark-")
+    with pytest.raises(ValueError, match="at most"):
+        draft_costs.measure_draft_cost(dspark, t, [dspark.length + 1])
+    monkeypatch.setattr(draft_costs, "measure_draft_cost", lambda *a, **k: pytest.fail("measured again"))
+    assert draft_costs.get_draft_cost(dspark, t, [dspark.length]) == {dspark.length: ms[dspark.length]}
+    others = {
+        draft_costs.draft_cost_path(BlockDrafter(block_head(t, kind, b), t), t)
+        for kind, b in [("dflash", 4), ("dspark", 6)]
+    }
+    assert path not in others and len(others) == 2
 
 
 def test_draft_cost_file_tells_eagle31_from_eagle3():
