@@ -1,10 +1,10 @@
 """The verification engine: the target's forwards of a decode (prefill, tree verification, logits).
 
 A :class:`Verifier` wraps a frozen ``transformers`` causal LM and owns what makes its verification fast
-on this machine: a kernel plan (tree size -> one of :data:`~selfspec.heads.cpu_linear.LINEAR_KERNELS`),
+on this machine: a kernel plan (tree size -> one of :data:`~selfspec.base.cpu_linear.LINEAR_KERNELS`),
 the oneDNN-packed weight copies that plan needs, and, per kernel in the plan, a *twin* of the target's
 backbone: a copy of its module structure that shares every parameter and buffer with the target (no
-tensor is copied) and in which every ``nn.Linear`` is one of :mod:`~selfspec.heads.cpu_linear`'s kernel
+tensor is copied) and in which every ``nn.Linear`` is one of :mod:`~selfspec.base.cpu_linear`'s kernel
 modules. A planned tree forward runs the twin; everything else runs the target's own backbone. Nothing is
 stored on or set on the target, and a forward costs nothing beyond its kernels (no per-call patching or
 interception).
@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from selfspec.base import cpu_linear
 from selfspec.decode.host import HostTree, read_tree, to_device
 from selfspec.decode.kv import backbone, call_with_cache, new_cache
 from selfspec.decode.masks import FULL, additive, attention_layout, block_attention_masks, tree_attention_masks
 from selfspec.decode.tree import ancestor_mask
-from selfspec.heads import cpu_linear
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
@@ -87,7 +87,7 @@ class Verifier:
 
     def packed_available(self) -> bool:
         """Whether the ``"packed"`` kernel can serve this target: on a CPU, float32 weights, oneDNN built
-        into torch, and at most :data:`~selfspec.heads.cpu_linear.PACKED_MAX_BYTES` of weights to copy."""
+        into torch, and at most :data:`~selfspec.base.cpu_linear.PACKED_MAX_BYTES` of weights to copy."""
         p = next(self.target.parameters())
         if p.device.type != "cpu" or p.dtype != torch.float32 or not cpu_linear.packed_available():
             return False
@@ -328,7 +328,7 @@ class Verifier:
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target logits from last hidden states: ``[N, D] -> [N, V]`` float32.
 
-        For 2..32 rows on a CPU the product is ``W @ h^T`` (:func:`~selfspec.heads.cpu_linear.project`);
+        For 2..32 rows on a CPU the product is ``W @ h^T`` (:func:`~selfspec.base.cpu_linear.project`);
         where the plan has ``"packed"`` for N rows, oneDNN computes it on the packed lm_head weight.
         Same math, another summation order. A config's ``final_logit_softcapping`` (Gemma-2) is applied
         as the model's own forward applies it.

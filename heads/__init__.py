@@ -10,10 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.heads.dflash import BLOCK_HEAD_TYPES, BlockHead
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.eagle3 import Eagle3Head
-from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.hub import HEAD_TYPES, resolve_head_dir
 from selfspec.heads.io import CONFIG_NAME, HeadFormatError, read_config
 from selfspec.heads.medusa import MedusaHeads

@@ -24,7 +24,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, rotate_half
 
-from selfspec.heads.cpu_linear import project
+from selfspec.base.cpu_linear import project
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from selfspec.heads.files import read_dataclass
+from selfspec.base.files import read_dataclass
 
 # Re-exported: callers import the error and the readers from here as well as from selfspec.heads.io.
 from selfspec.heads.io import CONFIG_NAME, HeadFormatError, check_fingerprint, read_json, read_safetensors
@@ -28,7 +28,7 @@ C = TypeVar("C")
 
 
 def config_from_dict(cls: type[C], data: dict[str, Any], where: str = "config") -> C:
-    """Build a frozen dataclass head config from a dict strictly (:func:`selfspec.heads.files.read_dataclass`:
+    """Build a frozen dataclass head config from a dict strictly (:func:`selfspec.base.files.read_dataclass`:
     fields with a default may be missing, so configs written before a field existed still load).
 
     Raises:

@@ -43,9 +43,9 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from selfspec.base.cpu_linear import project
 from selfspec.heads.block_layers import BlockLayer
 from selfspec.heads.config import read_selfspec_config
-from selfspec.heads.cpu_linear import project
 from selfspec.heads.eagle import logit_softcap, softcap
 from selfspec.heads.eagle3 import check_vocab_maps, vocab_maps
 from selfspec.heads.hub import HubMixin

@@ -49,8 +49,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from selfspec.base.cpu_linear import project
 from selfspec.heads.config import read_selfspec_config
-from selfspec.heads.cpu_linear import project
 from selfspec.heads.hub import HubMixin
 from selfspec.heads.io import (
     CONFIG_NAME,
@@ -98,7 +98,7 @@ class EagleConfig:
         draft_vocab_size: S lm_head rows used while drafting; None = the full vocabulary.
         fc_bias: whether ``fc`` (2D -> D) has a bias (EAGLE-1: yes).
         target: the target name the head was trained on (informational).
-        target_fingerprint: :func:`selfspec.heads.fingerprint.target_fingerprint` of that target; checked on load.
+        target_fingerprint: :func:`selfspec.base.fingerprint.target_fingerprint` of that target; checked on load.
         heldout_top1: held-out teacher-forced top-1 accuracy vs the target's argmax, if measured.
         head_type: always ``"eagle"``.
     """
@@ -437,7 +437,7 @@ class EagleHead(nn.Module, HubMixin):
 
     def draft_logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """``[..., D]`` predicted features -> ``[..., S]`` logits over the draft vocabulary (row i scores
-        target token ``draft_ids[i]``), in the features' dtype (:func:`selfspec.heads.cpu_linear.project`:
+        target token ``draft_ids[i]``), in the features' dtype (:func:`selfspec.base.cpu_linear.project`:
         ``W @ h^T`` for 2..32 rows on a CPU), soft-capped as the target's own logits are (Gemma-2's
         ``final_logit_softcapping``), so the draft distribution is the target's lm_head applied to the
         predicted feature."""

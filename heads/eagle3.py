@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from selfspec.heads.cpu_linear import project
+from selfspec.base.cpu_linear import project
 from selfspec.heads.eagle import (
     decoder_layer_class,
     head_layer_config,
@@ -143,7 +143,7 @@ class Eagle3Config:
         target_layers: the three layers whose input hidden states (``hidden_states[i]``) are fused, each in
             ``[0, L)``; default :func:`default_target_layers`.
         target: the target name the head was trained on (informational).
-        target_fingerprint: :func:`selfspec.heads.fingerprint.target_fingerprint` of that target; checked on load.
+        target_fingerprint: :func:`selfspec.base.fingerprint.target_fingerprint` of that target; checked on load.
         heldout_top1: held-out teacher-forced top-1 agreement with the target's greedy token, if measured.
         fc_norm: EAGLE-3.1 (arXiv:2605.09992): a norm on each fused target layer before ``fc``.
         norm_output: EAGLE-3.1: the next draft step takes the head's output after the final norm.

@@ -9,7 +9,7 @@ A head directory holds the head alone, never target weights::
     training_record.json        optional, written by training beside the head
 
 Writing (:func:`write_head_dir`) builds the whole directory in a temporary sibling, fsyncs every file and
-the directory, then puts it in place with :func:`selfspec.heads.files.replace_dir`: an existing directory is
+the directory, then puts it in place with :func:`selfspec.base.files.replace_dir`: an existing directory is
 swapped with the new one only once the new one is complete, so the path always holds a whole head. Files of the
 old directory that are not head files (:data:`HEAD_FILES`; e.g. the acceptance profile and the training record) are
 carried over unchanged. Every safetensors file carries a SHA-256 of its tensors in its metadata
@@ -36,9 +36,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_bytes
 
-from selfspec.heads import files
-from selfspec.heads.files import fsync_dir, replace_dir, staging_dir
-from selfspec.heads.fingerprint import mismatch_hint
+from selfspec.base import files
+from selfspec.base.files import fsync_dir, replace_dir, staging_dir
+from selfspec.base.fingerprint import mismatch_hint
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ def check_fingerprint(directory: str | Path, stored: str, given: str | None, tra
     Args:
         directory: the head directory (named in the message).
         stored: the fingerprint saved with the heads (``""``: saved without one; accepted with a warning).
-        given: :func:`selfspec.heads.fingerprint.target_fingerprint` of the target at hand; None = no check.
+        given: :func:`selfspec.base.fingerprint.target_fingerprint` of the target at hand; None = no check.
         trained_on: the target name saved with the heads (informational).
 
     Raises:

@@ -54,7 +54,7 @@ class MedusaConfig:
             False: heads share the target's frozen lm_head.
         draft_vocab_size: S rows in the projection; equals ``vocab_size`` when no reduced vocabulary is used.
         target: the target name the heads were trained on (informational).
-        target_fingerprint: :func:`selfspec.heads.fingerprint.target_fingerprint` of that target; checked on load.
+        target_fingerprint: :func:`selfspec.base.fingerprint.target_fingerprint` of that target; checked on load.
         head_topk_accuracy: optional ``[K][k]`` held-out top-1..top-k accuracies per head, used to build
             the static tree (Medusa's greedy tree construction).
     """

@@ -336,7 +336,7 @@ def load(
 
         target, tokenizer = load_target(target, dtype=dtype, device=device, adapter=adapter)
     elif adapter is not None or _is_peft_model(target):
-        from selfspec.train.adapter import load_adapted, merge_adapter  # imports peft
+        from selfspec.base.adapter import load_adapted, merge_adapter  # imports peft
 
         if adapter is None:
             target = merge_adapter(target)

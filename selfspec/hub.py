@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, ModelCard, constants
 from huggingface_hub.errors import HfHubHTTPError
 
+from selfspec.base.files import read_json, write_json
 from selfspec.bench.report import read_report
 from selfspec.card import FAMILIES, BenchFigures, head_card
 from selfspec.heads import load_heads
-from selfspec.heads.files import read_json, write_json
 from selfspec.heads.hub import HUB_FILES, hub_endpoint, register_push, resolve_head_dir
 from selfspec.heads.io import HeadFormatError, read_config
 from selfspec.target import ALIASES, SMOLLM2_ALIAS

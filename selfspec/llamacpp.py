@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from selfspec.heads.files import cache_root, now_utc, read_json, write_json
+from selfspec.base.files import cache_root, now_utc, read_json, write_json
 from selfspec.target import ALIASES, SMOLLM2_ALIAS
 
 SDIST = "llama-cpp-python"

@@ -6,7 +6,7 @@ calibration render a conversation the same way and stop on the same ids:
 
 * :func:`encode_prompt` / :func:`encode_messages`: token ids, a string or chat messages -> LongTensor ``[T]``.
 * :func:`resolve_eos`: the stop ids of a target (generation config, else tokenizer), plus any extra ones
-  (:func:`selfspec.train.target.resolve_eos`, the one reader, used by training too).
+  (:func:`selfspec.base.target.resolve_eos`, the one reader, used by training too).
 * :func:`load_prompts`: benchmark questions from an MT-bench / Spec-Bench JSONL file, or the held-out
   ShareGPT split (:func:`heldout_prompts`) of the run that trained the heads, read from
   ``<heads>/training_record.json``.
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.train.target import resolve_eos
+from selfspec.base.target import resolve_eos
 
 if TYPE_CHECKING:
     pass

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from selfspec.heads.files import write_json
+from selfspec.base.files import write_json
 from selfspec.train.config import load_config
 
 DEFAULT_POINTS = ("h0.5:160:200:6", "h1:320:400:12", "h2:640:800:30")

@@ -17,11 +17,11 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 import selfspec
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.cli import main as cli_main
 from selfspec.heads import HeadFormatError, load_heads
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head
-from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.hub import HubError, push_heads
 from tests.helpers.archs import tiny_target

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.heads.fingerprint import target_fingerprint
+from selfspec.base.fingerprint import target_fingerprint
 from tests.helpers.smollm2 import PROMPTS, fresh_heads
 
 pytestmark = pytest.mark.slow

@@ -4,8 +4,8 @@ import importlib.util
 
 import pytest
 
-from selfspec.train import target as target_mod
-from selfspec.train.target import TargetNotFoundError, resolve_target
+from selfspec.base import target as target_mod
+from selfspec.base.target import TargetNotFoundError, resolve_target
 
 
 def test_unknown_alias_is_a_clear_error():

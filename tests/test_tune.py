@@ -10,6 +10,7 @@ import pytest
 
 from selfspec import bench, tune
 from selfspec.api import make_drafter
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.bench import BenchPrompt, BenchReport, BenchSettings, build_methods, run_bench
 from selfspec.bench import cli as bench_cli
 from selfspec.cli import main as cli_main
@@ -17,7 +18,6 @@ from selfspec.decode.drafters.eagle import EagleDrafter
 from selfspec.decode.tuning import budget as tree_budget
 from selfspec.decode.tuning import calibration, costs, draft_costs
 from selfspec.heads import load_heads
-from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from tests.helpers.archs import tiny_llama
 from tests.helpers.conversations import QUESTIONS

@@ -14,14 +14,14 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 
-from selfspec.train.adapter import read_adapter_config
+from selfspec.base.adapter import read_adapter_config
+from selfspec.base.target import load_target
 from selfspec.train.config import TrainConfig, load_config
 from selfspec.train.data import load_conversations, split_conversations
 from selfspec.train.distill_states import CapturedStates
 from selfspec.train.features import self_distill
 from selfspec.train.inputs import RunInputs
 from selfspec.train.recipes import recipe_for
-from selfspec.train.target import load_target
 
 logger = logging.getLogger("selfspec.train")
 

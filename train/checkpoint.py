@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from selfspec.heads.files import replace_dir
+from selfspec.base.files import replace_dir
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -35,7 +35,7 @@ def save_checkpoint(
 ) -> None:
     """Write ``accelerator.save_state`` to ``<out>.tmp`` with ``trainer_state.json`` (``step``,
     ``train_elapsed_s``, ``train_tokens``, ``identity``, and ``best``'s info), then put it at ``out``
-    (:func:`~selfspec.heads.files.replace_dir`: the old one is swapped out only once the new one is complete).
+    (:func:`~selfspec.base.files.replace_dir`: the old one is swapped out only once the new one is complete).
     Every process must call it (``save_state`` synchronises them).
 
     Args:

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from selfspec.heads.files import read_dataclass
+from selfspec.base.files import read_dataclass
 from selfspec.train.losses import check_loss_kind
 
 
@@ -181,8 +181,6 @@ class MedusaOptions:
         lora_modules: module names the adapter wraps (None: peft's default for the target's architecture).
         kl_weight: weight of the KL term; heads_weight: weight of the heads' loss in the joint loss.
         batch_tokens: tokens per optimiser step of joint training (whole sequences, padded per batch).
-        init_heads: Medusa-2 only: a Medusa-1 heads directory (trained on this target and data, same head shape) to
-            start the joint training from, Medusa-2's two-stage recipe (heads first, then heads and adapter).
     """
 
     num_heads: int = 4
@@ -197,7 +195,6 @@ class MedusaOptions:
     kl_weight: float = 1.0
     heads_weight: float = 1.0
     batch_tokens: int = 1024
-    init_heads: str | None = None
     loss: str = "ce"
 
     def __post_init__(self) -> None:
@@ -208,8 +205,6 @@ class MedusaOptions:
             raise ValueError(f"medusa.lora_rank must be >= 1, got {self.lora_rank}")
         if self.kl_weight < 0 or self.heads_weight <= 0:
             raise ValueError("medusa.kl_weight must be >= 0 and medusa.heads_weight > 0")
-        if self.init_heads is not None and not self.joint:
-            raise ValueError("medusa.init_heads starts Medusa-2's joint training: set medusa.joint: true, or drop it")
         if self.lora_modules is not None:
             if isinstance(self.lora_modules, str) or not all(isinstance(m, str) for m in self.lora_modules):
                 raise ValueError(f"medusa.lora_modules must be a list of module names, got {self.lora_modules!r}")
@@ -227,7 +222,12 @@ class TrainConfig:
         head: head family, ``"medusa"``, ``"eagle"``, ``"eagle3"``, ``"dflash"`` or ``"dspark"``.
         target: target name (local dir, Hub id or alias, see :func:`selfspec.target.resolve_target`).
         target_adapter: a PEFT adapter directory (``PeftModel.save_pretrained``) merged into ``target``
-            (:mod:`selfspec.train.adapter`); the heads are trained on, and fingerprinted as, the adapted target.
+            (:mod:`selfspec.base.adapter`); the heads are trained on, and fingerprinted as, the adapted target.
+        init_heads: a heads directory (or Hub id) of this run's family, trained on this target, to start from
+            instead of a fresh head (:mod:`selfspec.train.warm_start`): its shape options (draft vocabulary, fused
+            layers, block size ...) replace the config's, every tensor is copied, and the head is evaluated before
+            the first step so selection can keep it. For Medusa-2 (``medusa.joint``): Medusa-1 heads, its two-stage
+            recipe. The directory is only read.
         data: ``"sharegpt"`` (packaged), a local .json/.jsonl path, or a Hub dataset id.
         max_conversations: conversations read from ``data`` (before the split).
         eval_fraction: held-out share, split by a hash of the conversation id.
@@ -280,6 +280,7 @@ class TrainConfig:
     head: str = "medusa"
     target: str = "smollm2-135m-instruct"
     target_adapter: str | None = None
+    init_heads: str | None = None
     data: str = "sharegpt"
     max_conversations: int = 3000
     eval_fraction: float = 0.05
@@ -374,7 +375,7 @@ _RENAMED = {old: " or ".join(new for o, new in _MOVED if o == old) for old, _ in
 
 
 def _read(cls: type, data: Mapping[str, Any], where: str = "", root: str = "") -> Any:
-    """``cls`` from a mapping of YAML values, by the one strict reader (:func:`selfspec.heads.files.read_dataclass`):
+    """``cls`` from a mapping of YAML values, by the one strict reader (:func:`selfspec.base.files.read_dataclass`):
     unknown keys (nested ones too) are refused with the valid ones, missing ones take their defaults, and every
     value is checked against its field's type; numbers written either way are read for number fields (YAML
     reads ``3e-4``, with no dot, as a string)."""

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.heads.block_layers import draft_layer_config
 from selfspec.heads.dflash import SIBLING_TOP_K, BlockConfig, BlockHead, default_target_layer_ids
 from selfspec.heads.eagle import softcap
-from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.train.config import BlockOptions, TrainConfig
 from selfspec.train.distill_states import CapturedStates
 from selfspec.train.feature_store import FeatureStore, target_features

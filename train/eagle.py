@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.heads.eagle import EagleConfig, EagleHead, softcap
-from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.train.config import EagleOptions
 from selfspec.train.eagle_data import PairRecipe, PairStore, heldout_batches
 from selfspec.train.feature_store import FeatureStore, target_features

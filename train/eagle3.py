@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import DynamicCache
 
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.heads.eagle import softcap
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head, default_target_layers
-from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.train.config import Eagle3Options, TrainConfig
 from selfspec.train.distill_states import CapturedStates
 from selfspec.train.eagle_data import PairRecipe, PairStore, heldout_batches

@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from selfspec.heads.fingerprint import target_fingerprint
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.train.chat_tokens import build_training_examples
 from selfspec.train.config import TrainConfig
 from selfspec.train.features import features_reusing

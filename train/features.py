@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
+from selfspec.base.target import resolve_eos
 from selfspec.decode.kv import backbone
 from selfspec.decode.verifier import layer_states
 from selfspec.train.data import prompt_messages
@@ -26,7 +27,6 @@ from selfspec.train.distill_states import (
     recorded_features,
     template_tail,
 )
-from selfspec.train.target import resolve_eos
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

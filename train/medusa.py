@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.heads.eagle import logit_softcap, softcap
-from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.train.config import TrainConfig
 from selfspec.train.feature_store import FeatureStore, target_features

@@ -18,7 +18,7 @@ The LoRA ``B`` matrices start at zero, so the adapted target starts equal to the
 The loop's module holds only what is trained (the adapter's parameters and the heads), so checkpoints are small
 and a killed run resumes exactly; the base weights are the frozen target's own. The heads directory holds the
 heads and ``adapter/`` (``PeftModel.save_pretrained``); the heads' fingerprint names base and adapter, and
-``selfspec.load(base, heads_dir)`` merges that adapter into the target (:mod:`selfspec.train.adapter`), so decoding is
+``selfspec.load(base, heads_dir)`` merges that adapter into the target (:mod:`selfspec.base.adapter`), so decoding is
 exactly the adapted target's greedy / sampled output.
 """
 
@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from peft import LoraConfig, get_peft_model
 
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.decode.kv import backbone
 from selfspec.heads.eagle import softcap
-from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.train.config import TrainConfig
 from selfspec.train.feature_store import feature_signature, training_examples

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from selfspec.heads.fingerprint import target_fingerprint
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.train.config import TrainConfig
 from selfspec.train.data import prompt_messages
 

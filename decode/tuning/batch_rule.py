@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from selfspec.base.files import now_utc, profiles_dir, read_cached, write_cached
 from selfspec.decode.loop import TreeCap
 from selfspec.decode.tuning.budget import choose_tree_budget
 from selfspec.decode.tuning.costs import CostProfile, cost_key, interleaved_medians, profile_stem
 from selfspec.decode.verifier import Verifier
-from selfspec.heads.files import now_utc, profiles_dir, read_cached, write_cached
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

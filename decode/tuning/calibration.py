@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from selfspec.base.files import now_utc, read_dataclass, read_json, write_json
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.decode.drafters.eagle import EagleDrafter
 from selfspec.decode.loop import speculative_generate
 from selfspec.decode.verifier import Verifier
 from selfspec.heads.config import HeadFormatError, read_safetensors
-from selfspec.heads.files import now_utc, read_dataclass, read_json, write_json
-from selfspec.heads.fingerprint import target_fingerprint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -143,7 +143,7 @@ class AcceptanceProfile:
         head_type: the head family measured, ``"eagle"`` (EAGLE-1) or ``"eagle3"``. Profiles written before it was
             recorded say ``"eagle"`` for EAGLE-3 heads too and read back as such (the type is informational: the
             ``head_digest`` ties a profile to its head's weights).
-        target_fingerprint: the target's :func:`~selfspec.heads.fingerprint.target_fingerprint`.
+        target_fingerprint: the target's :func:`~selfspec.base.fingerprint.target_fingerprint`.
         head_digest: :func:`head_files_digest` of the head directory when saved there ("" = unknown).
         created_utc: ISO 8601 time.
 

@@ -7,12 +7,12 @@ al. 2024, arXiv:2402.12374) needs both costs measured on this machine:
 
 * :class:`CostProfile`: median wall ms of one verification (:meth:`Verifier.forward_tree` +
   :meth:`Verifier.lm_logits`) by tree size, for this target on this device, dtype and thread count. On a
-  CPU each size is measured with every kernel of :data:`~selfspec.heads.cpu_linear.LINEAR_KERNELS`; the
+  CPU each size is measured with every kernel of :data:`~selfspec.base.cpu_linear.LINEAR_KERNELS`; the
   fastest is kept per size and becomes the verifier's kernel plan (:func:`tuned_verifier`), so decoding
   runs the way the cost was measured.
 * the drafting cost by depth: :mod:`selfspec.decode.tuning.draft_costs`.
 
-Both are cached as JSON under ``<cache root>/profiles`` (:func:`~selfspec.heads.files.profiles_dir`),
+Both are cached as JSON under ``<cache root>/profiles`` (:func:`~selfspec.base.files.profiles_dir`),
 keyed by :func:`cost_key`; the measurement helpers here (:func:`cost_key`, :func:`profile_stem`,
 :func:`interleaved_medians`) serve both.
 """
@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
+from selfspec.base import cpu_linear
+from selfspec.base.files import now_utc, profiles_dir, read_cached, read_dataclass, write_cached
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.decode import kv
 from selfspec.decode.verifier import Verifier
-from selfspec.heads import cpu_linear
-from selfspec.heads.files import now_utc, profiles_dir, read_cached, read_dataclass, write_cached
-from selfspec.heads.fingerprint import target_fingerprint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

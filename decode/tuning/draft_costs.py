@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from selfspec.base.files import now_utc, profiles_dir, read_cached, read_dataclass, write_cached
 from selfspec.decode.drafters.base import AcceptedPath, DraftLimit
 from selfspec.decode.drafters.block import BlockDrafter
 from selfspec.decode.drafters.eagle import EagleDrafter
@@ -27,7 +28,6 @@ from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import DraftTree
 from selfspec.decode.tuning.costs import DEFAULT_CONTEXT_LENGTH, cost_key, interleaved_medians, profile_stem
 from selfspec.decode.verifier import Verifier
-from selfspec.heads.files import now_utc, profiles_dir, read_cached, read_dataclass, write_cached
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from selfspec.base.files import write_json
 from selfspec.bench.random_targets import REAL_SIZES, SIZES, build_target, machine_record
 from selfspec.decode import kv
 from selfspec.decode.drafters import DraftLimit, MedusaDrafter, PromptLookupDrafter
@@ -42,7 +43,6 @@ from selfspec.decode.tree import (
     tree_position_ids,
 )
 from selfspec.decode.verifier import Verifier
-from selfspec.heads.files import write_json
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 
 # Medusa-like cumulative top-k accuracies of 4 heads: only the *shape* of the trees built from them matters.

@@ -61,6 +61,7 @@ from unittest import mock
 
 import torch
 
+from selfspec.base.files import write_json
 from selfspec.bench.host_syncs import HOST_READS, MOVES, Probe, count_syncs, transparent
 from selfspec.bench.random_targets import REAL_SIZES, SIZES, build_target, machine_record
 from selfspec.bench.rigged_drafter import TREE_ACCURACY, RiggedDrafter, tree_parents
@@ -68,7 +69,6 @@ from selfspec.decode import kv
 from selfspec.decode.loop import speculative_generate
 from selfspec.decode.tree import tree_depths
 from selfspec.decode.verifier import Verifier
-from selfspec.heads.files import write_json
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from selfspec.base.files import cache_root, read_dataclass, read_json, write_json
 from selfspec.bench.report import CostDecomposition, LlamaCppSetting, SweepPoint
-from selfspec.heads.files import cache_root, read_dataclass, read_json, write_json
 from selfspec.llamacpp import Generation, LlamaCpp, build_info, completion, forward_costs
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The bench report (``report.json``) as typed dataclasses.
 
 A report is written with :func:`dataclasses.asdict` and read back with
-:func:`selfspec.heads.files.read_dataclass` (the one strict reader of every selfspec file), which rebuilds the
+:func:`selfspec.base.files.read_dataclass` (the one strict reader of every selfspec file), which rebuilds the
 dataclasses from their type hints and refuses what they do not describe: a missing or
 unexpected key, a value of the wrong type (``bool`` is not a number; numbers are finite), a string
 outside a ``Literal``. :meth:`BenchReport.check` adds the cross-references (every sample and summary has
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from selfspec.heads.files import read_dataclass, read_json
+from selfspec.base.files import read_dataclass, read_json
 
 SCHEMA_VERSION = 3  # 2: methods[name].tree_budget; 3: the engine reference (engine_speedup), ties, llamacpp
 
@@ -361,7 +361,7 @@ class BenchReport:
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "") -> BenchReport:
-        """Rebuild a report from its JSON layout (:func:`~selfspec.heads.files.read_dataclass`, then
+        """Rebuild a report from its JSON layout (:func:`~selfspec.base.files.read_dataclass`, then
         :meth:`check`); ``where`` (the file) heads the message.
 
         Raises:

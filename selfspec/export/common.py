@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
+from selfspec.base.files import replace_dir, staging_dir
 from selfspec.heads.dflash import BlockHead
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.eagle3 import Eagle3Head
-from selfspec.heads.files import replace_dir, staging_dir
 from selfspec.heads.io import CONFIG_NAME, WEIGHTS_NAME, HeadFormatError, write_head_dir
 from selfspec.heads.medusa import MedusaHeads
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoConfig
 
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.export.common import TOKEN_MAP_NAME, Head, rename_exact
 from selfspec.export.medusa_vllm import MEDUSA_ARCHITECTURE, read_vllm_medusa
 from selfspec.export.sglang import EAGLE3_ARCHITECTURE, EAGLE_ARCHITECTURE, eagle3_names, eagle_names
@@ -35,7 +36,6 @@ from selfspec.export.speculators_block import read_speculators_block
 from selfspec.heads.dflash import BLOCK_HEAD_TYPES
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head, check_vocab_maps, default_target_layers
-from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.io import (
     CONFIG_NAME,
     WEIGHTS_NAME,

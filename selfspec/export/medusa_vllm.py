@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.export.common import ExportError, Head, check_trainer_prefix, family_name, rename_exact, write_export
 from selfspec.heads.config import config_from_dict
-from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.io import (
     CONFIG_NAME,
     WEIGHTS_NAME,

@@ -44,10 +44,10 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import Qwen3Config
 
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.export.common import ExportError, rename_exact, write_export
 from selfspec.export.speculators_block import block_config, block_tensor_names, check_plain_block, verifier_copy
 from selfspec.heads.dflash import BlockHead
-from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.io import (
     CONFIG_NAME,
     WEIGHTS_NAME,

@@ -56,10 +56,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import Qwen3Config
 
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.export.common import ExportError, rename_exact, write_export
 from selfspec.heads.dflash import BlockConfig, BlockHead
 from selfspec.heads.eagle3 import check_vocab_maps
-from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.io import (
     CONFIG_NAME,
     WEIGHTS_NAME,

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from selfspec.heads.files import cache_root
+from selfspec.base.files import cache_root
 
 __all__ = ["build_env", "env_python"]
 

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from selfspec.api import make_drafter, make_verifier, plan_drafter
+from selfspec.base import files
+from selfspec.base.files import read_json, write_json
 from selfspec.decode.drafters import Drafter
 from selfspec.decode.drafters.block import BlockDrafter
 from selfspec.decode.drafters.eagle import DEFAULT_DEPTH, DEFAULT_TOTAL_TOKENS, EagleDrafter
@@ -23,9 +25,8 @@ from selfspec.decode.tuning.calibration import AcceptanceProfile
 from selfspec.decode.tuning.costs import CostProfile
 from selfspec.decode.verifier import Verifier
 from selfspec.decode.verify import verify_greedy
-from selfspec.heads import files, load_heads
+from selfspec.heads import load_heads
 from selfspec.heads.config import HeadFormatError
-from selfspec.heads.files import read_json, write_json
 from tests.helpers.archs import tiny_target
 from tests.helpers.decoding import prompts, reference
 from tests.helpers.drafters import NO_LIMIT

@@ -1,4 +1,4 @@
-"""decode/verifier.py and heads/cpu_linear.py: the CPU linear kernels (W @ x^T, oneDNN on packed weights)
+"""decode/verifier.py and base/cpu_linear.py: the CPU linear kernels (W @ x^T, oneDNN on packed weights)
 compute the same products, a plan applies only at its sizes, the target is never modified, and greedy
 decoding stays identical to the target's with each kernel."""
 
@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from selfspec.base import cpu_linear
 from selfspec.decode.drafters import MedusaDrafter
 from selfspec.decode.drafters.eagle import EagleDrafter
 from selfspec.decode.loop import speculative_generate
 from selfspec.decode.tree import static_tree
 from selfspec.decode.verifier import Verifier
-from selfspec.heads import cpu_linear
 from tests.helpers.archs import tiny_llama
 from tests.helpers.decoding import prompts, reference
 

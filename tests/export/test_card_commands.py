@@ -10,13 +10,13 @@ import re
 import pytest
 
 import selfspec.export.cli as export_cli
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.card import head_card
 from selfspec.cli import main
 from selfspec.heads import Eagle3Head
 from selfspec.heads.dflash import BlockHead
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.eagle3 import Eagle3Config
-from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.io import read_config
 from tests.helpers.archs import tiny_target
 from tests.helpers.heads import block_head, make_eagle, make_eagle3, make_medusa

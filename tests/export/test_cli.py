@@ -144,8 +144,8 @@ def test_import_heads_refuses_a_truncated_file_and_keeps_the_old_output(target, 
 def test_commands_on_the_smollm2_alias(smollm2, tmp_path):
     """The real target by its alias (D 576, V 49152): Medusa heads with a reduced vocabulary and an EAGLE-3 head go
     out through ``selfspec export`` and back through ``selfspec import`` with identical draft logits."""
+    from selfspec.base.fingerprint import target_fingerprint
     from selfspec.heads.eagle3 import Eagle3Config
-    from selfspec.heads.fingerprint import target_fingerprint
     from selfspec.heads.medusa import MedusaConfig
 
     model, _ = smollm2

@@ -19,11 +19,11 @@ import pytest
 import torch
 from gguf import GGUFWriter
 
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.export.common import ExportError
 from selfspec.export.gguf import GGUF_TENSORS, check_gguf, export_gguf
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head
-from selfspec.heads.fingerprint import target_fingerprint
 from tests.helpers.archs import tiny_llama
 from tests.helpers.engines import engine_missing
 

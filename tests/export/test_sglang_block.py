@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.export.cli import export_heads
 from selfspec.export.common import ExportError
 from selfspec.export.importer import read_foreign_head
-from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.io import HeadFormatError
 from tests.helpers.archs import tiny_target
 from tests.helpers.heads import block_head, block_logits

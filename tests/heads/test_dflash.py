@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.heads import load_heads
 from selfspec.heads.block_layers import draft_layer_config
 from selfspec.heads.dflash import BlockConfig, BlockHead, default_target_layer_ids
-from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.io import HeadFormatError
 from tests.helpers.archs import tiny_target
 

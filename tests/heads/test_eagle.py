@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.heads import load_heads
 from selfspec.heads.config import HeadFormatError
 from selfspec.heads.eagle import DRAFT_VOCAB_NAME, WEIGHTS_NAME, EagleConfig, EagleHead
-from selfspec.heads.fingerprint import target_fingerprint
 from tests.helpers.archs import tiny_llama
 
 D, V = 32, 96

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.heads import load_heads
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head, default_target_layers, vocab_maps
-from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.io import WEIGHTS_NAME, HeadFormatError
 from tests.helpers.archs import tiny_llama
 

@@ -1,10 +1,10 @@
-"""heads/files.py: a cache file that is missing, bad or unwritable means a new measurement, never an error."""
+"""base/files.py: a cache file that is missing, bad or unwritable means a new measurement, never an error."""
 
 from __future__ import annotations
 
 import logging
 
-from selfspec.heads.files import read_cached, read_json, write_cached
+from selfspec.base.files import read_cached, read_json, write_cached
 
 
 def _parse(data):

@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from selfspec.heads import files, io, load_heads
+from selfspec.base import files
+from selfspec.base.fingerprint import target_fingerprint
+from selfspec.heads import io, load_heads
 from selfspec.heads.eagle import DRAFT_VOCAB_NAME, EagleConfig, EagleHead
-from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.io import CONFIG_NAME, WEIGHTS_NAME, HeadFormatError
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from tests.helpers.archs import tiny_llama

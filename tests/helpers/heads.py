@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.heads.block_layers import draft_layer_config
 from selfspec.heads.dflash import BlockConfig, BlockHead
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head
-from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from tests.helpers.archs import tiny_llama
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.heads.config import draft_vocab_from_counts
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head
-from selfspec.heads.fingerprint import target_fingerprint
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.train.config import Eagle3Options
 from selfspec.train.eagle3 import UnrolledEagle3, eagle3_step_loss

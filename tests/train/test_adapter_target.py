@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.heads.fingerprint import target_fingerprint
+from selfspec.base.adapter import AdapterError
+from selfspec.base.fingerprint import target_fingerprint
 from selfspec.heads.io import HeadFormatError
-from selfspec.train.adapter import AdapterError
 from tests.helpers.archs import tiny_llama
 
 pytestmark = pytest.mark.skipif(

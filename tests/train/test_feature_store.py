@@ -111,7 +111,7 @@ def test_training_record_layout(tmp_path, tokenizer):
     decodes the last held-out prompts and records their ids."""
     from accelerate import Accelerator
 
-    from selfspec.heads.fingerprint import target_fingerprint
+    from selfspec.base.fingerprint import target_fingerprint
 
     target = tiny_llama(vocab_size=len(tokenizer), hidden_size=32)
     convs = conversations(14, "gamma")

@@ -9,13 +9,13 @@ import sys
 
 import torch
 
+from selfspec.base.target import load_target
 from selfspec.decode.drafters import BlockDrafter
 from selfspec.decode.drafters.base import DraftLimit
 from selfspec.decode.loop import speculative_generate
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.heads import load_heads
 from selfspec.prompts import encode_messages
-from selfspec.train.target import load_target
 
 torch.set_num_threads(1)
 target, tok = load_target("smollm2-135m-instruct")

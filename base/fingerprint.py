@@ -5,7 +5,7 @@ adapted by a PEFT adapter (LoRA) is named by both parts, ``"<base 16 hex>+<adapt
 trained on the adapted target is refused on the bare base and the other way round
 (:func:`mismatch_hint` says which fix applies). The adapter part comes from the ``PeftModel`` itself
 (:func:`adapter_fingerprint`) or, for a model merged from one (``merge_and_unload``, as
-:func:`selfspec.train.adapter.load_adapted` does), from :func:`register_adapter`: a weak table kept here, so no
+:func:`selfspec.base.adapter.load_adapted` does), from :func:`register_adapter`: a weak table kept here, so no
 attribute is ever set on the target.
 """
 

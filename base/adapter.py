@@ -3,14 +3,14 @@
 Why merge (``peft``'s ``merge_and_unload``, ``W + scale * B @ A`` written into each adapted linear layer of a
 model selfspec owns) instead of decoding through the ``PeftModel``: the verifier runs the target's own
 backbone and lm_head (``decode/verifier.py``), and on a CPU swaps its ``nn.Linear`` layers for twins holding
-packed kernels (``heads/cpu_linear.py``); a LoRA layer is not an ``nn.Linear`` and its two extra matmuls
+packed kernels (``base/cpu_linear.py``); a LoRA layer is not an ``nn.Linear`` and its two extra matmuls
 would be skipped or need their own path. The merged model is a plain ``PreTrainedModel``: every verifier
 path, the target check and the feature capture see the same forward, so speculative decoding is exactly the
 merged model's own greedy ``generate``. The merged weights differ from the unmerged adapter's two-matmul
 forward by float rounding only (about 1e-6 relative in float32); the merge is done in float32 and the model
 cast to the requested dtype after.
 
-The merged model's fingerprint names base and adapter (:func:`selfspec.heads.fingerprint.register_adapter`),
+The merged model's fingerprint names base and adapter (:func:`selfspec.base.fingerprint.register_adapter`),
 so heads trained on it are refused on the bare base and the other way round.
 """
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from peft import PeftModel
 
-from selfspec.heads.fingerprint import adapter_fingerprint, register_adapter
+from selfspec.base.fingerprint import adapter_fingerprint, register_adapter
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

