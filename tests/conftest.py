@@ -44,7 +44,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def oracle():
-    """A tiny target with an EAGLE head that nearly reproduces it (high acceptance; see test_eagle_decode)."""
+    """A tiny target with an EAGLE head that nearly reproduces it (high acceptance; see tests/decode/test_eagle.py)."""
     from tests.helpers.heads import build_oracle
 
     return build_oracle()

@@ -53,7 +53,7 @@ def test_the_scan_finds_every_kind_of_import():
         "from tests import test_bench\n"
         "from . import test_kv\n"
         "def f():\n"
-        "    from .test_generate import plain\n"
+        "    from .test_loop import plain\n"
         "    from ..helpers.drafters import OracleDrafter\n"
     )
     got = [(line, name) for line, name in imported_names(source, ("tests", "decode")) if forbidden(name)]
@@ -62,5 +62,5 @@ def test_the_scan_finds_every_kind_of_import():
         (5, "tests.conftest"),
         (6, "tests.test_bench"),
         (7, "tests.decode.test_kv"),
-        (9, "tests.decode.test_generate.plain"),
+        (9, "tests.decode.test_loop.plain"),
     ]

@@ -10,7 +10,7 @@ Run it with ``selfspec train configs/dflash-smollm2.yaml`` (or ``head=dspark``).
 * an anchor ``a`` (``1 <= a``, ``m_{a+1}``) opens the block ``[x_a, mask, ..]`` at positions ``a .. a + B - 1``; the
   block attends to the fused context at positions ``< a`` and to its own slots (:func:`block_mask`), exactly what
   :class:`~selfspec.decode.drafters.block.BlockDrafter` gives it when ``a`` tokens are decided and ``x_a`` is the
-  root (proven by ``tests/train/test_dflash_train.py``);
+  root (proven by ``tests/train/test_dflash.py``);
 * its k-th draft (k = 0 .. P - 1; slot ``k + 1`` for DFlash, slot k for DSpark) predicts ``x_{a+1+k}``; its label
   is the target's distribution there, ``softmax(lm_head(f_{a+k}))`` over the draft vocabulary (the greedy token for
   the cross entropy), counted where ``a + 1 + k < T`` and ``m_{a+1+k}``, with weight ``exp(-k / decay)`` (or the

@@ -8,7 +8,7 @@ feature store (:func:`~selfspec.train.feature_store.target_features` with ``laye
 
 * input ``(g_t, x_{t+1})``; target distribution ``p_t = softmax(lm_head(f_{t+1}))`` over the draft vocabulary
   (the target's rows ``draft_ids``, renormalised), which is the target's distribution of ``x_{t+2}``;
-* scored iff ``x_{t+2}`` is an assistant token (``m_{t+2}``), the shift proven in ``tests/train/test_eagle3_train.py``.
+* scored iff ``x_{t+2}`` is an assistant token (``m_{t+2}``), the shift proven in ``tests/train/test_eagle3.py``.
 
 Training-time test (:class:`UnrolledEagle3`): step 0 is the teacher-forced forward; at step i >= 1 pair t's input
 is the head's own step-(i-1) output at pair t-1 (the D-wide output it drafts from: :meth:`Eagle3Head.forward`'s,

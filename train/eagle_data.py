@@ -1,6 +1,6 @@
 """EAGLE training data layout: shifted (feature, token) pairs of a sequence, packed into rows.
 
-Layout (0-based; proven by ``tests/train/test_eagle_train.py`` on a hand-made 8-token sequence).
+Layout (0-based; proven by ``tests/train/test_eagle.py`` on a hand-made 8-token sequence).
 For tokens ``x_0 .. x_{T-1}``, target features ``f_0 .. f_{T-1}`` (after the final norm; ``f_t`` gives the
 distribution of ``x_{t+1}``) and the assistant mask ``m_t`` ("``x_t`` is an assistant token"):
 

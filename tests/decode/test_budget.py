@@ -479,7 +479,7 @@ def test_acceptance_profile_round_trip_and_heads_still_load(oracle, head_dir):
     t, head = oracle
     profile = calibration.load_acceptance_profile(head_dir, target=t)
     assert profile is not None and profile.head_digest == calibration.head_files_digest(head_dir)
-    assert profile.head_type == "eagle"  # an EAGLE-1 head (tests/decode/test_eagle3_decode.py: "eagle3")
+    assert profile.head_type == "eagle"  # an EAGLE-1 head (tests/decode/test_eagle_eagle3.py: "eagle3")
     assert AcceptanceProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
     loaded = load_heads(head_dir, target=t)  # the extra file does not disturb the head loader
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), head.state_dict().values(), strict=True))

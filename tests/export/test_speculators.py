@@ -8,7 +8,7 @@ Runs in the separate environment of :mod:`selfspec.export.speculators_env` (spec
 EAGLE-3.1 (``fc_norm``, ``norm_output``; arXiv:2605.09992) runs two steps: at step 1 speculators feeds position i its
 own step-0 output (``norm(o)`` with ``norm_output``) with token ``ids[i + 1]`` at position ``pos[i] + 1``, attending
 the step-0 keys up to i and itself; that is selfspec's training-time test (:class:`UnrolledEagle3`) at pair i + 1,
-whose logits equal the EAGLE drafter's (``tests/train/test_eagle3_train.py``).
+whose logits equal the EAGLE drafter's (``tests/train/test_eagle3.py``).
 """
 
 from __future__ import annotations

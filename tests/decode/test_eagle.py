@@ -1,4 +1,5 @@
-"""decode/eagle.py: greedy exactness with EAGLE-2 trees, reproducible sampling, dynamic-tree properties."""
+"""The EAGLE-2 drafter (``decode/drafters/eagle.py``) with EAGLE-1 heads: greedy exactness with EAGLE-2 trees,
+reproducible sampling, dynamic-tree properties."""
 
 from __future__ import annotations
 
