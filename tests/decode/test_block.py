@@ -94,7 +94,9 @@ def test_a_batch_and_its_rows_decode_exactly():
 def test_training_forward_and_decoding_give_the_same_block_logits(head_type):
     """For anchors at several positions of one sequence, the block the training forward scores (all blocks of the
     row in one forward, :func:`~selfspec.train.dflash.block_mask`) equals the block the drafter scores with the
-    context fed up to the anchor (fp32, 1e-5): mask, anchor placement, positions and feature injection agree."""
+    context fed up to the anchor (fp32, 1e-5): mask, anchor placement, positions and feature injection agree; the
+    chain it drafts is the greedy chain of those logits, DSpark's with its Markov bias chained through the block
+    (which changes the chain at some anchor, so a drafter without it fails)."""
     from selfspec.train.dflash import block_logits
 
     target = tiny_target("gemma3")
@@ -106,6 +108,7 @@ def test_training_forward_and_decoding_give_the_same_block_logits(head_type):
     anchors = torch.tensor([[3, 7, 15, 22]])
     with torch.no_grad():
         z = block_logits(head, states.unsqueeze(0), ids.unsqueeze(0), torch.ones(1, 24, dtype=torch.bool), anchors)
+    biased = 0  # anchors where DSpark's Markov bias changes the chain: the check below can tell it from none
     for n, a in enumerate(anchors[0].tolist()):
         drafter = BlockDrafter(head, target, length=2)  # fewer drafts than the block: the block still runs whole
         drafter.begin(ids[:a], states[:a])
@@ -117,8 +120,24 @@ def test_training_forward_and_decoding_give_the_same_block_logits(head_type):
             decode_z = head(tokens, torch.arange(a, a + slots).unsqueeze(0), drafter._context.layers)
         torch.testing.assert_close(decode_z[0, cfg.first_slot :], z[0, n], rtol=1e-5, atol=1e-5)
         tree = drafter.propose(ids[: a + 1], SamplingConfig(), None, DraftLimit(useful_depth=10))
-        want = head.draft_ids[head.draft_logits(z[0, n, :2]).argmax(-1)]
-        assert tree.tokens[1:].tolist() == want.tolist() or head.markov_head is not None
+        want = markov_chain(head, head.draft_logits(z[0, n, :2]), ids[a])
+        assert tree.tokens[1:].tolist() == want, (head_type, a)
+        biased += want != head.draft_ids[head.draft_logits(z[0, n, :2]).argmax(-1)].tolist()
+    assert biased > 0 if head_type == "dspark" else biased == 0
+
+
+def markov_chain(head, logits: torch.Tensor, anchor: torch.Tensor) -> list[int]:
+    """The greedy chain of target ids a block's draft ``logits`` ``[P, S]`` give: DSpark adds to slot j's logits its
+    low-rank Markov bias ``markov_w2 @ markov_w1[prev_j]``, ``prev_j`` the anchor for the first slot and the previous
+    slot's draft after it (heads/dflash.py); DFlash's are its logits alone."""
+    chain, prev = [], anchor
+    for scores in logits.float():
+        if head.markov_head is not None:
+            w1, w2 = head.markov_head.markov_w1.weight, head.markov_head.markov_w2.weight
+            scores = scores + (w2 @ w1[prev]).float()
+        prev = head.draft_ids[scores.argmax()]
+        chain.append(int(prev))
+    return chain
 
 
 def test_block_length_sized_from_acceptance_and_costs():
