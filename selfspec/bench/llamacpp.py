@@ -26,7 +26,6 @@ token): reported as such, not counted as a mismatch.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -36,19 +35,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from selfspec.bench import llamacpp_settings as tuning
+from selfspec.bench.driver import BenchEngine, Outcome, Turn, compare_to_reference, run_engine, settings_record
 from selfspec.bench.methods import BenchSettings
 from selfspec.bench.report import (
-    SCHEMA_VERSION,
     BenchReport,
     LlamaCppRecord,
     LlamaCppSetting,
     MethodRecord,
+    MethodSummary,
+    Mismatch,
     Result,
     Sample,
     SettingsRecord,
-    Skipped,
 )
-from selfspec.bench.run import compare_to_reference, environment_record, prompt_limit, settings_record, summarize
 from selfspec.export.gguf import export_gguf
 from selfspec.export.gguf_block import spec_type as block_spec_type
 from selfspec.heads import load_heads
@@ -72,8 +71,9 @@ PROMPT_TOKEN_SLACK = 0.02
 
 
 @dataclasses.dataclass
-class _Engine:
-    """What every llama.cpp call of a run shares: the build, the target's GGUF, threads, and the heads' GGUFs."""
+class _Calls:
+    """The llama.cpp processes a run starts, and what every call shares: the build, the target's GGUF, threads, and
+    the heads' GGUFs."""
 
     build: LlamaCpp
     target_gguf: Path
@@ -276,12 +276,12 @@ def run_llamacpp_bench(
             raise ValueError(f"head method name {name!r} is taken; pass it as NAME=DIR with another name")
     loaded = {name: load_heads(path) for name, path in heads.items()}
     with tempfile.TemporaryDirectory(prefix="selfspec-llamacpp-") as tmp:
-        engine = _Engine(build, Path(target_gguf), Path(target_dir), threads, loaded, Path(tmp))
+        calls = _Calls(build, Path(target_gguf), Path(target_dir), threads, loaded, Path(tmp))
         # the heads are exported now: a head llama.cpp cannot load is refused before anything is measured
-        kinds = {name: (head_spec_type(loaded[name]), engine.draft(name, "f16")) for name in heads}
+        kinds = {name: (head_spec_type(loaded[name]), calls.draft(name, "f16")) for name in heads}
         kinds.update({name: (NGRAM_METHODS[name], None) for name in ngram})
-        choice, chosen_by = _settings(engine, tokenizer, kinds, given, fresh_sweep)
-        return _measure(target, tokenizer, prompts, settings, engine, choice, chosen_by, kinds)
+        choice, chosen_by = _settings(calls, tokenizer, kinds, given, fresh_sweep)
+        return _measure(target, tokenizer, prompts, settings, calls, choice, chosen_by, kinds)
 
 
 def head_spec_type(head: Any) -> str:
@@ -299,140 +299,137 @@ def _render(tokenizer: Any, messages: Sequence[Message]) -> tuple[torch.Tensor, 
     return ids, text
 
 
-def _settings(engine, tokenizer, kinds, given, fresh) -> tuple[tuning.SettingsChoice, str]:
+def _settings(calls, tokenizer, kinds, given, fresh) -> tuple[tuning.SettingsChoice, str]:
     if given is not None and set(given) >= set(kinds):
         longest = max([st.draft_max for st in given.values()] + [1]) + 1
-        token_ms, forward_ms = forward_costs(
-            engine.build, engine.target_gguf, max_tokens=longest, threads=engine.threads
-        )
+        token_ms, forward_ms = forward_costs(calls.build, calls.target_gguf, max_tokens=longest, threads=calls.threads)
         chosen = {name: given[name] for name in kinds}
         return tuning.SettingsChoice(tuning.SWEEP_VERSION, "given", chosen, {}, token_ms, forward_ms, {}), "given"
     texts = [_render(tokenizer, [{"role": "user", "content": p}])[1] for p in tuning.CALIBRATION_PROMPTS]
 
     def run(name: str, setting: LlamaCppSetting, text: str) -> Generation:
-        return engine.speculative(name, setting, text, tuning.CALIBRATION_TOKENS)
+        return calls.speculative(name, setting, text, tuning.CALIBRATION_TOKENS)
 
-    return tuning.choose_settings(
-        engine.build, engine.target_gguf, texts, kinds, run, threads=engine.threads, fresh=fresh
-    )
+    return tuning.choose_settings(calls.build, calls.target_gguf, texts, kinds, run, threads=calls.threads, fresh=fresh)
 
 
-def _measure(target, tokenizer, prompts, settings, engine, choice, chosen_by, kinds) -> BenchReport:
-    n = settings.max_new_tokens
-    eos = set(settings.stop_ids(target, tokenizer))
-    names = [PLAIN, LOOP, *kinds]
-    limit = prompt_limit(target, settings)
+def _measure(target, tokenizer, prompts, settings, calls, choice, chosen_by, kinds) -> BenchReport:
+    """:func:`selfspec.bench.driver.run_engine` on a :class:`LlamaCppEngine` of ``calls`` with the settings chosen."""
+    engine = LlamaCppEngine(target, tokenizer, settings, calls, choice, chosen_by, kinds)
+    return run_engine(engine, target, tokenizer, prompts, settings)
 
-    def call(name: str, text: str) -> Generation:
+
+class LlamaCppEngine(BenchEngine):
+    """llama.cpp's methods (the module docstring) on the bench driver: prompts as the chat template's text, each
+    method a llama.cpp process, exactness by text against :data:`LOOP` with near-ties of the target allowed.
+
+    Args:
+        target: the target as ``transformers`` loads it (the near-tie check).
+        tokenizer: its tokenizer (the prompt text, the outputs' token ids).
+        settings: greedy settings (``max_new_tokens``, the stop ids).
+        calls: the llama.cpp calls of the run (``plain``, ``no_draft``, ``speculative``; its ``build``,
+            ``target_gguf`` and ``threads``).
+        choice, chosen_by: the settings of every speculative method and where they come from.
+        kinds: speculative method -> ``(--spec-type, the head's GGUF or None)``.
+    """
+
+    def __init__(self, target, tokenizer, settings: BenchSettings, calls, choice, chosen_by: str, kinds) -> None:
+        self.target, self.tokenizer, self.calls = target, tokenizer, calls
+        self.choice, self.chosen_by, self.kinds = choice, chosen_by, kinds
+        self.names = [PLAIN, LOOP, *kinds]
+        self.reference, self.engine_reference = PLAIN, LOOP
+        self.device = torch.device("cpu")
+        self.eos = set(settings.stop_ids(target, tokenizer))
+        self.draft_ms: dict[str, list[float]] = {name: [] for name in kinds}
+
+    def prompt(self, messages: Sequence[Message]) -> tuple[torch.Tensor, str | None]:
+        return _render(self.tokenizer, messages)
+
+    def turn_seed(self, settings: BenchSettings, index: int) -> int:
+        """``settings.seed``: llama.cpp runs greedy here, no turn samples."""
+        return settings.seed
+
+    def run(self, name: str, turn: Turn, settings: BenchSettings) -> Outcome:
+        """One llama.cpp process, the prompt's token count checked (:func:`check_prompt_tokens`); a measured turn
+        keeps a speculative method's draft time per draft call."""
+        n = settings.max_new_tokens
         if name in (PLAIN, LOOP):
-            return engine.plain(text, n) if name == PLAIN else engine.no_draft(text, n)
-        return engine.speculative(name, choice.chosen[name], text, n)
+            g = self.calls.plain(turn.text, n) if name == PLAIN else self.calls.no_draft(turn.text, n)
+        else:
+            g = self.calls.speculative(name, self.choice.chosen[name], turn.text, n)
+        check_prompt_tokens(g.prompt_tokens, turn.ids.numel(), f"{turn.question_id} turn {turn.turn}")
+        tokens = self.tokenizer(g.text, add_special_tokens=False).input_ids[:n]
+        if not turn.warmup and name in self.draft_ms and g.draft_seconds is not None and g.draft_calls:
+            self.draft_ms[name].append(1000.0 * g.draft_seconds / g.draft_calls)
+        return Outcome(_result(g, tokens, name not in (PLAIN, LOOP), n, self.eos), g.text)
 
-    for prompt in prompts[: settings.warmup]:
-        text = _render(tokenizer, prompt.first_turn_messages())[1]
-        for name in names:
-            call(name, text)
-    samples, skipped, mismatches, ties = [], [], [], []
-    draft_ms: dict[str, list[float]] = {name: [] for name in kinds}
-    for prompt in prompts:
-        history: list[Message] = list(prompt.preamble)
-        for turn, content in enumerate(prompt.turns, start=1):
-            messages = history + [{"role": "user", "content": content}]
-            ids, text = _render(tokenizer, messages)
-            if limit is not None and ids.numel() > limit:
-                skipped.append(Skipped(prompt.question_id, turn, ids.numel()))
-                break
-            k = len(samples) % len(names)
-            gens = {}
-            for name in names[k:] + names[:k]:
-                gens[name] = call(name, text)
-                check_prompt_tokens(gens[name].prompt_tokens, ids.numel(), f"{prompt.question_id} turn {turn}")
-            texts = {name: gens[name].text for name in names}
-            results = {}
-            for name in names:
-                g = gens[name]
-                tokens = tokenizer(g.text, add_special_tokens=False).input_ids[:n]
-                results[name] = _result(g, tokens, name not in (PLAIN, LOOP), n, eos)
-                if name in draft_ms and g.draft_seconds is not None and g.draft_calls:
-                    draft_ms[name].append(1000.0 * g.draft_seconds / g.draft_calls)
-            sample = Sample(prompt.question_id, prompt.category, turn, ids.numel(), settings.seed, results)
-            reference = results[LOOP].tokens  # exactness: against the same tool's decoding without drafts
-            diffs = {name: text_difference(texts[LOOP], texts[name], tokenizer) for name in names}
-            sample, found, tied = compare_to_reference(
-                sample,
-                PLAIN,
-                LOOP,
-                False,
-                near_tie=lambda i, ids=ids, reference=reference: is_near_tie(target, ids, reference, i),
-                first_diff=diffs.get,
-                exact_reference=LOOP,
-            )
-            mismatches += found
-            ties += tied
-            samples.append(sample)
-            logger.info(
-                "%s turn %d: %s",
-                prompt.question_id,
-                turn,
-                ", ".join(f"{m} {r.tokens_per_s:.1f} tok/s" for m, r in sample.results.items()),
-            )
-            answer = texts[PLAIN]
-            history = messages + [{"role": "assistant", "content": answer}]
-    if not samples:
-        raise ValueError("no prompt turn was run: every prompt is longer than max_prompt_tokens, or no prompts")
-    categories = sorted({s.category for s in samples})
-    summary = {name: summarize(samples, name, categories, False) for name in names}
-    measured = {name: (sum(v) / len(v) if v else None) for name, v in draft_ms.items()}
-    costs = tuning.decomposition(choice, measured)
-    verdicts = {
-        name: _verdict(name, summary[name].overall.speedup, summary[name].overall.tau, costs, choice.chosen[name])
-        + f"; acceptance {acceptance(samples, name)}"
-        for name in kinds
-    }
-    stamp = build_info(engine.build)
-    record = LlamaCppRecord(
-        build=f"{stamp.get('sdist', 'own build')} ({stamp.get('cpu', engine.build.root)})",
-        target_gguf=engine.target_gguf.name,
-        chosen=dict(choice.chosen),
-        chosen_by=chosen_by,
-        sweep=dict(choice.sweep),
-        costs=costs,
-        verdicts=verdicts,
-        tie_margin=TIE_MARGIN,
-    )
-    methods = {
-        PLAIN: MethodRecord("llamacpp", "plain llama.cpp (llama-completion), no drafts", None),
-        LOOP: MethodRecord("llamacpp", "llama-speculative-simple with a drafter that never fires (no drafts)", None),
-    }
-    for name, (spec_type, _) in kinds.items():
-        what = "the head exported to GGUF" if spec_type.startswith("draft-") else "llama.cpp's n-gram drafter"
-        methods[name] = MethodRecord("llamacpp", f"llama-speculative-simple --spec-type {spec_type} ({what})", None)
-    return BenchReport(
-        schema_version=SCHEMA_VERSION,
-        created_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        settings=_settings_record(settings, target, engine, eos),
-        environment=environment_record(torch.device("cpu")),
-        methods=methods,
-        categories=categories,
-        samples=samples,
-        skipped=skipped,
-        mismatches=mismatches,
-        ties=ties,
-        summary=summary,
-        llamacpp=record,
-    )
+    def compare(
+        self, sample: Sample, turn: Turn, outcomes: dict[str, Outcome], settings: BenchSettings
+    ) -> tuple[Sample, list[Mismatch], list[Mismatch]]:
+        """Texts against :data:`LOOP`'s (the same tool's decoding without drafts; :func:`text_difference`), a
+        difference at a near-tie of the target (:func:`is_near_tie`) reported apart."""
+        texts = {name: outcome.text for name, outcome in outcomes.items()}
+        reference = outcomes[LOOP].result.tokens
+        diffs = {name: text_difference(texts[LOOP], texts[name], self.tokenizer) for name in self.names}
+        return compare_to_reference(
+            sample,
+            PLAIN,
+            LOOP,
+            False,
+            near_tie=lambda i: is_near_tie(self.target, turn.ids, reference, i),
+            first_diff=diffs.get,
+            exact_reference=LOOP,
+        )
 
+    def answer(self, outcome: Outcome, tokenizer: Any) -> str:
+        """Plain llama.cpp's text as it printed it."""
+        return outcome.text
 
-def _settings_record(settings: BenchSettings, target, engine: _Engine, eos: set[int]) -> SettingsRecord:
-    """The selfspec run's record (:func:`selfspec.bench.run.settings_record`) with what llama.cpp does otherwise."""
-    suffixes = engine.target_gguf.suffixes
-    return dataclasses.replace(
-        settings_record(settings, target, torch.device("cpu"), eos),
-        dtype=suffixes[-2].lstrip(".") if len(suffixes) > 1 else "gguf",
-        threads=engine.threads,
-        reference=PLAIN,
-        engine_reference=LOOP,
-        engine="llamacpp",
-        timing="llama.cpp's own decode timer (prefill excluded); wall_s is the whole process, loading included",
-        memory_source="not measured (llama.cpp runs in its own process)",
-    )
+    def method_records(self) -> dict[str, MethodRecord]:
+        methods = {
+            PLAIN: MethodRecord("llamacpp", "plain llama.cpp (llama-completion), no drafts", None),
+            LOOP: MethodRecord(
+                "llamacpp", "llama-speculative-simple with a drafter that never fires (no drafts)", None
+            ),
+        }
+        for name, (spec_type, _) in self.kinds.items():
+            what = "the head exported to GGUF" if spec_type.startswith("draft-") else "llama.cpp's n-gram drafter"
+            methods[name] = MethodRecord("llamacpp", f"llama-speculative-simple --spec-type {spec_type} ({what})", None)
+        return methods
+
+    def settings_record(self, settings: BenchSettings) -> SettingsRecord:
+        """The selfspec run's record (:func:`selfspec.bench.driver.settings_record`) with what llama.cpp does
+        otherwise."""
+        suffixes = self.calls.target_gguf.suffixes
+        return dataclasses.replace(
+            settings_record(settings, self.target, torch.device("cpu"), self.eos),
+            dtype=suffixes[-2].lstrip(".") if len(suffixes) > 1 else "gguf",
+            threads=self.calls.threads,
+            reference=PLAIN,
+            engine_reference=LOOP,
+            engine="llamacpp",
+            timing="llama.cpp's own decode timer (prefill excluded); wall_s is the whole process, loading included",
+            memory_source="not measured (llama.cpp runs in its own process)",
+        )
+
+    def engine_record(self, samples: Sequence[Sample], summary: dict[str, MethodSummary]) -> LlamaCppRecord:
+        """The settings chosen, the sweep, the cost decomposition and a verdict per speculative method."""
+        measured = {name: (sum(v) / len(v) if v else None) for name, v in self.draft_ms.items()}
+        costs = tuning.decomposition(self.choice, measured)
+        chosen = self.choice.chosen
+        verdicts = {
+            name: _verdict(name, summary[name].overall.speedup, summary[name].overall.tau, costs, chosen[name])
+            + f"; acceptance {acceptance(samples, name)}"
+            for name in self.kinds
+        }
+        stamp = build_info(self.calls.build)
+        return LlamaCppRecord(
+            build=f"{stamp.get('sdist', 'own build')} ({stamp.get('cpu', self.calls.build.root)})",
+            target_gguf=self.calls.target_gguf.name,
+            chosen=dict(chosen),
+            chosen_by=self.chosen_by,
+            sweep=dict(self.choice.sweep),
+            costs=costs,
+            verdicts=verdicts,
+            tie_margin=TIE_MARGIN,
+        )

@@ -315,7 +315,7 @@ def test_bench_skips_prompts_past_the_targets_context(caplog):
     import logging
 
     from selfspec.bench import BenchPrompt, BenchSettings, build_methods, run_bench
-    from selfspec.bench.run import prompt_limit
+    from selfspec.bench.driver import prompt_limit
 
     target, tokenizer = tiny_target("gemma3"), tiny_tokenizer()
     target.config.max_position_embeddings = 40
@@ -325,7 +325,7 @@ def test_bench_skips_prompts_past_the_targets_context(caplog):
     methods = build_methods(target, tokenizer, settings, methods=["baseline"])
     long = " ".join(["tell me about the sea"] * 8)
     prompts = [BenchPrompt("long", "c", (long,)), BenchPrompt("short", "c", ("tell me about the moon",))]
-    with caplog.at_level(logging.INFO, logger="selfspec.bench.run"):
+    with caplog.at_level(logging.INFO, logger="selfspec.bench.driver"):
         report = run_bench(target, tokenizer, methods, prompts, settings).to_dict()
     assert [s["question_id"] for s in report["samples"]] == ["short"]
     assert [s["question_id"] for s in report["skipped"]] == ["long"]
