@@ -16,6 +16,7 @@ supplies the rest, the same for every head family:
 * held-out evaluation every ``eval_every`` steps with per-position acceptance and the chain tau estimate
   (:func:`chain_tau`); the head saved is the one of the highest estimate (``select_head: tau``), not the
   lowest loss, since a draft's loss can keep falling while its acceptance falls;
+* the progress bar, in the unit of the budget that stops the run (:mod:`selfspec.train.progress`);
 * the time budget, ``<output_dir>/train_summary.json`` and
   ``<heads>/training_record.json`` (:mod:`selfspec.train.record`);
 * the draft vocabulary's choice from token counts (:func:`draft_vocabulary`).
@@ -32,12 +33,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tqdm.auto import tqdm
 
 from selfspec.heads.config import draft_vocab_from_counts
 from selfspec.train.checkpoint import resumable_step, resumed_best, save_checkpoint
 from selfspec.train.clock import TrainClock, make_scheduler, resumed_clock
 from selfspec.train.config import TrainConfig
+from selfspec.train.progress import TrainProgress
 from selfspec.train.record import RECORD_FILE, training_record
 
 if TYPE_CHECKING:
@@ -234,7 +235,7 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
     quiet = not accelerator.is_local_main_process
     hist: list[dict[str, Any]] = []
     counts: dict[str, int] = {}
-    bar = tqdm(total=total, initial=step, desc=f"train {recipe.family}", disable=quiet)
+    bar = TrainProgress(cfg, total, step, clock, f"train {recipe.family}", disable=quiet)
     model.train()
     stop, stopped_by = False, "steps"
     while step < total and not stop:
@@ -263,8 +264,7 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
             step += 1
             loss = round(float(torch.stack(losses).mean()), 4)
             micro, losses = 0, []
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in out.logs.items() if isinstance(v, float)})
+            bar.update(step, loss=f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in out.logs.items() if isinstance(v, float)})
             if (step % cfg.eval_every == 0 or step == total) and accelerator.is_main_process:
                 raw = recipe.evaluate()
                 metrics = {**recipe.history(raw), **consider(step, raw)}
