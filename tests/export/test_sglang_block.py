@@ -22,7 +22,7 @@ from selfspec.export.common import ExportError
 from selfspec.export.importer import read_foreign_head
 from selfspec.heads.io import HeadFormatError
 from tests.helpers.archs import tiny_target
-from tests.helpers.heads import block_head, block_logits
+from tests.helpers.heads import assert_same_block_outputs, block_head
 
 LAYERS = (0, 1)  # distinct target layers of the 3-layer tiny target
 # every tensor name SGLang's DFlashDraftModel.load_weights reads for a 2-layer head (it skips any other name).
@@ -88,8 +88,7 @@ def test_round_trip_gives_identical_logits(target, tmp_path, head_type):
     back = read_foreign_head(out, "sglang", target).eval()
     assert dataclasses.replace(back.config, target="", target_fingerprint="") == head.config
     assert back.config.target == "tiny"
-    for ours, theirs in zip(block_logits(head), block_logits(back), strict=True):
-        assert (ours is None and theirs is None) or torch.equal(ours, theirs)
+    assert_same_block_outputs(head, back)
 
 
 def published(out, edit_config=None, extra_tensors=None):
@@ -119,8 +118,7 @@ def test_published_checkpoints_import(target, tmp_path, head_type):
     out = published(export_heads(head, "sglang", tmp_path / "sg", target_name_or_path="t"), extra_tensors=own)
     back = read_foreign_head(out, "sglang", target).eval()
     assert back.config.target == "" and back.config.markov_rank == head.config.markov_rank
-    for ours, theirs in zip(block_logits(head), block_logits(back), strict=True):
-        assert (ours is None and theirs is None) or torch.equal(ours, theirs)
+    assert_same_block_outputs(head, back)
     other = dict(own, **{"lm_head.weight": torch.zeros_like(own["lm_head.weight"])})
     out = published(export_heads(head, "sglang", tmp_path / "sg2", target_name_or_path="t"), extra_tensors=other)
     with pytest.raises(HeadFormatError, match="lm_head.weight is not the target's"):

@@ -22,7 +22,7 @@ from selfspec.export.importer import read_foreign_head
 from selfspec.heads.io import HeadFormatError, read_safetensors
 from tests.helpers.archs import tiny_target
 from tests.helpers.engines import run_engine_script
-from tests.helpers.heads import ANCHOR, block_head, block_inputs, block_logits
+from tests.helpers.heads import ANCHOR, assert_same_block_outputs, block_head, block_inputs, block_logits
 
 LAYERS = (0, 1)  # distinct target layers of the 3-layer tiny target
 
@@ -62,8 +62,7 @@ def test_round_trip_gives_identical_logits(target, tmp_path, head_type, draft):
     back = read_foreign_head(out, "speculators", target).eval()
     assert dataclasses.replace(back.config, target="", target_fingerprint="") == head.config  # the helper's: ""
     assert back.config.target == "tiny"
-    for ours, theirs in zip(block_logits(head), block_logits(back), strict=True):
-        assert (ours is None and theirs is None) or torch.equal(ours, theirs)
+    assert_same_block_outputs(head, back)
 
 
 def test_scaled_embedding_and_softcap_targets_are_refused(tmp_path):

@@ -202,3 +202,13 @@ def block_logits(head: BlockHead, context: int = ANCHOR) -> tuple[torch.Tensor, 
     if markov is None:
         return logits, None
     return logits + markov[0], head.confidence_logits(z, markov[1])
+
+
+def assert_same_block_outputs(head: BlockHead, back: BlockHead) -> None:
+    """``back`` (a head read back from an engine's layout) gives exactly ``head``'s :func:`block_logits`, and DSpark's
+    confidence logits exactly where ``head`` has a confidence head (none for DFlash, none invented)."""
+    (logits, confidence), (back_logits, back_confidence) = block_logits(head), block_logits(back)
+    assert torch.equal(logits, back_logits)
+    assert (confidence is None, back_confidence is None) == (head.confidence_head is None,) * 2
+    if confidence is not None:
+        assert torch.equal(confidence, back_confidence)
