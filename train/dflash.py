@@ -35,9 +35,10 @@ from selfspec.heads.dflash import SIBLING_TOP_K, BlockConfig, BlockHead, default
 from selfspec.heads.eagle import softcap
 from selfspec.train.config import BlockOptions, TrainConfig
 from selfspec.train.distill_states import CapturedStates
+from selfspec.train.feature_recipe import FeatureRecipe
 from selfspec.train.feature_store import FeatureStore, target_features
 from selfspec.train.inputs import RunInputs
-from selfspec.train.loop import Recipe, StepLoss, draft_vocabulary, train_loop
+from selfspec.train.loop import StepLoss, train_loop
 from selfspec.train.losses import distribution_loss
 
 if TYPE_CHECKING:
@@ -328,7 +329,7 @@ def choose_mask_token(tokenizer: Any, store: FeatureStore, vocab_size: int) -> i
     return int(free[-1])
 
 
-class BlockRecipe(Recipe):
+class BlockRecipe(FeatureRecipe):
     """A DFlash or DSpark head (``cfg.head``) trained with :func:`block_step_loss`; ``cfg.block`` holds its options,
     ``cfg.draft_vocab_size`` its draft vocabulary (the most frequent assistant tokens; null shares the target's
     lm_head).
@@ -339,16 +340,11 @@ class BlockRecipe(Recipe):
 
     def __init__(self, run: RunInputs, train: FeatureStore, held: FeatureStore, signature: str) -> None:
         cfg, target, opts = run.cfg, run.target, run.cfg.block
-        self.cfg, self.target, self.signature, self.family = cfg, target, signature, cfg.head
-        self.train, self.held = train, held
-        self.rows_per_step = max(1, opts.batch_tokens // cfg.max_length)
-        self.lm_full = target.get_output_embeddings().weight.detach()
+        super().__init__(run, train, held, signature, opts.batch_tokens)
+        self.family = cfg.head
         tc = target.config
         V, D = tc.vocab_size, tc.hidden_size
-        counts = torch.bincount(train.tokens[train.loss_mask], minlength=V)
-        if int(counts.sum()) == 0:
-            raise ValueError("no training positions: check the data source and max_length")
-        draft_ids = draft_vocabulary(counts, cfg.draft_vocab_size)
+        draft_ids = self.draft_ids()
         mask_id = opts.mask_token_id if opts.mask_token_id is not None else choose_mask_token(run.tokenizer, train, V)
         dspark = cfg.head == "dspark"
         hcfg = BlockConfig(
@@ -371,13 +367,12 @@ class BlockRecipe(Recipe):
         if opts.init_layer is not None:
             init_from_target_layer(self.head, target, opts.init_layer)
         self.head = self.head.float()
-        self._lm_rows: torch.Tensor | None = None
 
     def module(self) -> torch.nn.Module:
         return BlockTrainer(self.head)
 
     def batches(self, epoch: int) -> list[list[Any]]:
-        g = torch.Generator().manual_seed(self.cfg.seed * 1000 + epoch * 7)
+        g = torch.Generator().manual_seed(self.epoch_seed(epoch))
         order = torch.randperm(len(self.train), generator=g).tolist()
         r = self.rows_per_step
         n = max(1, len(order) // r)
@@ -389,21 +384,13 @@ class BlockRecipe(Recipe):
         return collate_sequences(self.train, [i for i, _ in items], self.cfg.block.anchors, cfg.max_drafts, g)
 
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepLoss:
-        if self._lm_rows is None:
-            self._lm_rows = self.lm_full[self.head.draft_ids.to(self.lm_full.device)].float().to(batch["tokens"].device)
+        lm_rows = self.lm_rows(self.head.draft_ids, batch["tokens"].device)
         batch = {**batch, "states": batch["states"].float()}
-        loss, logs, scored = block_step_loss(model, self.head, batch, self._lm_rows, self.cfg.block)
+        loss, logs, scored = block_step_loss(model, self.head, batch, lm_rows, self.cfg.block)
         return StepLoss(loss, logs, {"train_tokens": int(batch["valid"].sum()), "scored_tokens": scored})
 
     def evaluate(self) -> dict[str, Any]:
         return evaluate(self.head, self.held, self.lm_full)
-
-    def history(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "heldout_top1": metrics["top1"],
-            "heldout_chain": metrics["chain"],
-            "heldout_chain_tau": metrics["chain_tau"],
-        }
 
     def save(self, metrics: dict[str, Any], head_dir: Path) -> dict[str, Any]:
         self.head.config = dataclasses.replace(

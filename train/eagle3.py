@@ -205,18 +205,15 @@ class Eagle3Recipe(PairRecipe):
             init_layer=opts.init_layer,
             init_lm_head=opts.init_lm_head,
         ).float()
-        self._lm_rows: torch.Tensor | None = None  # [S, D] float32 on the training device
         self.feature_source = "online" if isinstance(self.train, OnlineFeatures) else "store"
 
     def module(self) -> torch.nn.Module:
         return UnrolledEagle3(self.head)
 
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepLoss:
-        if self._lm_rows is None:
-            dev = batch["tokens"].device
-            self._lm_rows = self.lm_full[self.head.draft_ids.to(self.lm_full.device)].float().to(dev)
+        lm_rows = self.lm_rows(self.head.draft_ids, batch["tokens"].device)
         loss, per_step, scored = eagle3_step_loss(
-            model, batch, self._lm_rows, self.cfg.eagle3, self.target.config.hidden_size, self.head.logit_softcap
+            model, batch, lm_rows, self.cfg.eagle3, self.target.config.hidden_size, self.head.logit_softcap
         )
         return StepLoss(
             loss, {"step_loss": per_step}, {"train_tokens": int(batch["valid"].sum()), "scored_tokens": scored}

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from selfspec.train.calibrate import calibrate_head
+from selfspec.train.feature_recipe import FeatureRecipe
 from selfspec.train.feature_store import FeatureStore
-from selfspec.train.loop import Recipe, draft_vocabulary
 
 if TYPE_CHECKING:
     from selfspec.train.inputs import RunInputs
@@ -153,10 +153,10 @@ def heldout_batches(
             yield batch
 
 
-class PairRecipe(Recipe):
-    """What the EAGLE-1 and EAGLE-3 recipes share: packed rows of :class:`PairStore` pairs, ``batch_tokens`` pairs
-    per optimiser step, the draft vocabulary chosen from the answer tokens, the held-out chain history and the
-    post-training calibration (:func:`~selfspec.train.calibrate.calibrate_head`).
+class PairRecipe(FeatureRecipe):
+    """What the EAGLE-1 and EAGLE-3 recipes share beyond :class:`~selfspec.train.feature_recipe.FeatureRecipe`:
+    packed rows of :class:`PairStore` pairs and the post-training calibration
+    (:func:`~selfspec.train.calibrate.calibrate_head`).
 
     Raises:
         ValueError: no scored training position (empty data or all answers truncated away).
@@ -165,36 +165,21 @@ class PairRecipe(Recipe):
     def __init__(
         self, run: RunInputs, train: FeatureStore, held: FeatureStore, signature: str, batch_tokens: int
     ) -> None:
-        self.cfg, self.target, self.tokenizer, self.signature = run.cfg, run.target, run.tokenizer, signature
-        self.eval_convs = run.eval_convs
+        super().__init__(run, train, held, signature, batch_tokens)
         self.train, self.held = (
             s if isinstance(s, PairStore) else PairStore(s.tokens, s.features, s.loss_mask, s.lengths)
             for s in (train, held)
         )
         if self.train.scored_positions() == 0:
             raise ValueError("no training positions: check the data source and max_length")
-        self.rows_per_step = max(1, batch_tokens // run.cfg.max_length)
-        self.lm_full = run.target.get_output_embeddings().weight.detach()
-
-    def draft_ids(self) -> torch.Tensor | None:
-        """The draft vocabulary (:func:`~selfspec.train.loop.draft_vocabulary` of the answer tokens' counts)."""
-        counts = torch.bincount(self.train.tokens[self.train.loss_mask], minlength=self.target.config.vocab_size)
-        return draft_vocabulary(counts, self.cfg.draft_vocab_size)
 
     def batches(self, epoch: int) -> list[list[list[int]]]:
-        rows = epoch_rows(self.train, self.cfg.max_length, self.cfg.seed * 1000 + epoch * 7)
+        rows = epoch_rows(self.train, self.cfg.max_length, self.epoch_seed(epoch))
         r = self.rows_per_step
         return [rows[i * r : (i + 1) * r] for i in range(max(1, len(rows) // r))]
 
     def collate(self, items: list[list[int]]) -> dict[str, torch.Tensor]:
         return collate(self.train, items)
-
-    def history(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "heldout_top1": metrics["top1"],
-            "heldout_chain": metrics["chain"],
-            "heldout_chain_tau": metrics["chain_tau"],
-        }
 
     def calibrated(self, head: torch.nn.Module, head_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
         """``summary`` with the saved head's acceptance profile and the conversations it decoded, when
