@@ -21,7 +21,7 @@ from selfspec.train.data import load_conversations, split_conversations
 from selfspec.train.distill_states import CapturedStates
 from selfspec.train.features import self_distill
 from selfspec.train.inputs import RunInputs
-from selfspec.train.recipes import recipe_for
+from selfspec.train.recipes import recipe_for, warm_started
 
 logger = logging.getLogger("selfspec.train")
 
@@ -37,6 +37,7 @@ def run(cfg: TrainConfig) -> Path:
     Returns:
         The directory holding the trained heads (``<output_dir>/heads``).
     """
+    cfg = warm_started(cfg)  # init_heads: the head's shape, read before any compute
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     accelerator = Accelerator(

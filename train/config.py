@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from selfspec.base.files import read_dataclass
+from selfspec.heads.families import head_families
 from selfspec.train.losses import check_loss_kind
 
 
@@ -211,15 +212,13 @@ class MedusaOptions:
             object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
 
 
-HEADS = ("medusa", "eagle", "eagle3", "dflash", "dspark")
-
-
 @dataclass(frozen=True)
 class TrainConfig:
     """Every knob of a head-training run.
 
     Attributes (units in names where they have one):
-        head: head family, ``"medusa"``, ``"eagle"``, ``"eagle3"``, ``"dflash"`` or ``"dspark"``.
+        head: head family, a registered one (:func:`selfspec.heads.families.head_families`: ``medusa``, ``eagle``,
+            ``eagle3``, ``dflash``, ``dspark``, and any family registered since).
         target: target name (local dir, Hub id or alias, see :func:`selfspec.target.resolve_target`).
         target_adapter: a PEFT adapter directory (``PeftModel.save_pretrained``) merged into ``target``
             (:mod:`selfspec.base.adapter`); the heads are trained on, and fingerprinted as, the adapted target.
@@ -321,8 +320,8 @@ class TrainConfig:
     block: BlockOptions = field(default_factory=BlockOptions)
 
     def __post_init__(self) -> None:
-        if self.head not in HEADS:
-            raise ValueError(f"head must be one of {HEADS}, got {self.head!r}")
+        if self.head not in head_families():
+            raise ValueError(f"head must be one of {head_families()}, got {self.head!r}")
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError("dtype must be 'bfloat16' or 'float32'")
         if self.mixed_precision not in ("no", "bf16"):
@@ -356,11 +355,9 @@ class TrainConfig:
             )
 
 
+# The per-family option sections (``eagle: {...}``): every TrainConfig field built by an options dataclass.
 _NESTED: dict[str, type] = {
-    "eagle": EagleOptions,
-    "eagle3": Eagle3Options,
-    "medusa": MedusaOptions,
-    "block": BlockOptions,
+    f.name: f.default_factory for f in dataclasses.fields(TrainConfig) if f.default_factory is not dataclasses.MISSING
 }
 
 
@@ -371,7 +368,9 @@ _MOVED = [
     for f in dataclasses.fields(c)
     for old in (f"{s}_{f.name}", f.name)
 ]
-_RENAMED = {old: " or ".join(new for o, new in _MOVED if o == old) for old, _ in _MOVED}
+_RENAMED = {old: " or ".join(new for o, new in _MOVED if o == old) for old, _ in _MOVED if old != "init_heads"}
+# Medusa-2's medusa.init_heads became the one warm start of every family
+_RENAMED["medusa.init_heads"] = "the top-level init_heads"
 
 
 def _read(cls: type, data: Mapping[str, Any], where: str = "", root: str = "") -> Any:

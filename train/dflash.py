@@ -40,6 +40,7 @@ from selfspec.train.feature_store import FeatureStore, target_features
 from selfspec.train.inputs import RunInputs
 from selfspec.train.loop import StepLoss, train_loop
 from selfspec.train.losses import distribution_loss
+from selfspec.train.warm_start import copy_head, init_head, warm_draft_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -344,7 +345,8 @@ class BlockRecipe(FeatureRecipe):
         self.family = cfg.head
         tc = target.config
         V, D = tc.vocab_size, tc.hidden_size
-        draft_ids = self.draft_ids()
+        warm = init_head(cfg, target)
+        draft_ids = self.draft_ids() if warm is None else warm_draft_ids(warm, V)
         mask_id = opts.mask_token_id if opts.mask_token_id is not None else choose_mask_token(run.tokenizer, train, V)
         dspark = cfg.head == "dspark"
         hcfg = BlockConfig(
@@ -367,6 +369,7 @@ class BlockRecipe(FeatureRecipe):
         if opts.init_layer is not None:
             init_from_target_layer(self.head, target, opts.init_layer)
         self.head = self.head.float()
+        copy_head(self.head, warm)
 
     def module(self) -> torch.nn.Module:
         return BlockTrainer(self.head)
@@ -418,6 +421,21 @@ def init_from_target_layer(head: BlockHead, target: PreTrainedModel, index: int)
     for layer in head.layers:
         own = layer.state_dict()
         layer.load_state_dict({k: v for k, v in src.items() if k in own and own[k].shape == v.shape}, strict=False)
+
+
+def warm_options(config: BlockConfig) -> dict[str, Any]:
+    """The options a saved DFlash / DSpark head fixes for a run that starts from it
+    (:mod:`selfspec.train.warm_start`)."""
+    block = {
+        "block_size": config.block_size,
+        "num_layers": config.num_layers,
+        "target_layer_ids": tuple(config.target_layer_ids),
+        "mask_token_id": config.mask_token_id,
+        "confidence": config.confidence,
+    }
+    if config.markov_rank:
+        block["markov_rank"] = config.markov_rank
+    return {"draft_vocab_size": config.draft_vocab_size, "block": block}
 
 
 def capture_block(cfg: TrainConfig, target: PreTrainedModel, budget_bytes: int) -> CapturedStates:

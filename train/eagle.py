@@ -30,6 +30,7 @@ from selfspec.train.inputs import RunInputs
 from selfspec.train.loop import StepLoss, train_loop
 from selfspec.train.losses import eagle_loss
 from selfspec.train.unroll import UnrolledEagle, chain_hits
+from selfspec.train.warm_start import copy_head, init_head, warm_draft_ids
 
 if TYPE_CHECKING:
     pass
@@ -194,6 +195,11 @@ def summarise_eval(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def warm_options(config: EagleConfig) -> dict[str, Any]:
+    """The options a saved EAGLE head fixes for a run that starts from it (:mod:`selfspec.train.warm_start`)."""
+    return {"draft_vocab_size": config.draft_vocab_size, "eagle": {"fc_bias": config.fc_bias}}
+
+
 class EagleRecipe(PairRecipe):
     """An EAGLE-1 head trained on packed rows of :class:`~selfspec.train.eagle_data.PairStore` pairs with
     :func:`eagle_step_loss`; ``cfg.eagle`` holds its options.
@@ -211,7 +217,8 @@ class EagleRecipe(PairRecipe):
         scored = self.train.scored_positions()
         self.n_scored = int(self.train.lengths.sum()) - len(self.train) if opts.score_prompt else scored
         V = target.config.vocab_size
-        draft_ids = self.draft_ids()
+        warm = init_head(cfg, target)
+        draft_ids = self.draft_ids() if warm is None else warm_draft_ids(warm, V)
         hcfg = EagleConfig(
             hidden_size=target.config.hidden_size,
             vocab_size=V,
@@ -224,6 +231,7 @@ class EagleRecipe(PairRecipe):
         self.head = EagleHead(
             hcfg, target.config, draft_ids=draft_ids, target=target, init_from_target_layer=opts.init_from_target_layer
         ).float()
+        copy_head(self.head, warm)
         self._lm32: torch.Tensor | None = None  # [S, D] frozen, on the head's device once training starts
 
     def module(self) -> torch.nn.Module:

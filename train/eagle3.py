@@ -40,6 +40,7 @@ from selfspec.train.loop import StepLoss, train_loop
 from selfspec.train.losses import distribution_loss
 from selfspec.train.online_features import OnlineFeatures, eagle3_feature_stores
 from selfspec.train.unroll import chain_hits, unrolled_mask
+from selfspec.train.warm_start import copy_head, init_head, warm_draft_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -184,7 +185,8 @@ class Eagle3Recipe(PairRecipe):
         cfg, target, opts = run.cfg, run.target, run.cfg.eagle3
         super().__init__(run, train, held, signature, opts.batch_tokens)
         V, D = target.config.vocab_size, target.config.hidden_size
-        draft_ids = self.draft_ids()
+        warm = init_head(cfg, target)
+        draft_ids = self.draft_ids() if warm is None else warm_draft_ids(warm, V)
         hcfg = Eagle3Config(
             hidden_size=D,
             vocab_size=V,
@@ -205,6 +207,7 @@ class Eagle3Recipe(PairRecipe):
             init_layer=opts.init_layer,
             init_lm_head=opts.init_lm_head,
         ).float()
+        copy_head(self.head, warm)
         self.feature_source = "online" if isinstance(self.train, OnlineFeatures) else "store"
 
     def module(self) -> torch.nn.Module:
@@ -236,6 +239,18 @@ class Eagle3Recipe(PairRecipe):
         if isinstance(self.train, OnlineFeatures):
             out["online_feature_tokens"] = self.train.computed_tokens + self.held.computed_tokens
         return self.calibrated(self.head, head_dir, out)
+
+
+def warm_options(config: Eagle3Config) -> dict[str, Any]:
+    """The options a saved EAGLE-3 head fixes for a run that starts from it (:mod:`selfspec.train.warm_start`)."""
+    return {
+        "draft_vocab_size": config.draft_vocab_size,
+        "eagle3": {
+            "target_layers": tuple(config.target_layers),
+            "fc_norm": config.fc_norm,
+            "norm_output": config.norm_output,
+        },
+    }
 
 
 def head_layers(cfg: TrainConfig, target: PreTrainedModel) -> tuple[int, ...]:

@@ -196,6 +196,9 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
     if accum > 1:  # a step of another accumulation is another step (absent at 1: older checkpoints resume)
         identity["grad_accum_steps"] = accum
     module = recipe.module()
+    # a warm start (init_heads): the held-out figures of the head it starts from, measured before any step (and
+    # before a resumed run loads its checkpoint), so the summary says what training changed and selection can keep it
+    initial = recipe.evaluate() if cfg.init_heads is not None and accelerator.is_main_process else None
     params = [p for p in module.parameters() if p.requires_grad]
     # fused AdamW: one kernel instead of ~10 elementwise passes per step (+20 % tokens/s on 2 CPU cores)
     fused = accelerator.device.type in ("cpu", "cuda")
@@ -221,19 +224,27 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
 
     best = resumed_best(ckpt) if step else None  # (info {"step", "chain_tau", "acceptance"}, head state)
 
+    def estimate(at: int, metrics: dict[str, Any]) -> dict[str, Any] | None:
+        """``{"step", "chain_tau", "acceptance"}`` of the head's held-out metrics; None without a ranking."""
+        acc = recipe.acceptance(metrics) if cfg.select_head == "tau" else None
+        if acc is None:
+            return None
+        return {"step": at, "chain_tau": round(chain_tau(acc), 4), "acceptance": [round(a, 4) for a in acc]}
+
     def consider(at: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """The tau estimate of the head now, kept as the best when it beats the best so far (main process)."""
         nonlocal best
-        acc = recipe.acceptance(metrics) if cfg.select_head == "tau" else None
-        if acc is None:
+        info = estimate(at, metrics)
+        if info is None:
             return {}
-        info = {"step": at, "chain_tau": round(chain_tau(acc), 4), "acceptance": [round(a, 4) for a in acc]}
         if best is None or info["chain_tau"] > best[0]["chain_tau"]:
             best = (info, {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()})
         return {"acceptance": info["acceptance"], "chain_tau_estimate": info["chain_tau"]}
 
     quiet = not accelerator.is_local_main_process
     hist: list[dict[str, Any]] = []
+    if initial is not None and not step:  # step 0 of a warm start: a candidate like any evaluated head
+        hist.append({"step": 0, **recipe.history(initial), **consider(0, initial)})
     counts: dict[str, int] = {}
     bar = TrainProgress(cfg, total, step, clock, f"train {recipe.family}", disable=quiet)
     model.train()
@@ -306,6 +317,8 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
             "max_train_tokens": cfg.max_train_tokens,
             "max_train_minutes": cfg.max_train_minutes,
             **({"selected": {"by": "chain_tau_estimate", **best[0]}} if best is not None else {}),
+            # init_heads: the held-out estimate of the head the run started from
+            **({"initial": estimate(0, initial)} if initial is not None else {}),
             **rates,
             **totals,
             **extras,

@@ -23,6 +23,7 @@ from selfspec.train.feature_store import FeatureStore, target_features
 from selfspec.train.inputs import RunInputs
 from selfspec.train.loop import Recipe, StepLoss, draft_vocabulary, train_loop
 from selfspec.train.losses import IGNORE, medusa_loss, topk_hits
+from selfspec.train.warm_start import copy_head, init_head, warm_draft_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -110,6 +111,13 @@ def evaluate(
     return [[round(float(hits[h, j]) / max(1, int(counts[h])), 4) for j in range(k)] for h in range(K)]
 
 
+def warm_options(config: MedusaConfig) -> dict[str, Any]:
+    """The options saved Medusa heads fix for a run that starts from them (:mod:`selfspec.train.warm_start`);
+    Medusa-2 (``medusa.joint``) starts from Medusa-1 heads the same way."""
+    shape = {"num_heads": config.num_heads, "num_layers": config.num_layers, "own_lm_head": config.own_lm_head}
+    return {"draft_vocab_size": config.draft_vocab_size, "medusa": shape}
+
+
 class MedusaRecipe(Recipe):
     """Medusa-1 heads on the rows of :func:`position_table`, trained with :func:`~selfspec.train.losses.
     medusa_loss` over the draft vocabulary (out-of-vocabulary labels carry no gradient); with a distribution
@@ -134,7 +142,12 @@ class MedusaRecipe(Recipe):
         self.features = train.features if opts.loss != "ce" else None
         held_hidden, held_labels, _ = position_table(held, opts.num_heads)
         V = target.config.vocab_size
-        draft_ids = draft_vocabulary(torch.bincount(labels[labels != IGNORE], minlength=V), cfg.draft_vocab_size)
+        warm = init_head(cfg, target)
+        draft_ids = (
+            draft_vocabulary(torch.bincount(labels[labels != IGNORE], minlength=V), cfg.draft_vocab_size)
+            if warm is None
+            else warm_draft_ids(warm, V)
+        )
         n_draft = V if draft_ids is None else draft_ids.numel()
         draft_ids = torch.arange(V) if draft_ids is None else draft_ids
         t2d = torch.full((V,), -1, dtype=torch.long)
@@ -154,6 +167,7 @@ class MedusaRecipe(Recipe):
         )
         lm_head = target.get_output_embeddings().weight.detach().float().cpu()
         self.heads = MedusaHeads(mcfg, target_lm_head=lm_head, draft_ids=draft_ids)
+        copy_head(self.heads, warm)
         self._lm_rows, self._softcap = lm_head[draft_ids], logit_softcap(target.config)
 
     def module(self) -> torch.nn.Module:

@@ -43,6 +43,7 @@ from selfspec.train.inputs import RunInputs
 from selfspec.train.loop import Recipe, StepLoss, draft_vocabulary, train_loop
 from selfspec.train.losses import IGNORE, medusa_loss, topk_hits
 from selfspec.train.medusa import head_labels, to_draft_labels
+from selfspec.train.warm_start import copy_head, init_head, warm_draft_ids
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -155,8 +156,11 @@ class Medusa2Recipe(Recipe):
         if not bool((all_labels != IGNORE).any()):
             raise ValueError("no training positions: check the data source and max_length")
         V = target.config.vocab_size
-        draft_ids = draft_vocabulary(
-            torch.bincount(all_labels[all_labels != IGNORE], minlength=V), cfg.draft_vocab_size
+        warm = init_head(cfg, target)  # Medusa-1 heads: Medusa-2's first stage
+        draft_ids = (
+            draft_vocabulary(torch.bincount(all_labels[all_labels != IGNORE], minlength=V), cfg.draft_vocab_size)
+            if warm is None
+            else warm_draft_ids(warm, V)
         )
         n_draft = V if draft_ids is None else draft_ids.numel()
         draft_ids = torch.arange(V) if draft_ids is None else draft_ids
@@ -191,8 +195,7 @@ class Medusa2Recipe(Recipe):
         )
         lm_head = target.get_output_embeddings().weight.detach().float().cpu().clone()
         self.heads = MedusaHeads(mcfg, target_lm_head=lm_head, draft_ids=draft_ids).to(target.device)
-        if opts.init_heads:
-            warm_start(self.heads, opts.init_heads, target)
+        copy_head(self.heads, warm)
         self.joint = JointMedusa(self.adapted, self.heads, getattr(target.config, "final_logit_softcapping", None))
 
     def module(self) -> torch.nn.Module:
@@ -294,37 +297,6 @@ class Medusa2Recipe(Recipe):
         }
 
 
-def warm_start(heads: MedusaHeads, directory: str | Path, target: PreTrainedModel) -> None:
-    """Copy Medusa-1 heads saved in ``directory`` into ``heads`` (Medusa-2's first stage done by Medusa-1 training).
-
-    Raises:
-        HeadFormatError: the directory's heads are corrupt or were trained on another target (fingerprint).
-        ValueError: their shape (heads, layers, own lm_head, draft vocabulary) differs from ``heads``', with the
-            options to change.
-    """
-    from selfspec.heads.io import HeadFormatError
-
-    try:
-        warm = MedusaHeads.from_pretrained(directory, target_fingerprint=target_fingerprint(target))
-    except HeadFormatError as e:
-        raise HeadFormatError(f"medusa.init_heads: {e}") from e
-    mine, theirs = heads.config, warm.config
-    for name in ("num_heads", "num_layers", "own_lm_head", "hidden_size", "vocab_size", "n_draft"):
-        if getattr(mine, name) != getattr(theirs, name):
-            raise ValueError(
-                f"medusa.init_heads {directory} has {name}={getattr(theirs, name)}, this run {getattr(mine, name)}: "
-                "train the Medusa-1 heads with the same medusa.num_heads / num_layers / own_lm_head and "
-                "draft_vocab_size"
-            )
-    if not torch.equal(warm.draft_ids.cpu(), heads.draft_ids.cpu()):
-        raise ValueError(
-            f"medusa.init_heads {directory} drafts another vocabulary: train the Medusa-1 heads on the same data "
-            "(the draft vocabulary is the most frequent answer tokens)"
-        )
-    heads.load_state_dict(warm.state_dict())
-    logger.info("Medusa-2 starts from the Medusa-1 heads in %s", directory)
-
-
 def train_medusa2(run: RunInputs) -> Path:
     """Train Medusa-2 heads and their LoRA adapter on ``run.target`` (left unchanged: a copy is adapted); returns
     the heads directory (``<output_dir>/heads``, with ``adapter/``). Self-distillation's captured features are not
@@ -338,8 +310,8 @@ def train_medusa2(run: RunInputs) -> Path:
     held = training_examples(cfg, target, run.tokenizer, run.eval_convs)
     opts = cfg.medusa
     what = f"medusa2:r{opts.lora_rank}:a{opts.lora_alpha}:{','.join(opts.lora_modules or ())}"
-    if opts.init_heads:
-        what += f":init={opts.init_heads}"
+    if cfg.init_heads:
+        what += f":init={cfg.init_heads}"
     signature = feature_signature(target, run.train_convs, run.eval_convs, cfg.max_length, what)
     recipe = Medusa2Recipe(cfg, target, train, held, signature)
     return train_loop(cfg, run.accelerator, recipe, run.heldout())

@@ -214,7 +214,7 @@ def test_joint_training_warm_starts_from_medusa1_heads(setup, tmp_path):
 
     medusa1 = train(setup, tmp_path / "m1", medusa={"joint": False})
     target, tok = load_target(setup[0])
-    cfg = config(setup, tmp_path / "m2", medusa={"init_heads": str(medusa1)})
+    cfg = config(setup, tmp_path / "m2", init_heads=str(medusa1))
     train_convs, eval_convs = split_conversations(load_conversations(str(setup[1])), eval_fraction=0.2, seed=0)
     ex, held = (training_examples(cfg, target, tok, c) for c in (train_convs, eval_convs))
     recipe = Medusa2Recipe(cfg, target, ex, held, "sig")
@@ -225,14 +225,19 @@ def test_joint_training_warm_starts_from_medusa1_heads(setup, tmp_path):
         assert torch.equal(warm[k], start[k]), k
     cold = Medusa2Recipe(config(setup, tmp_path / "m3"), target, ex, held, "sig").heads.state_dict()
     assert any(not torch.equal(cold[k], warm[k]) for k in warm)  # without init_heads: another start
-    heads = train(setup, tmp_path / "m2", medusa={"init_heads": str(medusa1)})
+    heads = train(setup, tmp_path / "m2", init_heads=str(medusa1))
     assert json.loads((heads.parent / "train_summary.json").read_text())["joint"] is True
 
-    with pytest.raises(ValueError, match="num_heads=3, this run 2"):
-        three = train(setup, tmp_path / "m1-3", medusa={"joint": False, "num_heads": 3})
-        Medusa2Recipe(config(setup, tmp_path / "x", medusa={"init_heads": str(three)}), target, ex, held, "sig")
+    three = train(setup, tmp_path / "m1-3", medusa={"joint": False, "num_heads": 3})
+    with pytest.raises(ValueError, match="init_heads: the heads' shape differs"):
+        Medusa2Recipe(config(setup, tmp_path / "x", init_heads=str(three)), target, ex, held, "sig")
+    # through the entry point the heads' shape is taken (warm_config): three heads train from three heads
+    assert (
+        json.loads((train(setup, tmp_path / "m2-3", init_heads=str(three)) / "config.json").read_text())["num_heads"]
+        == 3
+    )
     other = tiny_llama(vocab_size=96, hidden_size=32, seed=1)
-    with pytest.raises(HeadFormatError, match="medusa.init_heads"):
-        Medusa2Recipe(config(setup, tmp_path / "y", medusa={"init_heads": str(medusa1)}), other, ex, held, "sig")
-    with pytest.raises(ValueError, match="set medusa.joint: true"):
+    with pytest.raises(HeadFormatError, match="init_heads: .*another target|init_heads: .*fingerprint"):
+        Medusa2Recipe(config(setup, tmp_path / "y", init_heads=str(medusa1)), other, ex, held, "sig")
+    with pytest.raises(ValueError, match="is now the top-level init_heads"):
         load_config(None, ["medusa.init_heads=/some/heads"])
