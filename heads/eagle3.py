@@ -31,7 +31,8 @@ q/k/v (or fused qkv) projections are rebuilt with 2D inputs, and its ``input_lay
 :class:`FusedInputNorm` (the two norms above, each of the family's norm class). The token embedding and the rotary
 embedding are the target's, frozen, referenced through :meth:`Eagle3Head.attach_target`, never saved.
 
-Files (``save_pretrained``), tensor names as the EAGLE-3 serving layouts use them (DESIGN.md section 5):
+Files (``save_pretrained``), tensor names as the EAGLE-3 serving layouts use them (``docs/ARCHITECTURE.md``,
+"Facts this design rests on"; the file trees: ``docs/EXPORT.md``):
 
 * ``config.json``: the target's config with ``num_hidden_layers: 1``, ``head_type: "eagle3"``,
   ``draft_vocab_size``, ``eagle_config.eagle_aux_hidden_state_layer_ids`` and a ``selfspec`` object

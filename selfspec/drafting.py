@@ -205,7 +205,7 @@ def plan_drafter(
 
 
 # With tune="off" a hybrid drafter sizes its split from this nominal cost: one extra tree node costs 4% of a
-# plain step (about what 16 nodes cost on the 2-core development CPU, DESIGN.md section 6).
+# plain step (about what 16 nodes cost on the 2-core AVX2 CPU: docs/ARCHITECTURE.md, "Facts this design rests on").
 NOMINAL_NODE_COST = 0.04
 
 

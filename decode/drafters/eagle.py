@@ -30,7 +30,8 @@ from selfspec.decode.kv import crop_cache
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import DraftTree
 
-# Sized for a 2-core CPU: verifying ~13 nodes costs about 1.5 single-token target steps (DESIGN.md 6).
+# Sized for a 2-core CPU without a measured budget: verifying 13 nodes costs about 1.4-1.5 single-token target steps
+# there (docs/ARCHITECTURE.md, "Facts this design rests on").
 DEFAULT_DEPTH = 5
 DEFAULT_TOP_K = 4
 DEFAULT_TOTAL_TOKENS = 12

@@ -1,9 +1,10 @@
 """What a verification costs here, by tree size; cost profiles on disk.
 
 A bigger draft tree accepts more tokens per step but costs more to verify, and how much more depends on
-the device: on a 2-core CPU a 16-node verification costs ~1.7 single-token passes, on an H200 128 nodes
-cost ~1.2 (DESIGN.md section 6). The budget choice (:mod:`selfspec.decode.tuning.budget`, Sequoia-style, Chen et
-al. 2024, arXiv:2402.12374) needs both costs measured on this machine:
+the device: on 2-core CPUs a 16-node verification costs 1.3-1.6 single-token passes, on an H200 128 nodes
+cost ~1.2 (docs/ARCHITECTURE.md, "Facts this design rests on"). The budget choice
+(:mod:`selfspec.decode.tuning.budget`, Sequoia-style, Chen et al. 2024, arXiv:2402.12374) needs both costs
+measured on this machine:
 
 * :class:`CostProfile`: median wall ms of one verification (:meth:`Verifier.forward_tree` +
   :meth:`Verifier.lm_logits`) by tree size, for this target on this device, dtype and thread count. On a
