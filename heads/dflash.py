@@ -295,7 +295,17 @@ class BlockHead(nn.Module, HubMixin):
         self._target = (target.get_input_embeddings(), target.get_output_embeddings())
         self.logit_softcap = logit_softcap(cfg)
 
-    def _shared(self) -> tuple[nn.Module, nn.Module]:
+    @property
+    def has_target(self) -> bool:
+        """Whether :meth:`attach_target` has run: the target's embedding and lm_head are referenced."""
+        return self._target is not None
+
+    def target_modules(self) -> tuple[nn.Module, nn.Module]:
+        """The attached target's ``(token embedding, lm_head)`` modules, frozen and shared (never saved).
+
+        Raises:
+            RuntimeError: no target attached (:meth:`attach_target`).
+        """
         if self._target is None:
             raise RuntimeError(f"{type(self).__name__} needs attach_target(target) (its embeddings and lm_head) first")
         return self._target
@@ -338,7 +348,7 @@ class BlockHead(nn.Module, HubMixin):
         Raises:
             RuntimeError: no target attached.
         """
-        embed, _ = self._shared()
+        embed, _ = self.target_modules()
         with torch.no_grad():
             x = embed(tokens).to(self.fc.weight.dtype)
         cos, sin = self._cos_sin(x, positions)
@@ -349,7 +359,7 @@ class BlockHead(nn.Module, HubMixin):
     def draft_logits(self, z: torch.Tensor) -> torch.Tensor:
         """``[.., D]`` normed slot states -> ``[.., S]`` logits over the draft vocabulary (row i scores target id
         ``draft_ids[i]``), soft-capped as the target's own logits are (Gemma-2); without the Markov bias."""
-        weight = self.lm_head.weight if self.lm_head is not None else self._shared()[1].weight
+        weight = self.lm_head.weight if self.lm_head is not None else self.target_modules()[1].weight
         return softcap(project(z, weight.to(z.dtype)), self.logit_softcap)
 
     def markov(self, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -180,9 +180,23 @@ class MedusaHeads(nn.Module, HubMixin):
         Raises:
             RuntimeError: shared-lm_head heads used before :meth:`attach_target`.
         """
-        states = self.head_states(hidden)
+        return self.state_logits(self.head_states(hidden))
+
+    def state_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """Draft logits of the first K' heads' states (:meth:`head_states`, cut to the heads a tree uses).
+
+        Args:
+            states: ``[K', ..., D]``, row k from head k.
+
+        Returns:
+            ``[K', ..., S]`` logits over the draft vocabulary, from each head's own lm_head or the target's shared
+            one (the draft vocabulary's rows of it).
+
+        Raises:
+            RuntimeError: shared-lm_head heads used before :meth:`attach_target`.
+        """
         if self.config.own_lm_head:
-            return torch.stack([head(states[k]) for k, head in enumerate(self.lm_heads)])
+            return torch.stack([self.lm_heads[k](states[k]) for k in range(states.shape[0])])
         if self._shared is None:
             raise RuntimeError("heads with own_lm_head=False need attach_target(target_lm_head) first")
         return states @ self._shared.to(states.dtype).T

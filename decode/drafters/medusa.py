@@ -41,10 +41,7 @@ class MedusaDrafter(Drafter):
         """The static tree's candidates from the heads at the last accepted node (the loop cuts it to the caps)."""
         h = self._hidden
         states = self.heads.head_states(h.to(next(self.heads.parameters()).dtype))[: self._depths]
-        if self.heads.config.own_lm_head:
-            logits = torch.stack([self.heads.lm_heads[k](states[k]) for k in range(self._depths)])
-        else:
-            logits = states @ self.heads._shared.to(states.dtype).T
+        logits = self.heads.state_logits(states)
         cand = logits.topk(self._topk, dim=-1).indices  # [depth, topk] draft ids
         cand = self.heads.draft_ids[cand].reshape(-1)
         tokens = torch.cat([context[-1:], cand[self._gather.to(cand.device)]])

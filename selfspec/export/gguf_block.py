@@ -67,7 +67,7 @@ def convert_block_head(head: BlockHead, final: Path, target_dir: Path, outtype: 
             scale; selfspec writes none), or the converted file fails :func:`check_block_gguf`.
         RuntimeError: the converter failed.
     """
-    embed = head._shared()[0] if head._target is not None else None
+    embed = head.target_modules()[0] if head.has_target else None
     if embed is not None and type(embed).__name__ != "Embedding":
         raise ExportError(
             f"the target's token embedding is a {type(embed).__name__} (scaled): llama.cpp's DFlash draft would read "

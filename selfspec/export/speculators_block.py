@@ -110,11 +110,11 @@ def check_plain_block(head: BlockHead, engine: str, *, embed_code: str, cap_code
     Raises:
         ExportError: naming the reason and the fix.
     """
-    if head._target is None:
+    if not head.has_target:
         raise ExportError(
             f"the {engine} export checks the target's embedding: load the head with load_heads(DIR, target)"
         )
-    embed = head._shared()[0]
+    embed = head.target_modules()[0]
     if type(embed) is not torch.nn.Embedding:
         raise ExportError(
             f"the target's token embedding is a {type(embed).__name__} (scaled), but {engine} embeds the block "
