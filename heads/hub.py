@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from huggingface_hub.errors import (
 
 from selfspec.heads.io import CONFIG_NAME, DRAFT_VOCAB_NAME, WEIGHTS_NAME, HeadFormatError, read_json
 
-__all__ = ["HEAD_TYPES", "HUB_FILES", "HubMixin", "hub_endpoint", "is_hub_id", "register_push", "resolve_head_dir"]
+__all__ = ["HEAD_TYPES", "HUB_FILES", "HubMixin", "hub_endpoint", "is_hub_id", "resolve_head_dir"]
 
 HEAD_TYPES = ("medusa", "eagle", "eagle3", "dflash", "dspark")
 # What a head repo holds that loading uses: the head, and the acceptance profile the EAGLE tree budget reads
@@ -134,23 +133,10 @@ def resolve_head_dir(
     return _download(repo_id, snapshot.name, token, list(HUB_FILES))
 
 
-# What ``push_to_hub`` calls: the upload builds a model card and reads bench reports, which belong to the API layer
-# above heads/; :mod:`selfspec.hub` registers its ``push_heads`` here when it is imported, and ``import selfspec``
-# (which runs before any ``selfspec.heads`` module) imports it, so heads/ imports nothing above it.
-_PUSH: list[Callable[..., Any]] = []
-
-
-def register_push(push: Callable[..., Any]) -> None:
-    """Make ``push`` (``push(head, repo_id, **options)``, :func:`selfspec.hub.push_heads`) the upload of every
-    head family's ``push_to_hub``."""
-    _PUSH[:] = [push]
-
-
 class HubMixin:
     """``push_to_hub`` for a head module that has ``save_pretrained(directory)`` and a ``config`` with a
-    ``head_type`` (every selfspec head family). The upload itself is :func:`selfspec.hub.push_heads`
-    (:func:`register_push`). Also ``from_pretrained`` for a family whose ``from_directory(directory, ...)`` loads
-    a local head directory strictly."""
+    ``head_type`` (every selfspec head family). The upload itself is :func:`selfspec.hub.push_heads`. Also
+    ``from_pretrained`` for a family whose ``from_directory(directory, ...)`` loads a local head directory strictly."""
 
     @classmethod
     def from_pretrained(
@@ -204,9 +190,11 @@ class HubMixin:
         Raises:
             selfspec.hub.HubError: see :func:`selfspec.hub.push_heads`.
         """
-        if not _PUSH:  # only when selfspec/__init__.py did not run (it imports selfspec.hub)
-            raise RuntimeError("push_to_hub needs selfspec.hub: `import selfspec.hub` first")
-        return _PUSH[0](
+        # The one import above heads/, at call time: the upload builds a model card and reads bench reports, which
+        # belong to the API layer (declared in tests/test_layers.py: ALLOWED).
+        from selfspec.hub import push_heads
+
+        return push_heads(
             self,
             repo_id,
             private=private,

@@ -12,7 +12,17 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-import selfspec.hub  # noqa: F401 (registers the upload of every head family's push_to_hub)
-from selfspec.api import SpeculativeModel, from_pretrained, load, make_drafter
+from selfspec.base.lazy import lazy_exports
 
 __all__ = ["SpeculativeModel", "from_pretrained", "load", "make_drafter", "__version__"]
+
+# Imported on first use (``import selfspec`` itself imports nothing heavy: every selfspec module runs this file).
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "SpeculativeModel": "selfspec.api",
+        "from_pretrained": "selfspec.api",
+        "load": "selfspec.api",
+        "make_drafter": "selfspec.api",
+    },
+)

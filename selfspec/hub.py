@@ -34,7 +34,7 @@ from selfspec.base.files import read_json, write_json
 from selfspec.bench.report import read_report
 from selfspec.card import FAMILIES, BenchFigures, head_card
 from selfspec.heads import load_heads
-from selfspec.heads.hub import HUB_FILES, hub_endpoint, register_push, resolve_head_dir
+from selfspec.heads.hub import HUB_FILES, hub_endpoint, resolve_head_dir
 from selfspec.heads.io import HeadFormatError, read_config
 from selfspec.target import ALIASES, SMOLLM2_ALIAS
 
@@ -393,6 +393,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(push.describe())
     return 0
-
-
-register_push(push_heads)  # every head family's push_to_hub (selfspec.heads.hub.HubMixin)

@@ -11,15 +11,7 @@
 * :class:`HybridDrafter`: a head's tree merged with n-gram continuations, split by measured cost.
 """
 
-from selfspec.decode.drafters.base import AcceptedPath, Drafter, DrafterInfo, DraftLimit, context_length
-from selfspec.decode.drafters.block import BlockDrafter
-from selfspec.decode.drafters.draft_model import DraftModelDrafter
-from selfspec.decode.drafters.eagle import EagleDrafter
-from selfspec.decode.drafters.hybrid import HybridDrafter
-from selfspec.decode.drafters.medusa import MedusaDrafter
-from selfspec.decode.drafters.no_draft import NoDraftDrafter
-from selfspec.decode.drafters.prompt_lookup import PromptLookupDrafter
-from selfspec.decode.tree import DraftTree
+from selfspec.base.lazy import lazy_exports
 
 __all__ = [
     "AcceptedPath",
@@ -36,3 +28,23 @@ __all__ = [
     "PromptLookupDrafter",
     "context_length",
 ]
+
+# Imported on first use: one drafter (and the base class every drafter imports) loads without the others.
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "AcceptedPath": "selfspec.decode.drafters.base",
+        "BlockDrafter": "selfspec.decode.drafters.block",
+        "DraftLimit": "selfspec.decode.drafters.base",
+        "DraftModelDrafter": "selfspec.decode.drafters.draft_model",
+        "DraftTree": "selfspec.decode.tree",
+        "Drafter": "selfspec.decode.drafters.base",
+        "DrafterInfo": "selfspec.decode.drafters.base",
+        "EagleDrafter": "selfspec.decode.drafters.eagle",
+        "HybridDrafter": "selfspec.decode.drafters.hybrid",
+        "MedusaDrafter": "selfspec.decode.drafters.medusa",
+        "NoDraftDrafter": "selfspec.decode.drafters.no_draft",
+        "PromptLookupDrafter": "selfspec.decode.drafters.prompt_lookup",
+        "context_length": "selfspec.decode.drafters.base",
+    },
+)

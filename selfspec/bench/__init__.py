@@ -44,13 +44,7 @@ Usage::
 
 from __future__ import annotations
 
-from selfspec.bench.cli import main
-from selfspec.bench.llamacpp import run_llamacpp_bench
-from selfspec.bench.methods import BenchMethod, BenchSettings, build_methods
-from selfspec.bench.outputs import markdown_report, summary_text, write_report
-from selfspec.bench.report import SCHEMA_VERSION, BenchReport, read_report
-from selfspec.bench.run import run_bench
-from selfspec.prompts import BenchPrompt
+from selfspec.base.lazy import lazy_exports
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -67,3 +61,23 @@ __all__ = [
     "summary_text",
     "write_report",
 ]
+
+# Imported on first use: a module of the bench (the report's dataclasses, say) loads without the others.
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "SCHEMA_VERSION": "selfspec.bench.report",
+        "BenchMethod": "selfspec.bench.methods",
+        "BenchPrompt": "selfspec.prompts",
+        "BenchReport": "selfspec.bench.report",
+        "BenchSettings": "selfspec.bench.methods",
+        "build_methods": "selfspec.bench.methods",
+        "main": "selfspec.bench.cli",
+        "markdown_report": "selfspec.bench.outputs",
+        "read_report": "selfspec.bench.report",
+        "run_bench": "selfspec.bench.run",
+        "run_llamacpp_bench": "selfspec.bench.llamacpp",
+        "summary_text": "selfspec.bench.outputs",
+        "write_report": "selfspec.bench.outputs",
+    },
+)

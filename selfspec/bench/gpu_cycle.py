@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import importlib
 import statistics
 import time
 import traceback
@@ -65,7 +64,7 @@ from selfspec.base.files import write_json
 from selfspec.bench.host_syncs import HOST_READS, MOVES, Probe, count_syncs, transparent
 from selfspec.bench.random_targets import REAL_SIZES, SIZES, build_target, machine_record
 from selfspec.bench.rigged_drafter import TREE_ACCURACY, RiggedDrafter, tree_parents
-from selfspec.decode import kv
+from selfspec.decode import kv, loop
 from selfspec.decode.loop import speculative_generate
 from selfspec.decode.tree import tree_depths
 from selfspec.decode.verifier import Verifier
@@ -73,20 +72,18 @@ from selfspec.decode.verifier import Verifier
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-# The loop's module (the package may re-export its names as something else)
-LOOP = importlib.import_module("selfspec.decode.loop")
 # (owner, attribute, part): the named calls of one cycle, wrapped where the loop looks them up; ``"drafter"``
 # and ``"verifier"`` stand for the run's objects. ``other`` is the rest of the cycle.
 LOOP_PARTS = (
     ("drafter", "propose", "draft"),
-    (LOOP, "read_tree", "tree_prep"),
-    (LOOP, "cut_tree", "tree_prep"),
+    (loop, "read_tree", "tree_prep"),
+    (loop, "cut_tree", "tree_prep"),
     ("verifier", "forward_tree", "forward"),
     ("verifier", "lm_logits", "logits"),
-    (LOOP, "check_finite", "logits"),
-    (LOOP, "target_distributions", "process"),
-    (LOOP, "argmax_with_check", "accept"),
-    (LOOP, "verify_step", "accept"),
+    (loop, "check_finite", "logits"),
+    (loop, "target_distributions", "process"),
+    (loop, "argmax_with_check", "accept"),
+    (loop, "verify_step", "accept"),
     (kv, "compact_cache", "compact"),
 )
 GOAL_CYCLE_STEPS = 1.3

@@ -9,8 +9,16 @@ The file trees and contracts: ``docs/EXPORT.md``.
 
 from __future__ import annotations
 
-from selfspec.export.common import ExportError
-from selfspec.export.medusa_vllm import export_vllm_medusa
-from selfspec.export.sglang import export_sglang
+from selfspec.base.lazy import lazy_exports
 
 __all__ = ["ExportError", "export_sglang", "export_vllm_medusa"]
+
+# Imported on first use: one exporter loads without the others.
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "ExportError": "selfspec.export.common",
+        "export_sglang": "selfspec.export.sglang",
+        "export_vllm_medusa": "selfspec.export.medusa_vllm",
+    },
+)
