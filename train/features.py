@@ -189,8 +189,8 @@ def hidden_features(
     ``batch_tokens`` padded tokens (rows right-padded with token 0, no attention mask). A causal target's
     states at a row's real positions never see the padding after them, so each example gets the states it
     gets alone, up to float rounding of the larger matmuls (float32, on SmolLM2's three EAGLE-3 layers and last
-    state: at most 6e-4 absolute). On the development CPU this forwards sequences of ~200 tokens 1.12x faster
-    than one at a time, and the ~300-token training mix about as fast (docs/RESULTS.md, round 11). An example longer
+    state: at most 6e-4 absolute). On the 2-core AVX2 CPU this forwards sequences of ~200 tokens 1.12x faster
+    than one at a time, and the ~300-token training mix about as fast (docs/journal/round-11.md). An example longer
     than ``batch_tokens`` runs alone.
 
     Args:
