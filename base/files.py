@@ -1,4 +1,9 @@
-"""Files on disk, for every format selfspec writes: the cache root, atomic writes, one strict reader.
+"""Files on disk, for every format selfspec writes: the cache roots, atomic writes, one strict reader.
+
+* :func:`cache_root` holds what selfspec measures and caches (cost profiles, the llama.cpp settings sweep);
+  :func:`build_cache_root` the expensive builds made once per machine (converted targets, the llama.cpp build, the
+  speculators venv). They are one directory unless ``$SELFSPEC_BUILD_CACHE`` parts them: a test session caches
+  its measurements in a temporary directory and still reads the machine's builds.
 
 * :func:`write_json` writes a JSON file and :func:`replace_dir` puts a fully written directory in place, both
   atomically: a killed process never leaves half a file or half a directory, and an existing directory is
@@ -36,6 +41,7 @@ from typing import Any, Literal, TypeVar
 T = TypeVar("T")
 
 __all__ = [
+    "build_cache_root",
     "cache_root",
     "now_utc",
     "profiles_dir",
@@ -52,12 +58,23 @@ logger = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
-    """Root directory of selfspec's caches (converted targets, cost profiles): ``$SELFSPEC_CACHE``, else
-    ``$XDG_CACHE_HOME/selfspec``, else ``~/.cache/selfspec``."""
+    """Root directory of selfspec's caches (cost profiles, settings sweeps; the builds too unless
+    :func:`build_cache_root` is set apart): ``$SELFSPEC_CACHE``, else ``$XDG_CACHE_HOME/selfspec``, else
+    ``~/.cache/selfspec``."""
     root = os.environ.get("SELFSPEC_CACHE")
     if root:
         return Path(root).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "selfspec"
+
+
+def build_cache_root() -> Path:
+    """Root directory of the expensive builds selfspec makes once per machine and reuses (the converted target of an
+    alias, the llama.cpp build, the speculators venv): ``$SELFSPEC_BUILD_CACHE``, else :func:`cache_root`.
+
+    Setting it apart lets the small caches go elsewhere (the test suite puts them in a temporary directory, and
+    still reads the builds this machine already paid for)."""
+    root = os.environ.get("SELFSPEC_BUILD_CACHE")
+    return Path(root).expanduser() if root else cache_root()
 
 
 def profiles_dir() -> Path:

