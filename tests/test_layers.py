@@ -27,6 +27,9 @@ Layers, bottom to top:
 from __future__ import annotations
 
 import ast
+import functools
+import subprocess
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -86,6 +89,12 @@ def modules() -> dict[str, Path]:
     return out
 
 
+@functools.cache
+def parse(path: Path) -> ast.Module:
+    """The file's syntax tree (each file is parsed once per session)."""
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
 def called(node: ast.Call) -> str:
     """The name a call is made by: ``f(...)`` and ``x.f(...)`` give ``"f"``."""
     func = node.func
@@ -109,7 +118,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> list[Import]:
         return Import(sub, None, line) if sub in known else Import(source, item, line)
 
     out = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
             out += [Import(a.name, None, node.lineno) for a in node.names if a.name.split(".")[0] == "selfspec"]
         elif isinstance(node, ast.ImportFrom):
@@ -133,7 +142,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> list[Import]:
 
 def lazy_lines(path: Path) -> set[int]:
     """The lines of the file's ``lazy_exports`` calls: its table's imports are not made when the file runs."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+    tree = parse(path)
     return {n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and called(n) == "lazy_exports"}
 
 
@@ -257,7 +266,7 @@ def private_names(path: Path, known: dict[str, Path], name: str) -> tuple[set[st
     functions, classes, variables and attributes it assigns (``self._x = ...``, ``_x: int`` fields); ``reads``
     holds ``(line, name, module)`` for each ``x._name`` read, ``module`` being the selfspec module ``x`` is when
     the file imported it as a module (else "")."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+    tree = parse(path)
     as_module = {}
     for i in imports(name, path, known):
         if i.name is None and i.module in known:
@@ -369,3 +378,17 @@ def test_every_module_holds_the_line_cap():
         if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
     ]
     assert not long, f"split by concept, at most {MAX_MODULE_LINES} lines a module:\n" + "\n".join(long)
+
+
+def loaded_by(module: str) -> list[str]:
+    """The selfspec modules a fresh interpreter holds after ``import module`` (package ``__init__``s included)."""
+    code = f"import sys, {module}; print(*sorted(m for m in sys.modules if m.startswith('selfspec')))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+
+
+def test_importing_a_module_loads_no_layer_above_it():
+    """What the graph says, run for real: the package ``__init__``s re-export lazily, so importing the base layer's
+    files, or the decode loop, loads nothing of a higher layer (nor ``selfspec.api``)."""
+    for module in ("selfspec.base.files", "selfspec.decode.loop"):
+        above = [m for m in loaded_by(module) if m != "selfspec" and layer(m) > layer(module)]
+        assert not above, f"import {module} loads {above}: a package __init__ above it imports them eagerly"
