@@ -40,11 +40,6 @@ class AdapterError(ValueError):
     """An adapter that cannot be applied to the target given (missing, of another base model, not mergeable)."""
 
 
-def is_peft_model(model: Any) -> bool:
-    """Whether ``model`` is a ``peft.PeftModel`` (``AutoPeftModelForCausalLM`` returns one)."""
-    return isinstance(model, PeftModel)
-
-
 def read_adapter_config(adapter_dir: str | Path) -> dict[str, Any]:
     """``adapter_config.json`` of a directory written by ``PeftModel.save_pretrained``.
 

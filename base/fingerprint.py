@@ -25,9 +25,10 @@ if TYPE_CHECKING:
 _ADAPTED: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
 
 
-def _is_peft(model: torch.nn.Module) -> bool:
-    # duck-typed (heads/ imports nothing of peft): a PeftModel carries its adapters' configs
-    return isinstance(getattr(model, "peft_config", None), dict) and hasattr(model, "get_base_model")
+def is_peft_model(model: object) -> bool:
+    """Whether ``model`` is a ``peft.PeftModel`` (``AutoPeftModelForCausalLM`` returns one): by the class names of
+    its type, so asking never imports ``peft``."""
+    return any(c.__name__ == "PeftModel" for c in type(model).__mro__)
 
 
 def adapter_fingerprint(peft_model: torch.nn.Module) -> str:
@@ -83,7 +84,7 @@ def target_fingerprint(model: PreTrainedModel) -> str:
     sample = emb[:: max(1, emb.shape[0] // 64), :8].detach().to(torch.float32).cpu()
     h.update(sample.numpy().round(3).tobytes())
     base = h.hexdigest()[:16]
-    adapter = adapter_fingerprint(model) if _is_peft(model) else _ADAPTED.get(model)
+    adapter = adapter_fingerprint(model) if is_peft_model(model) else _ADAPTED.get(model)
     return f"{base}+{adapter}" if adapter else base
 
 

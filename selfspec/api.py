@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from selfspec.base.fingerprint import is_peft_model
 from selfspec.decode.drafters import (
     Drafter,
     EagleDrafter,
@@ -335,22 +336,17 @@ def load(
         from selfspec.target import load_target  # selfspec.target imports transformers' Auto classes
 
         target, tokenizer = load_target(target, dtype=dtype, device=device, adapter=adapter)
-    elif adapter is not None or _is_peft_model(target):
+    elif adapter is not None or is_peft_model(target):
         from selfspec.base.adapter import load_adapted, merge_adapter  # imports peft
 
         if adapter is None:
             target = merge_adapter(target)
         else:  # an adapter directory is merged into a copy: the caller's model stays the bare base
-            target = load_adapted(target if _is_peft_model(adapter) else copy.deepcopy(target), adapter)
+            target = load_adapted(target if is_peft_model(adapter) else copy.deepcopy(target), adapter)
     check_target(target)  # refuses a target whose decoding would not be exactly its own
     plan = plan_drafter(target, heads, tune=tune, tokenizer=tokenizer, **drafter_options)
     verifier = make_verifier(target, plan.drafter, tune)
     return SpeculativeModel(target, tokenizer, plan.drafter, verifier, plan.tree_budget, tune)
-
-
-def _is_peft_model(model: Any) -> bool:
-    # by class name, so a plain target never imports peft
-    return any(c.__name__ == "PeftModel" for c in type(model).__mro__)
 
 
 from_pretrained = load
