@@ -193,28 +193,34 @@ def load_state(module: torch.nn.Module, path: str | Path, state: Mapping[str, to
     module.load_state_dict(dict(state), strict=True)
 
 
-def check_fingerprint(directory: str | Path, stored: str, given: str | None, trained_on: str = "") -> None:
-    """Refuse heads trained on another target.
+def check_fingerprint(
+    where: str | Path, stored: str, given: str | None, trained_on: str = "", *, unrecorded_warning: bool = True
+) -> None:
+    """Refuse heads trained on another target: the one check of the target fingerprint recorded with a head against
+    the fingerprint of the target at hand, for selfspec's head directories and the engines' layouts it imports.
 
     Args:
-        directory: the head directory (named in the message).
-        stored: the fingerprint saved with the heads (``""``: saved without one; accepted with a warning).
+        where: the head directory or config file (named in the message).
+        stored: the fingerprint recorded with the heads (``""``: none recorded, nothing to check).
         given: :func:`selfspec.base.fingerprint.target_fingerprint` of the target at hand; None = no check.
-        trained_on: the target name saved with the heads (informational).
+        trained_on: the target name recorded with the heads (named in the message).
+        unrecorded_warning: log a warning when none is recorded (selfspec's own heads always record one; a
+            published checkpoint in an engine's layout never does: False there).
 
     Raises:
-        HeadFormatError: both fingerprints are known and differ.
+        HeadFormatError: both fingerprints are known and differ; the message says which target to load them with.
     """
     if not given:
         return
     if not stored:
-        logger.warning("heads in %s carry no target fingerprint; cannot check they belong to this target", directory)
+        if unrecorded_warning:
+            logger.warning("heads in %s carry no target fingerprint; cannot check they belong to this target", where)
         return
     if stored != given:
+        name = f"target {trained_on!r}" if trained_on else "another target"
         raise HeadFormatError(
-            f"heads in {directory} were trained on target {trained_on!r} (fingerprint {stored}), "
-            f"not on the target given (fingerprint {given}); load them with their own target, or retrain."
-            + mismatch_hint(stored, given)
+            f"heads in {where} were trained on {name} (fingerprint {stored}), not on the target given (fingerprint "
+            f"{given}); load them with their own target, or retrain." + mismatch_hint(stored, given)
         )
 
 

@@ -41,6 +41,7 @@ from selfspec.heads.io import (
     WEIGHTS_NAME,
     HeadFormatError,
     check_draft_ids,
+    check_fingerprint,
     check_state,
     read_config,
     read_safetensors,
@@ -80,11 +81,7 @@ def _check_target(arch: Any, target: PreTrainedModel, fingerprint: str, where: s
         )
     if cfg.model_type != "llama":
         raise HeadFormatError(f"{where}: the target is a {cfg.model_type!r} model; these layouts hold Llama heads")
-    if fingerprint and fingerprint != target_fingerprint(target):
-        raise HeadFormatError(
-            f"{where}: the head records target fingerprint {fingerprint}, the target given has "
-            f"{target_fingerprint(target)}: pass the target it was trained on"
-        )
+    check_fingerprint(where, fingerprint, target_fingerprint(target), unrecorded_warning=False)
 
 
 def _renamed(state: dict[str, torch.Tensor], names: dict[str, str], fmt: str, d: Path) -> dict[str, torch.Tensor]:

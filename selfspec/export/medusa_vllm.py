@@ -36,6 +36,7 @@ from selfspec.heads.io import (
     WEIGHTS_NAME,
     HeadFormatError,
     check_draft_ids,
+    check_fingerprint,
     load_state,
     read_safetensors,
 )
@@ -178,12 +179,8 @@ def read_vllm_medusa(d: Path, raw: dict[str, Any], target: PreTrainedModel) -> M
             f"{where}: the heads have hidden {D} / vocab {V}, the target {lm.shape[1]} / {lm.shape[0]}: they belong "
             "to another target; pass the target they were trained on"
         )
-    recorded = raw.get("selfspec_target_fingerprint") or ""
-    if recorded and recorded != target_fingerprint(target):
-        raise HeadFormatError(
-            f"{where}: the heads record target fingerprint {recorded}, the target given has "
-            f"{target_fingerprint(target)}: pass the target they were trained on"
-        )
+    recorded = raw.get("selfspec_target_fingerprint") or ""  # vLLM's own MedusaModel checkpoints record none
+    check_fingerprint(where, recorded, target_fingerprint(target), unrecorded_warning=False)
     state = read_safetensors(d / WEIGHTS_NAME)
     shared = bool(cfg.get("original_lm_head", False))
     bias = bool(cfg.get("medusa_fc_bias", False))

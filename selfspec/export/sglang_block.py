@@ -251,8 +251,8 @@ def read_sglang_block(d: Path, raw: dict[str, Any], target: PreTrainedModel) -> 
     """
     where = str(d / CONFIG_NAME)
     kind = {v: k for k, v in SGLANG_BLOCK_ARCHITECTURES.items()}[raw["architectures"][0]]
-    if raw.get("selfspec_target_fingerprint"):  # published checkpoints record none
-        check_fingerprint(d, raw["selfspec_target_fingerprint"], target_fingerprint(target))
+    recorded = raw.get("selfspec_target_fingerprint") or ""  # published checkpoints record none
+    check_fingerprint(d, recorded, target_fingerprint(target), unrecorded_warning=False)
     layer = _layer(raw, kind, where)
     config = _block_config(raw, kind, layer, target, where)
     path = d / WEIGHTS_NAME

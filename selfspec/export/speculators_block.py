@@ -339,8 +339,8 @@ def read_speculators_block(d: Path, raw: dict[str, Any], target: PreTrainedModel
             full-vocabulary ``lm_head.weight`` that is not the target's.
     """
     where = str(d / CONFIG_NAME)
-    if raw.get("selfspec_target_fingerprint"):  # published checkpoints record none
-        check_fingerprint(d, raw["selfspec_target_fingerprint"], target_fingerprint(target))
+    recorded = raw.get("selfspec_target_fingerprint") or ""  # published checkpoints record none
+    check_fingerprint(d, recorded, target_fingerprint(target), unrecorded_warning=False)
     layer = _layer(raw, where)
     config = block_config(raw, layer, target, where)
     path = d / WEIGHTS_NAME
