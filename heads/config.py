@@ -5,6 +5,8 @@ File reading and writing: :mod:`selfspec.heads.io`.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -17,6 +19,7 @@ from selfspec.heads.io import CONFIG_NAME, HeadFormatError, check_fingerprint, r
 
 __all__ = [
     "HeadFormatError",
+    "check_layer_ids",
     "config_from_dict",
     "draft_vocab_from_counts",
     "read_json",
@@ -67,6 +70,38 @@ def read_selfspec_config(
         raise HeadFormatError(f"{where} ['selfspec']: {err}") from err
     check_fingerprint(directory, config.target_fingerprint, target_fingerprint, config.target)
     return config
+
+
+def check_layer_ids(
+    field: str, ids: Sequence[int], low: int, high: int | None = None, count: int | None = None
+) -> tuple[int, ...]:
+    """The one check of the target layers a head takes: EAGLE-3's ``target_layers`` (layer inputs,
+    ``hidden_states[i]``), the block heads' ``target_layer_ids`` (layer outputs, ``hidden_states[i + 1]``), and the
+    training options that set them before the target is known.
+
+    Args:
+        field: the field's name as the user writes it (named in the message).
+        ids: the layer indices (anything integer-like).
+        low, high: the range every index must lie in, both included; ``high`` None: not known yet (no upper bound).
+        count: how many indices there must be; None: at least one.
+
+    Returns:
+        ``ids`` as a tuple of ints.
+
+    Raises:
+        HeadFormatError: an index that is not an integer, too few or too many, or one out of range; the message
+            names the field, the range and what was given.
+    """
+    try:
+        layers = tuple(operator.index(i) for i in ids)
+    except TypeError as err:
+        raise HeadFormatError(f"{field} must be layer indices (integers), got {ids!r}") from err
+    span = f"[{low}, {high}]" if high is not None else f">= {low}"
+    if count is not None and len(layers) != count:
+        raise HeadFormatError(f"{field} must be {count} layer indices, each {span}; got {layers}")
+    if not layers or not all(low <= i and (high is None or i <= high) for i in layers):
+        raise HeadFormatError(f"{field} must be layer indices, each {span}; got {layers}")
+    return layers
 
 
 def draft_vocab_from_counts(counts: torch.Tensor, size: int) -> torch.Tensor:

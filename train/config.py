@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from selfspec.base.files import read_dataclass
+from selfspec.heads.config import check_layer_ids
 from selfspec.heads.families import head_families
 from selfspec.train.losses import check_loss_kind
 
@@ -103,9 +104,8 @@ class Eagle3Options:
             raise ValueError(f"eagle3.ttt_steps must be >= 1, got {self.ttt_steps}")
         check_loss_kind(self.loss, "eagle3.loss")
         if self.target_layers is not None:
-            if len(self.target_layers) != 3 or not all(isinstance(i, int) for i in self.target_layers):
-                raise ValueError(f"eagle3.target_layers must be three layer indices, got {self.target_layers!r}")
-            object.__setattr__(self, "target_layers", tuple(self.target_layers))
+            layers = check_layer_ids("eagle3.target_layers", self.target_layers, 0, count=3)
+            object.__setattr__(self, "target_layers", layers)
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,8 @@ class BlockOptions:
         if self.anchors < 1 or self.decay <= 0 or self.markov_rank < 1:
             raise ValueError("block.anchors and block.markov_rank must be >= 1, block.decay > 0")
         if self.target_layer_ids is not None:
-            object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+            layers = check_layer_ids("block.target_layer_ids", self.target_layer_ids, 0)
+            object.__setattr__(self, "target_layer_ids", layers)
 
 
 @dataclass(frozen=True)
