@@ -51,6 +51,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from selfspec.base.cpu_linear import project
 from selfspec.heads.config import read_selfspec_config
+from selfspec.heads.families import HeadFamily, register_head_family
 from selfspec.heads.hub import HubMixin
 from selfspec.heads.io import (
     CONFIG_NAME,
@@ -487,3 +488,6 @@ class EagleHead(nn.Module, HubMixin):
         head = cls(config, arch, draft_ids=draft_ids, target=target)
         load_state(head, d / WEIGHTS_NAME, state)
         return head
+
+
+register_head_family(HeadFamily("eagle", "EAGLE-1", EagleHead, EagleHead.from_directory))

@@ -55,7 +55,6 @@ import torch
 from torch import nn
 
 from selfspec.base.cpu_linear import project
-from selfspec.heads.config import check_layer_ids
 from selfspec.heads.eagle import (
     decoder_layer_class,
     head_layer_config,
@@ -66,6 +65,7 @@ from selfspec.heads.eagle import (
     target_rotary,
     write_layer_head,
 )
+from selfspec.heads.families import HeadFamily, register_head_family
 from selfspec.heads.hub import HubMixin
 from selfspec.heads.io import CONFIG_NAME, WEIGHTS_NAME, HeadFormatError, load_state, read_safetensors
 
@@ -175,8 +175,10 @@ class Eagle3Config:
             raise HeadFormatError(f"head_type {self.head_type!r} is not 'eagle3'")
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}]")
-        layers = default_target_layers(self.num_target_layers) if self.target_layers is None else self.target_layers
-        layers = check_layer_ids("target_layers", layers, 0, self.num_target_layers - 1, count=3)  # layer inputs
+        layers = self.target_layers
+        layers = default_target_layers(self.num_target_layers) if layers is None else tuple(int(i) for i in layers)
+        if len(layers) != 3 or not all(0 <= i < self.num_target_layers for i in layers):
+            raise ValueError(f"target_layers must be 3 layers in [0, {self.num_target_layers}), got {layers}")
         object.__setattr__(self, "target_layers", layers)
 
     @property
@@ -428,3 +430,6 @@ class Eagle3Head(nn.Module, HubMixin):
         if target is not None:
             head.attach_target(target)
         return head
+
+
+register_head_family(HeadFamily("eagle3", "EAGLE-3", Eagle3Head, Eagle3Head.from_directory))

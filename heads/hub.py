@@ -33,11 +33,11 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
+from selfspec.heads.families import head_families
 from selfspec.heads.io import CONFIG_NAME, DRAFT_VOCAB_NAME, WEIGHTS_NAME, HeadFormatError, read_json
 
-__all__ = ["HEAD_TYPES", "HUB_FILES", "HubMixin", "hub_endpoint", "is_hub_id", "resolve_head_dir"]
+__all__ = ["HUB_FILES", "HubMixin", "hub_endpoint", "is_hub_id", "resolve_head_dir"]
 
-HEAD_TYPES = ("medusa", "eagle", "eagle3", "dflash", "dspark")
 # What a head repo holds that loading uses: the head, and the acceptance profile the EAGLE tree budget reads
 # (decode/tuning/calibration.py) and the training record the bench reads (train/record.py), when they were pushed.
 HUB_FILES = (CONFIG_NAME, WEIGHTS_NAME, DRAFT_VOCAB_NAME, "acceptance_profile.json", "training_record.json")
@@ -123,10 +123,10 @@ def resolve_head_dir(
             "push_to_hub / `selfspec push`"
         )
     head_type = read_json(config_path).get("head_type")
-    if head_type not in HEAD_TYPES:
+    if head_type not in head_families():
         raise HeadFormatError(
             f"Hub repo {repo_id!r} holds no selfspec heads: its {CONFIG_NAME} has head_type {head_type!r}, not one "
-            f"of {list(HEAD_TYPES)} (is it a target model? pass it as the target, and the heads' repo as heads). "
+            f"of {list(head_families())} (is it a target model? pass it as the target, and the heads' repo as heads). "
             "Heads trained elsewhere are read with `selfspec import`"
         )
     # The snapshot folder is named by the commit it holds: fetch the head files of that very commit.

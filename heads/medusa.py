@@ -20,11 +20,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from selfspec.heads.config import config_from_dict
+from selfspec.heads.families import HeadFamily, register_head_family
 from selfspec.heads.hub import HubMixin
 from selfspec.heads.io import (
     CONFIG_NAME,
@@ -37,6 +39,9 @@ from selfspec.heads.io import (
     read_safetensors,
     write_head_dir,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "MedusaConfig", "MedusaHeads", "ResBlock"]
 
@@ -248,3 +253,13 @@ class MedusaHeads(nn.Module, HubMixin):
         if target_lm_head is not None:
             heads.attach_target(target_lm_head)
         return heads
+
+
+def load_medusa(directory: Path, target: PreTrainedModel | None, target_fingerprint: str | None) -> MedusaHeads:
+    """The Medusa family's loader (:class:`~selfspec.heads.families.HeadFamily`): :meth:`MedusaHeads.from_directory`
+    with ``target``'s lm_head attached when a target is given."""
+    lm_head = target.get_output_embeddings().weight if target is not None else None
+    return MedusaHeads.from_directory(directory, target_lm_head=lm_head, target_fingerprint=target_fingerprint)
+
+
+register_head_family(HeadFamily("medusa", "Medusa-1", MedusaHeads, load_medusa))

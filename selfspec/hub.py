@@ -32,7 +32,8 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from selfspec.base.files import read_json, write_json
 from selfspec.bench.report import read_report
-from selfspec.card import FAMILIES, BenchFigures, head_card
+from selfspec.card import BenchFigures, head_card
+from selfspec.families import family as family_record
 from selfspec.heads import load_heads
 from selfspec.heads.hub import HUB_FILES, hub_endpoint, resolve_head_dir
 from selfspec.heads.io import HeadFormatError, read_config
@@ -325,7 +326,7 @@ def push_heads(
         ]
         card = head_card(config, repo_id=repo_id, base_model=base, bench=bench, target_note=_target_note(config))
         card.save(staged / CARD_NAME)
-        family = FAMILIES[config["head_type"]].title
+        family = family_record(config["head_type"]).card_title
         version = importlib.metadata.version("selfspec")
         message = commit_message or f"Upload {family} heads for {base} (selfspec {version})"
         files = {p.name: p.stat().st_size for p in sorted(staged.iterdir()) if p.is_file()}

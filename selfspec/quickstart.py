@@ -37,6 +37,7 @@ from typing import Any
 
 from selfspec.bench import main as bench_main
 from selfspec.bench.report import read_report
+from selfspec.families import family, registered_families
 from selfspec.llamacpp import ensure_llamacpp, find_llamacpp
 from selfspec.target import ALIASES
 from selfspec.train.__main__ import run
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("overrides", nargs="*", help="key=value training overrides")
     parser.add_argument(
         "--head",
-        choices=("eagle3", "eagle", "medusa", "dflash", "dspark"),
+        choices=registered_families(),
         default="eagle3",
         help="head family to train (EAGLE-3 default; dflash / dspark: the block drafters)",
     )
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     lines = [speed_line(out / "report.json", cfg.head)] if code == 0 else []
     gguf = cfg.target in ALIASES  # llama.cpp needs the target as GGUF: the alias's file
-    in_llamacpp = cfg.head in ("eagle3", "dflash", "dspark") and gguf  # the families llama.cpp drafts with
+    in_llamacpp = "gguf" in family(cfg.head).exports and gguf  # the families llama.cpp drafts with
     if code == 0 and in_llamacpp and (args.llamacpp or find_llamacpp() is not None):
         ensure_llamacpp()  # found, or built because --llamacpp asked for it
         llama_out = Path(cfg.output_dir) / "bench-llamacpp"
@@ -171,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         llama_args += ["--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
         code = bench_main([*llama_args, "--out", str(llama_out)])
         lines.append(speed_line(llama_out / "report.json", cfg.head))
-    elif cfg.head != "eagle3":
-        lines.append(f"llama.cpp: not run (llama.cpp drafts with EAGLE-3 heads only; this is a {cfg.head} head)")
+    elif "gguf" not in family(cfg.head).exports:
+        lines.append(f"llama.cpp: not run (llama.cpp has no draft layout for {family(cfg.head).title} heads)")
     elif not gguf:
         lines.append(
             f"llama.cpp: not run (no GGUF of the target {cfg.target}: `selfspec bench --engine llamacpp --target-gguf "

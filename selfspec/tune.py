@@ -38,10 +38,9 @@ from selfspec.console import parse_command
 from selfspec.decode.drafters.eagle import DEFAULT_TOP_K, EagleDrafter
 from selfspec.decode.tuning import budget as tree_budget
 from selfspec.decode.tuning import calibration, costs, draft_costs
+from selfspec.families import family, registered_families
 from selfspec.heads import load_heads
 from selfspec.heads.config import HeadFormatError, read_json
-from selfspec.heads.dflash import BLOCK_HEAD_TYPES
-from selfspec.heads.hub import HEAD_TYPES
 from selfspec.prompts import SHAREGPT_HELDOUT, encode_messages, load_prompts, resolve_eos
 from selfspec.target import load_target
 
@@ -99,17 +98,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         head_type = read_json(heads_dir / "config.json").get("head_type")
     except HeadFormatError as err:
         parser.error(str(err))
-    if head_type in BLOCK_HEAD_TYPES:
+    tunable = [name for name in registered_families() if family(name).tree_tuning is not None]
+    try:
+        record = family(head_type)
+    except (HeadFormatError, ValueError):
+        parser.error(f"{heads_dir} holds {head_type!r} heads; tune-tree sizes the trees of {tunable} heads")
+    if record.tree_tuning is None:
         parser.error(
-            f"{heads_dir} holds a {head_type} head: its block length is sized at load from the held-out chain "
-            "acceptance saved with it (heldout_chain) and this machine's verification costs; there is no tree to tune"
+            f"{heads_dir} holds {record.title} heads, whose tree selfspec.load sizes by itself (block heads: from the "
+            "held-out chain acceptance saved with them, heldout_chain, and this machine's verification costs); "
+            f"there is no tree to tune. tune-tree sizes the trees of {tunable} heads"
         )
-    trees = [t for t in HEAD_TYPES if t not in BLOCK_HEAD_TYPES]
-    if head_type not in trees:
-        parser.error(f"{heads_dir} holds {head_type!r} heads; tune-tree sizes the trees of {trees} heads")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if head_type == "medusa":
+    if record.tree_tuning == "head_accuracy":
         return _medusa(parser, args, heads_dir)
     prompts = load_prompts(args.prompts, head_dirs=[heads_dir])[args.skip_prompts : args.skip_prompts + args.n_prompts]
     if not prompts:

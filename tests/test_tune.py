@@ -176,7 +176,9 @@ def test_tune_tree_refuses_a_directory_of_no_head_family(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"head_type": "dspark"}))
     with pytest.raises(SystemExit):
         tune.main(["--heads", str(tmp_path)])
-    assert "its block length is sized at load from the held-out chain acceptance" in capsys.readouterr().err
+    assert "DSpark heads, whose tree selfspec.load sizes by itself (block heads: from the held-out chain" in (
+        capsys.readouterr().err
+    )
 
 
 def test_training_and_tune_tree_calibrate_the_same_largest_budget():

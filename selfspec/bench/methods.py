@@ -22,6 +22,7 @@ from selfspec.decode.drafters.suffix_index import SuffixIndex
 from selfspec.decode.loop import GenerationStats
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tuning.costs import get_cost_profile
+from selfspec.families import family, family_of
 from selfspec.prompts import resolve_eos
 
 if TYPE_CHECKING:
@@ -213,15 +214,18 @@ def tree_budget_record(plan: DrafterPlan) -> TreeBudgetRecord | None:
 
 
 def eagle_kwargs(head: Any, options: Mapping[str, int | str] | None) -> dict[str, int | str]:
-    """EAGLE drafter options, only for EAGLE-1 and EAGLE-3 heads (both draft EAGLE-2 trees)."""
+    """The drafter options (``depth``, ``top_k``, ``total_tokens``, ...) that ``head``'s family takes
+    (:attr:`selfspec.families.Family.drafter_options`: EAGLE-1 and EAGLE-3 heads take the EAGLE-2 tree's), without
+    the ones left None."""
     if not options:
         return {}
     if isinstance(head, (str, Path)):
         config = Path(head) / "config.json"
         head_type = json.loads(config.read_text()).get("head_type") if config.is_file() else None
+        takes = family(head_type).drafter_options if head_type is not None else ()
     else:
-        head_type = head.config.head_type
-    return {k: v for k, v in options.items() if v is not None} if head_type in ("eagle", "eagle3") else {}
+        takes = family_of(head).drafter_options
+    return {k: v for k, v in options.items() if v is not None and k in takes}
 
 
 def build_methods(

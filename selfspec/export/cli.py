@@ -17,11 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from selfspec.export.common import Head
-from selfspec.export.gguf import export_gguf
+from selfspec.export.common import ExportError, Head, family_name
 from selfspec.export.importer import IMPORT_FORMATS, import_heads
-from selfspec.export.sglang import export_sglang
-from selfspec.export.speculators import export_speculators
+from selfspec.families import EXPORT_FORMATS, family, registered_families
 from selfspec.heads import HeadFormatError, load_heads
 from selfspec.target import TargetNotFoundError, resolve_target
 
@@ -30,11 +28,10 @@ if TYPE_CHECKING:
 
 __all__ = ["EXPORT_FORMATS", "export_heads", "export_main", "import_main", "load_frozen_target"]
 
-EXPORT_FORMATS = ("speculators", "sglang", "gguf")
-
 
 def export_heads(head: Head, fmt: str, out_dir: str | Path, *, target_name_or_path: str) -> Path:
-    """Export ``head`` in format ``fmt`` (one of :data:`EXPORT_FORMATS`) to ``out_dir``.
+    """Export ``head`` in format ``fmt`` (one of :data:`EXPORT_FORMATS`) to ``out_dir``, with the exporter its
+    family's record has for that format (:attr:`selfspec.families.Family.exports`).
 
     ``gguf`` runs :func:`selfspec.export.gguf.export_gguf` with ``target_dir=target_name_or_path`` (the target's
     Hugging Face directory or an alias; llama.cpp's converter reads its tokenizer) and writes one ``.gguf`` file
@@ -44,17 +41,21 @@ def export_heads(head: Head, fmt: str, out_dir: str | Path, *, target_name_or_pa
         ``out_dir`` (``speculators``, ``sglang``), or the written ``.gguf`` file (``gguf``).
 
     Raises:
-        HeadFormatError: an unknown format (the message lists the formats), or what the format's exporter raises
-            (:class:`~selfspec.export.common.ExportError` for a family the format cannot hold).
+        HeadFormatError: an unknown format (the message lists the formats), a module that is not a head of a
+            registered family, or what the format's exporter raises.
+        ExportError: the format has no layout for the head's family (the message names the families it holds and
+            what to do with this head: :attr:`selfspec.families.Family.export_hint`).
         RuntimeError: ``gguf``: llama.cpp's converter failed or cannot be built.
     """
-    if fmt == "speculators":
-        return export_speculators(head, out_dir, target_name_or_path=target_name_or_path)
-    if fmt == "sglang":
-        return export_sglang(head, out_dir, target_name_or_path=target_name_or_path)
-    if fmt == "gguf":
-        return export_gguf(head, out_dir, target_dir=target_name_or_path)
-    raise HeadFormatError(f"unknown export format {fmt!r}; choose one of {list(EXPORT_FORMATS)}")
+    if fmt not in EXPORT_FORMATS:
+        raise HeadFormatError(f"unknown export format {fmt!r}; choose one of {list(EXPORT_FORMATS)}")
+    record = family(family_name(head))  # a wrapped head is refused with the attribute that holds it
+    exporter = record.exports.get(fmt)
+    if exporter is None:
+        titles = [family(name).title for name in registered_families() if fmt in family(name).exports]
+        held = ", ".join(titles[:-1]) + " and " + titles[-1] if len(titles) > 1 else "".join(titles) or "no"
+        raise ExportError(f"the {fmt} format holds {held} heads, not {record.name}; {record.export_hint(head)}")
+    return exporter(head, out_dir, target_name_or_path=target_name_or_path)
 
 
 def load_frozen_target(name: str) -> tuple[PreTrainedModel, str]:

@@ -20,6 +20,8 @@ from selfspec.base.files import replace_dir, staging_dir
 from selfspec.heads.dflash import BlockHead
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.eagle3 import Eagle3Head
+from selfspec.heads.families import family_of as head_family_of
+from selfspec.heads.families import head_families, head_family
 from selfspec.heads.io import CONFIG_NAME, WEIGHTS_NAME, HeadFormatError, write_head_dir
 from selfspec.heads.medusa import MedusaHeads
 
@@ -72,20 +74,18 @@ class ExportError(HeadFormatError):
 
 
 def family_name(head: Head) -> str:
-    """``"medusa"``, ``"eagle"``, ``"eagle3"``, ``"dflash"`` or ``"dspark"`` (the ``head_type`` of the head's own
-    directory).
+    """The head's family, the ``head_type`` of its own directory (``"medusa"``, ``"eagle"``, ``"eagle3"``, ...: a
+    family of :mod:`selfspec.heads.families`).
 
     Raises:
-        ExportError: ``head`` is not a selfspec head.
+        ExportError: ``head`` is not a selfspec head (or wraps one: the message says which attribute holds it).
     """
-    if isinstance(head, BlockHead):
-        return head.config.head_type
-    for cls, name in ((MedusaHeads, "medusa"), (EagleHead, "eagle"), (Eagle3Head, "eagle3")):
-        if isinstance(head, cls):
-            return name
+    classes = tuple(head_family(name).head_class for name in head_families())
+    if isinstance(head, classes):
+        return head_family_of(head).name
     for attr in ("_orig_mod", "module"):  # torch.compile's OptimizedModule; DDP / DeepSpeed wrappers
         inner = getattr(head, attr, None)
-        if isinstance(inner, MedusaHeads | EagleHead | Eagle3Head | BlockHead):
+        if isinstance(inner, classes):
             raise ExportError(
                 f"this is a {type(head).__name__} wrapping a selfspec head (its tensors carry the trainer prefix "
                 f"'{attr}.'); export the head itself: head.{attr}"

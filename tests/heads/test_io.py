@@ -208,7 +208,7 @@ REFUSALS = {
     "config not an object": (lambda d: (d / CONFIG_NAME).write_text("[1, 2]"), "must hold a JSON object"),
     "unknown head type": (
         lambda d: (d / CONFIG_NAME).write_text('{"head_type": "hydra"}'),
-        r"head_type 'hydra'; expected one of \['medusa', 'eagle', 'eagle3', 'dflash', 'dspark'\]",
+        r"head_type 'hydra' names no selfspec head family; expected one of \[.*'dspark'.*\]",
     ),
     "weights missing": (lambda d: (d / WEIGHTS_NAME).unlink(), "the file is missing; re-export the heads"),
     "weights truncated": (

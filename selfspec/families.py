@@ -1,0 +1,242 @@
+"""The family registry of the API layer: what ``selfspec.load``, the bench, ``selfspec export`` and the model card
+need of each head family, one record per family, registered once.
+
+A family is named by its ``head_type`` and exists in the heads layer first (:mod:`selfspec.heads.families`: its head
+class and strict loader); its training recipe is registered in :mod:`selfspec.train.recipes`; this record holds the
+rest: how its heads become a drafter (with the tree sized through :mod:`selfspec.decode.tuning.budget`), the drafter
+options it takes, the export layouts it has per format, and its model-card text. Each layer keeps only what it holds,
+keyed by the one name, so the imports still go downward; code that needs something of a family asks
+:func:`family` / :func:`family_of` and never switches on the name.
+
+A new family is its own files plus one :func:`register_family` call (and, below, its
+:func:`~selfspec.heads.families.register_head_family` and :func:`~selfspec.train.recipes.register_recipe`);
+``tests/helpers/toy_family.py`` is one, defined entirely in the tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from selfspec.card_text import (
+    CardText,
+    block_description,
+    block_engines,
+    eagle3_description,
+    eagle3_engines,
+    eagle_description,
+    eagle_engines,
+    medusa_description,
+    medusa_engines,
+)
+from selfspec.export.gguf import export_gguf
+from selfspec.export.medusa_vllm import export_vllm_medusa
+from selfspec.export.sglang import export_sglang
+from selfspec.export.sglang_block import export_sglang_block
+from selfspec.export.speculators import export_speculators
+from selfspec.export.speculators_block import export_speculators_block
+from selfspec.head_drafters import block_drafter, eagle_drafter, medusa_drafter
+from selfspec.heads.families import HeadFamily, head_family
+from selfspec.heads.families import family_of as head_family_of
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = [
+    "EXPORT_FORMATS",
+    "Exporter",
+    "Family",
+    "gguf_export",
+    "family",
+    "family_of",
+    "register_family",
+    "registered_families",
+]
+
+# The formats ``selfspec export`` writes; a family lists the ones it has a layout in (Family.exports).
+EXPORT_FORMATS = ("speculators", "sglang", "gguf")
+
+# ``export(head, out_dir, *, target_name_or_path=...) -> written path``: one family's layout in one format.
+Exporter = Callable[..., Path]
+
+
+def gguf_export(head: Any, out_dir: str | Path, *, target_name_or_path: str) -> Path:
+    """The ``gguf`` exporter: :func:`selfspec.export.gguf.export_gguf` with the target's Hugging Face directory (or
+    alias) as ``target_dir`` (llama.cpp's converter reads its tokenizer); returns the written ``.gguf`` file."""
+    return export_gguf(head, out_dir, target_dir=target_name_or_path)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One head family as the API layer uses it.
+
+    Attributes:
+        name: the family's ``head_type`` (a family registered in :mod:`selfspec.heads.families`).
+        make_drafter: ``make(target, head, head_dir, tune, tree=..., tree_nodes=..., **options) -> (drafter,
+            tree budget choice or None)``: the head (on the target's device and dtype) as a drafter, its tree sized to
+            this machine with ``tune="auto"`` (:mod:`selfspec.head_drafters`).
+        drafter_options: the keyword options of ``selfspec.load`` its ``make_drafter`` reads (the bench passes only
+            these on).
+        exports: ``{format: exporter}`` for each format of :data:`EXPORT_FORMATS` that holds this family; ``selfspec
+            export`` refuses the others with the formats that do.
+        export_hint: ``export_hint(head) -> str``: what to do with ``head`` when a format does not hold its family
+            (said in that refusal; it names a format that takes this very head, or none).
+        card: the model card's text (:class:`~selfspec.card_text.CardText`).
+        tree_tuning: what ``selfspec tune-tree`` does for the family: ``"acceptance_profile"`` (EAGLE-2 trees:
+            decode prompts for an acceptance profile, then choose the budget), ``"head_accuracy"`` (a static tree sized
+            from the heads' held-out accuracies), or None (nothing to tune: ``selfspec.load`` sizes the tree itself).
+    """
+
+    name: str
+    make_drafter: Callable[..., tuple[Any, Any]]
+    drafter_options: tuple[str, ...] = ()
+    exports: Mapping[str, Exporter] = field(default_factory=dict)
+    export_hint: Callable[[Any], str] = lambda head: "no export format holds them; serve them with selfspec"
+    card: CardText | None = None
+    tree_tuning: str | None = None
+
+    @property
+    def heads(self) -> HeadFamily:
+        """The family's heads-layer record (title, head class, loader)."""
+        return head_family(self.name)
+
+    @property
+    def title(self) -> str:
+        """The family's name for people (``"EAGLE-3"``)."""
+        return self.heads.title
+
+    @property
+    def card_title(self) -> str:
+        """The family's name on a model card and in a Hub commit message."""
+        return (self.card.title if self.card is not None else None) or self.title
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(record: Family) -> Family:
+    """Register ``record`` (its heads must be registered already; registering the same record again is a no-op).
+
+    Returns:
+        ``record``.
+
+    Raises:
+        HeadFormatError: no head family of that name (register it with ``register_head_family`` first).
+        ValueError: another record under the same name, or an export format not in :data:`EXPORT_FORMATS`.
+    """
+    head_family(record.name)
+    if record.tree_tuning not in (None, "acceptance_profile", "head_accuracy"):
+        raise ValueError(f"family {record.name!r}: tree_tuning {record.tree_tuning!r} is not one of the Family docs'")
+    unknown = sorted(set(record.exports) - set(EXPORT_FORMATS))
+    if unknown:
+        raise ValueError(
+            f"family {record.name!r} exports to unknown formats {unknown}; formats: {list(EXPORT_FORMATS)}"
+        )
+    known = _FAMILIES.get(record.name)
+    if known is not None and known != record:
+        raise ValueError(f"family {record.name!r} is registered already")
+    _FAMILIES[record.name] = record
+    return record
+
+
+def registered_families() -> tuple[str, ...]:
+    """The names of the families registered here, in registration order."""
+    return tuple(_FAMILIES)
+
+
+def family(name: Any) -> Family:
+    """The registered family ``name``.
+
+    Raises:
+        HeadFormatError: no head family of that name (the message lists them).
+        ValueError: a head family that has no record here (register it with :func:`register_family`).
+    """
+    heads = head_family(name)
+    record = _FAMILIES.get(heads.name)
+    if record is None:
+        raise ValueError(
+            f"head family {heads.name!r} has no drafter, export or card record: register one with "
+            "selfspec.families.register_family"
+        )
+    return record
+
+
+def family_of(head: nn.Module) -> Family:
+    """The family record of a head module (by its ``config.head_type``, checked against its class).
+
+    Raises:
+        HeadFormatError: not a head of a registered family; ValueError: see :func:`family`.
+    """
+    return family(head_family_of(head).name)
+
+
+def eagle_export_hint(head: Any) -> str:
+    """Where an EAGLE-1 head goes: SGLang's ``LlamaForCausalLMEagle``, which needs ``fc.bias`` (no engine layout holds
+    a head without one)."""
+    if head.config.fc_bias:
+        return "export with --format sglang (LlamaForCausalLMEagle)"
+    return "export with selfspec's own format (SGLang's LlamaForCausalLMEagle needs fc.bias: retrain with fc_bias=True)"
+
+
+EAGLE_OPTIONS = ("depth", "top_k", "total_tokens")
+BLOCK_OPTIONS = ("block_length", "block_top_k", "confidence_min")
+_BLOCK_EXPORTS = {"speculators": export_speculators_block, "sglang": export_sglang_block, "gguf": gguf_export}
+
+for _record in (
+    Family(
+        "medusa",
+        medusa_drafter,
+        exports={"sglang": export_vllm_medusa},
+        export_hint=lambda head: "export with --format sglang (vLLM's MedusaModel)",
+        card=CardText("Cai et al. 2024, Medusa, https://arxiv.org/abs/2401.10774", medusa_description, medusa_engines),
+        tree_tuning="head_accuracy",
+    ),
+    Family(
+        "eagle",
+        eagle_drafter,
+        EAGLE_OPTIONS,
+        exports={"sglang": export_sglang},
+        export_hint=eagle_export_hint,
+        card=CardText(
+            "Li et al. 2024, EAGLE https://arxiv.org/abs/2401.15077 and EAGLE-2 https://arxiv.org/abs/2406.16858",
+            eagle_description,
+            eagle_engines,
+            title="EAGLE-1 (decoded with the EAGLE-2 dynamic tree)",
+        ),
+        tree_tuning="acceptance_profile",
+    ),
+    Family(
+        "eagle3",
+        eagle_drafter,
+        EAGLE_OPTIONS,
+        exports={"speculators": export_speculators, "sglang": export_sglang, "gguf": gguf_export},
+        card=CardText("Li et al. 2025, EAGLE-3, https://arxiv.org/abs/2503.01840", eagle3_description, eagle3_engines),
+        tree_tuning="acceptance_profile",
+    ),
+    Family(
+        "dflash",
+        block_drafter,
+        BLOCK_OPTIONS,
+        exports=_BLOCK_EXPORTS,
+        card=CardText(
+            "Chen et al. 2026, DFlash, https://arxiv.org/abs/2602.06036",
+            block_description,
+            partial(block_engines, sglang_class="DFlashDraftModel"),
+        ),
+    ),
+    Family(
+        "dspark",
+        block_drafter,
+        BLOCK_OPTIONS,
+        exports=_BLOCK_EXPORTS,
+        card=CardText(
+            "DeepSeek 2026, DSpark, https://arxiv.org/abs/2607.05147",
+            partial(block_description, markov=True),
+            partial(block_engines, sglang_class="Qwen3DSparkModel", verifies_block_plus_one=True),
+        ),
+    ),
+):
+    register_family(_record)
