@@ -45,7 +45,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEm
 
 from selfspec.base.cpu_linear import project
 from selfspec.heads.block_layers import BlockLayer
-from selfspec.heads.config import read_selfspec_config
+from selfspec.heads.config import check_layer_ids, read_selfspec_config
 from selfspec.heads.eagle import logit_softcap, softcap
 from selfspec.heads.eagle3 import check_vocab_maps, vocab_maps
 from selfspec.heads.families import HeadFamily, register_head_family
@@ -143,12 +143,11 @@ class BlockConfig:
         if self.head_type not in BLOCK_HEAD_TYPES:
             raise HeadFormatError(f"head_type {self.head_type!r} is not one of {BLOCK_HEAD_TYPES}")
         layers = self.target_layer_ids
-        layers = default_target_layer_ids(self.num_target_layers) if layers is None else tuple(int(i) for i in layers)
+        layers = default_target_layer_ids(self.num_target_layers) if layers is None else layers
+        layers = check_layer_ids("target_layer_ids", layers, 0, self.num_target_layers - 2)  # layer outputs
         object.__setattr__(self, "target_layer_ids", layers)
         object.__setattr__(self, "draft_vocab_size", self.draft_vocab_size or self.vocab_size)
         problems = []
-        if not layers or not all(0 <= i <= self.num_target_layers - 2 for i in layers):
-            problems.append(f"target_layer_ids {layers} must be layers in [0, {self.num_target_layers - 2}]")
         if not 2 <= self.block_size <= 64:
             problems.append(f"block_size {self.block_size} must be in [2, 64]")
         if not 1 <= self.num_layers <= 8:

@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from selfspec.base.cpu_linear import project
+from selfspec.heads.config import check_layer_ids
 from selfspec.heads.eagle import (
     decoder_layer_class,
     head_layer_config,
@@ -175,10 +176,8 @@ class Eagle3Config:
             raise HeadFormatError(f"head_type {self.head_type!r} is not 'eagle3'")
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}]")
-        layers = self.target_layers
-        layers = default_target_layers(self.num_target_layers) if layers is None else tuple(int(i) for i in layers)
-        if len(layers) != 3 or not all(0 <= i < self.num_target_layers for i in layers):
-            raise ValueError(f"target_layers must be 3 layers in [0, {self.num_target_layers}), got {layers}")
+        layers = default_target_layers(self.num_target_layers) if self.target_layers is None else self.target_layers
+        layers = check_layer_ids("target_layers", layers, 0, self.num_target_layers - 1, count=3)  # layer inputs
         object.__setattr__(self, "target_layers", layers)
 
     @property
