@@ -48,10 +48,6 @@ class FeatureRecipe(Recipe):
         ``cfg.draft_vocab_size`` (Long ``[S]``; None: the full vocabulary)."""
         return draft_vocabulary(self.answer_counts, self.cfg.draft_vocab_size)
 
-    def epoch_seed(self, epoch: int) -> int:
-        """The seed of epoch ``epoch``'s batches (a pure function of the run's seed, so resume replays them)."""
-        return self.cfg.seed * 1000 + epoch * 7
-
     def lm_rows(self, draft_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
         """The target's lm_head rows of the draft vocabulary ``draft_ids`` (Long ``[S]``, target ids), float32
         ``[S, D]`` on ``device``; taken once (the lm_head is frozen)."""

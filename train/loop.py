@@ -67,14 +67,20 @@ class StepLoss:
 class Recipe(abc.ABC):
     """What a head family supplies to :func:`train_loop`.
 
-    Attributes (set by the subclass): ``family`` (``"medusa"``, ``"eagle"``), ``target`` (the frozen target),
-    ``signature`` (of the features it trains on, :func:`~selfspec.train.feature_store.feature_signature`;
-    a checkpoint of other features is not resumed).
+    Attributes (set by the subclass): ``family`` (``"medusa"``, ``"eagle"``), ``cfg`` (the run's config),
+    ``target`` (the frozen target), ``signature`` (of the features it trains on,
+    :func:`~selfspec.train.feature_store.feature_signature`; a checkpoint of other features is not resumed).
     """
 
     family: str
+    cfg: TrainConfig
     target: PreTrainedModel
     signature: str
+
+    def epoch_seed(self, epoch: int) -> int:
+        """The seed of epoch ``epoch``'s batches: a pure function of ``cfg.seed`` and the epoch, so a resumed run
+        replays them."""
+        return self.cfg.seed * 1000 + epoch * 7
 
     @abc.abstractmethod
     def module(self) -> torch.nn.Module:

@@ -80,6 +80,33 @@ def to_draft_labels(labels: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def label_vocabulary(
+    labels: torch.Tensor, size: int | None, vocab_size: int, warm: torch.nn.Module | None = None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The Medusa heads' draft vocabulary and its index.
+
+    Args:
+        labels: Long ``[P, K]`` target ids the heads learn (``-100``: none).
+        size: ``draft_vocab_size``: the ``size`` most frequent labels (:func:`~selfspec.train.loop.draft_vocabulary`);
+            None: the full vocabulary.
+        vocab_size: V.
+        warm: a head the run starts from (:func:`~selfspec.train.warm_start.init_head`): its own vocabulary instead.
+
+    Returns:
+        ``(draft_ids, t2d, S)``: the draft vocabulary's target ids Long ``[S]`` (``arange(V)`` for the full one), each
+        target id's draft id Long ``[V]`` (-1 outside), and S.
+    """
+    if warm is None:
+        draft_ids = draft_vocabulary(torch.bincount(labels[labels != IGNORE], minlength=vocab_size), size)
+    else:
+        draft_ids = warm_draft_ids(warm, vocab_size)
+    n_draft = vocab_size if draft_ids is None else draft_ids.numel()
+    draft_ids = torch.arange(vocab_size) if draft_ids is None else draft_ids
+    t2d = torch.full((vocab_size,), -1, dtype=torch.long)
+    t2d[draft_ids] = torch.arange(n_draft)
+    return draft_ids, t2d, n_draft
+
+
 def evaluate(
     heads: MedusaHeads, hidden: torch.Tensor, labels_draft: torch.Tensor, k: int, batch: int = 1024
 ) -> list[list[float]]:
@@ -143,15 +170,7 @@ class MedusaRecipe(Recipe):
         held_hidden, held_labels, _ = position_table(held, opts.num_heads)
         V = target.config.vocab_size
         warm = init_head(cfg, target)
-        draft_ids = (
-            draft_vocabulary(torch.bincount(labels[labels != IGNORE], minlength=V), cfg.draft_vocab_size)
-            if warm is None
-            else warm_draft_ids(warm, V)
-        )
-        n_draft = V if draft_ids is None else draft_ids.numel()
-        draft_ids = torch.arange(V) if draft_ids is None else draft_ids
-        t2d = torch.full((V,), -1, dtype=torch.long)
-        t2d[draft_ids] = torch.arange(n_draft)
+        draft_ids, t2d, n_draft = label_vocabulary(labels, cfg.draft_vocab_size, V, warm)
         labels_draft = to_draft_labels(labels, t2d)
         self.labels = labels_draft.masked_fill(labels_draft == -1, IGNORE)  # out-of-vocab tokens: no gradient
         self.held = (held_hidden, to_draft_labels(held_labels, t2d))
@@ -174,7 +193,7 @@ class MedusaRecipe(Recipe):
         return self.heads
 
     def batches(self, epoch: int) -> list[list[int]]:
-        g = torch.Generator().manual_seed(self.cfg.seed * 1000 + epoch * 7)
+        g = torch.Generator().manual_seed(self.epoch_seed(epoch))
         order = torch.randperm(self.hidden.shape[0], generator=g)
         bp = self.cfg.medusa.batch_positions
         return [order[i * bp : (i + 1) * bp].tolist() for i in range(max(1, order.numel() // bp))]

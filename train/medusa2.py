@@ -40,10 +40,10 @@ from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.train.config import TrainConfig
 from selfspec.train.feature_store import feature_signature, training_examples
 from selfspec.train.inputs import RunInputs
-from selfspec.train.loop import Recipe, StepLoss, draft_vocabulary, train_loop
+from selfspec.train.loop import Recipe, StepLoss, train_loop
 from selfspec.train.losses import IGNORE, medusa_loss, topk_hits
-from selfspec.train.medusa import head_labels, to_draft_labels
-from selfspec.train.warm_start import copy_head, init_head, warm_draft_ids
+from selfspec.train.medusa import head_labels, label_vocabulary, to_draft_labels
+from selfspec.train.warm_start import copy_head, init_head
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -157,15 +157,7 @@ class Medusa2Recipe(Recipe):
             raise ValueError("no training positions: check the data source and max_length")
         V = target.config.vocab_size
         warm = init_head(cfg, target)  # Medusa-1 heads: Medusa-2's first stage
-        draft_ids = (
-            draft_vocabulary(torch.bincount(all_labels[all_labels != IGNORE], minlength=V), cfg.draft_vocab_size)
-            if warm is None
-            else warm_draft_ids(warm, V)
-        )
-        n_draft = V if draft_ids is None else draft_ids.numel()
-        draft_ids = torch.arange(V) if draft_ids is None else draft_ids
-        self.t2d = torch.full((V,), -1, dtype=torch.long)
-        self.t2d[draft_ids] = torch.arange(n_draft)
+        draft_ids, self.t2d, n_draft = label_vocabulary(all_labels, cfg.draft_vocab_size, V, warm)
         torch.manual_seed(cfg.seed)
         lora = LoraConfig(
             r=opts.lora_rank,
@@ -204,7 +196,7 @@ class Medusa2Recipe(Recipe):
     def batches(self, epoch: int) -> list[list[int]]:
         """Sequences shuffled by ``seed`` and epoch, grouped in order so that each batch's padded size
         (sequences x longest) stays within ``medusa.batch_tokens``."""
-        g = torch.Generator().manual_seed(self.cfg.seed * 1000 + epoch * 7)
+        g = torch.Generator().manual_seed(self.epoch_seed(epoch))
         order = torch.randperm(len(self.train_examples), generator=g).tolist()
         out: list[list[int]] = []
         longest = 0
