@@ -19,6 +19,7 @@ from selfspec.heads.io import CONFIG_NAME, HeadFormatError, check_fingerprint, r
 
 __all__ = [
     "HeadFormatError",
+    "check_family_fields",
     "check_layer_ids",
     "config_from_dict",
     "draft_vocab_from_counts",
@@ -70,6 +71,28 @@ def read_selfspec_config(
         raise HeadFormatError(f"{where} ['selfspec']: {err}") from err
     check_fingerprint(directory, config.target_fingerprint, target_fingerprint, config.target)
     return config
+
+
+def check_family_fields(
+    head_type: str, expected: str | tuple[str, ...], draft_vocab_size: int | None, vocab_size: int
+) -> None:
+    """The checks every head config makes of the fields all families share.
+
+    Args:
+        head_type: the config's ``head_type``.
+        expected: the family's head type, or the types one config class serves (DFlash and DSpark).
+        draft_vocab_size: S, the draft vocabulary's size; None: the full vocabulary.
+        vocab_size: V, the target's vocabulary size.
+
+    Raises:
+        HeadFormatError: another head type, or S outside ``[1, V]``.
+    """
+    if head_type not in ((expected,) if isinstance(expected, str) else expected):
+        raise HeadFormatError(
+            f"head_type {head_type!r} is not " + (repr(expected) if isinstance(expected, str) else f"one of {expected}")
+        )
+    if draft_vocab_size is not None and not 1 <= draft_vocab_size <= vocab_size:
+        raise HeadFormatError(f"draft_vocab_size must be in [1, vocab_size={vocab_size}]")
 
 
 def check_layer_ids(

@@ -45,7 +45,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEm
 
 from selfspec.base.cpu_linear import project
 from selfspec.heads.block_layers import BlockLayer
-from selfspec.heads.config import check_layer_ids, read_selfspec_config
+from selfspec.heads.config import check_family_fields, check_layer_ids, read_selfspec_config
 from selfspec.heads.eagle import logit_softcap, softcap
 from selfspec.heads.eagle3 import check_vocab_maps, vocab_maps
 from selfspec.heads.families import HeadFamily, register_head_family
@@ -140,8 +140,7 @@ class BlockConfig:
     heldout_siblings: tuple[tuple[float, ...], ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.head_type not in BLOCK_HEAD_TYPES:
-            raise HeadFormatError(f"head_type {self.head_type!r} is not one of {BLOCK_HEAD_TYPES}")
+        check_family_fields(self.head_type, BLOCK_HEAD_TYPES, self.draft_vocab_size or None, self.vocab_size)
         layers = self.target_layer_ids
         layers = default_target_layer_ids(self.num_target_layers) if layers is None else layers
         layers = check_layer_ids("target_layer_ids", layers, 0, self.num_target_layers - 2)  # layer outputs
@@ -154,8 +153,6 @@ class BlockConfig:
             problems.append(f"num_layers {self.num_layers} must be in [1, 8]")
         if not 0 <= self.mask_token_id < self.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
-        if not 1 <= self.draft_vocab_size <= self.vocab_size:
-            problems.append(f"draft_vocab_size must be in [1, {self.vocab_size}]")
         if (self.head_type == "dspark") != (self.markov_rank > 0) or (self.confidence and self.markov_rank == 0):
             problems.append("a dspark head has a Markov head (markov_rank > 0); a dflash head has neither of its heads")
         if problems:

@@ -50,7 +50,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from selfspec.base.cpu_linear import project
-from selfspec.heads.config import read_selfspec_config
+from selfspec.heads.config import check_family_fields, read_selfspec_config
 from selfspec.heads.families import HeadFamily, register_head_family
 from selfspec.heads.hub import HubMixin
 from selfspec.heads.io import (
@@ -114,10 +114,7 @@ class EagleConfig:
     head_type: str = "eagle"
 
     def __post_init__(self) -> None:
-        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}]")
-        if self.head_type != "eagle":
-            raise HeadFormatError(f"head_type {self.head_type!r} is not 'eagle'")
+        check_family_fields(self.head_type, "eagle", self.draft_vocab_size, self.vocab_size)
 
     @property
     def n_draft(self) -> int:

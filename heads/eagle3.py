@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from selfspec.base.cpu_linear import project
-from selfspec.heads.config import check_layer_ids
+from selfspec.heads.config import check_family_fields, check_layer_ids
 from selfspec.heads.eagle import (
     decoder_layer_class,
     head_layer_config,
@@ -172,10 +172,7 @@ class Eagle3Config:
     head_type: str = "eagle3"
 
     def __post_init__(self) -> None:
-        if self.head_type != "eagle3":
-            raise HeadFormatError(f"head_type {self.head_type!r} is not 'eagle3'")
-        if not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}]")
+        check_family_fields(self.head_type, "eagle3", self.draft_vocab_size, self.vocab_size)
         layers = default_target_layers(self.num_target_layers) if self.target_layers is None else self.target_layers
         layers = check_layer_ids("target_layers", layers, 0, self.num_target_layers - 1, count=3)  # layer inputs
         object.__setattr__(self, "target_layers", layers)

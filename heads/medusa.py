@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from selfspec.heads.config import config_from_dict
+from selfspec.heads.config import check_family_fields, config_from_dict
 from selfspec.heads.families import HeadFamily, register_head_family
 from selfspec.heads.hub import HubMixin
 from selfspec.heads.io import (
@@ -78,10 +78,7 @@ class MedusaConfig:
     def __post_init__(self) -> None:
         if self.num_heads < 1 or self.num_layers < 1:
             raise ValueError("num_heads and num_layers must be >= 1")
-        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}]")
-        if self.head_type != "medusa":
-            raise HeadFormatError(f"head_type {self.head_type!r} is not 'medusa'")
+        check_family_fields(self.head_type, "medusa", self.draft_vocab_size, self.vocab_size)
 
     @property
     def n_draft(self) -> int:
