@@ -40,6 +40,7 @@ from selfspec.train.feature_store import FeatureStore, target_features
 from selfspec.train.inputs import RunInputs
 from selfspec.train.loop import StepLoss, train_loop
 from selfspec.train.losses import distribution_loss
+from selfspec.train.unroll import chain_metrics
 from selfspec.train.warm_start import copy_head, init_head, warm_draft_ids
 
 if TYPE_CHECKING:
@@ -277,15 +278,9 @@ def evaluate(
             counts[k] += int(use.sum())
             prev = draft
     head.train(was)
-    chain = [round(h / max(1, c), 4) for h, c in zip(hits, counts, strict=True)]
+    metrics = chain_metrics(hits, counts)
     siblings = [[round(h / max(1, c), 4) for h, c in zip(row, counts, strict=True)] for row in sib_hits]
-    return {
-        "positions": counts[0],
-        "top1": chain[0],
-        "chain": chain,
-        "chain_tau": round(1 + sum(chain), 4),
-        "siblings": siblings,
-    }
+    return {"positions": counts[0], "top1": metrics["chain"][0], **metrics, "siblings": siblings}
 
 
 def collate_sequences(

@@ -29,7 +29,7 @@ from selfspec.train.feature_store import FeatureStore, target_features
 from selfspec.train.inputs import RunInputs
 from selfspec.train.loop import StepLoss, train_loop
 from selfspec.train.losses import eagle_loss
-from selfspec.train.unroll import UnrolledEagle, chain_hits
+from selfspec.train.unroll import ChainTally, UnrolledEagle, chain_metrics
 from selfspec.train.warm_start import copy_head, init_head, warm_draft_ids
 
 if TYPE_CHECKING:
@@ -137,7 +137,7 @@ def evaluate(
     unrolled = UnrolledEagle(head)
     dtype = head.fc.weight.dtype
     hits = torch.zeros(k, dtype=torch.long)
-    c_hits, c_counts = [0] * depth, [0] * depth
+    tally = ChainTally(depth)
     n = in_vocab = 0
     feat_loss = 0.0
     t2d = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
@@ -156,9 +156,7 @@ def evaluate(
             draft[use] = head.draft_ids[head.draft_logits(pred[use]).argmax(-1)]
             correct.append((draft == greedy_all) & use)
             usable.append(use)
-        h, c = chain_hits(correct, usable)
-        c_hits = [a + x for a, x in zip(c_hits, h, strict=True)]
-        c_counts = [a + x for a, x in zip(c_counts, c, strict=True)]
+        tally.add(correct, usable)
         pred, tf, greedy = preds[0][sel], b["targets"][sel], greedy_all[sel]
         top = head.draft_logits(pred).topk(min(k, head.config.n_draft), dim=-1).indices
         match = (head.draft_ids[top] == greedy.unsqueeze(1)).cpu()
@@ -173,8 +171,8 @@ def evaluate(
         "hits": hits.tolist(),
         "in_vocab": in_vocab,
         "feature_loss_sum": feat_loss,
-        "chain_hits": c_hits,
-        "chain_counts": c_counts,
+        "chain_hits": tally.hits,
+        "chain_counts": tally.counts,
     }
 
 
@@ -183,15 +181,13 @@ def summarise_eval(raw: dict[str, Any]) -> dict[str, Any]:
     ``1 + sum(chain)``, the greedy chain tau estimate at the evaluated depth."""
     n = max(1, raw["positions"])
     topk = [round(h / n, 4) for h in raw["hits"]]
-    chain = [round(h / max(1, c), 4) for h, c in zip(raw["chain_hits"], raw["chain_counts"], strict=True)]
     return {
         "positions": raw["positions"],
         "top1": topk[0],
         "topk": topk,
         "feature_loss": round(raw["feature_loss_sum"] / n, 5),
         "target_in_draft_vocab": round(raw["in_vocab"] / n, 4),
-        "chain": chain,
-        "chain_tau": round(1 + sum(chain), 4),
+        **chain_metrics(raw["chain_hits"], raw["chain_counts"]),
     }
 
 

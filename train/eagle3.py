@@ -39,7 +39,7 @@ from selfspec.train.inputs import RunInputs
 from selfspec.train.loop import StepLoss, train_loop
 from selfspec.train.losses import distribution_loss
 from selfspec.train.online_features import OnlineFeatures, eagle3_feature_stores
-from selfspec.train.unroll import chain_hits, unrolled_mask
+from selfspec.train.unroll import ChainTally, chain_metrics, unrolled_mask
 from selfspec.train.warm_start import copy_head, init_head, warm_draft_ids
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ def evaluate(
     D, dev, dtype = head.config.hidden_size, head.fc.weight.device, head.fc.weight.dtype
     lm = target_lm_head.to(device=dev, dtype=dtype)
     ids = head.draft_ids
-    c_hits, c_counts = [0] * depth, [0] * depth
+    tally = ChainTally(depth)
     for b in heldout_batches(store, row_len, rows_per_batch, dtype, dev):
         sel = b["scored"]
         layers, f_next = split_features(b, D)
@@ -163,12 +163,10 @@ def evaluate(
             hit[use] = ids[q.argmax(-1)] == greedy[use]
             correct.append(hit)
             usable.append(use)
-        h, c = chain_hits(correct, usable)
-        c_hits = [a + x for a, x in zip(c_hits, h, strict=True)]
-        c_counts = [a + x for a, x in zip(c_counts, c, strict=True)]
+        tally.add(correct, usable)
     head.train(was_training)
-    chain = [round(h / max(1, c), 4) for h, c in zip(c_hits, c_counts, strict=True)]
-    return {"positions": c_counts[0], "top1": chain[0], "chain": chain, "chain_tau": round(1 + sum(chain), 4)}
+    metrics = chain_metrics(tally.hits, tally.counts)
+    return {"positions": tally.counts[0], "top1": metrics["chain"][0], **metrics}
 
 
 class Eagle3Recipe(PairRecipe):

@@ -3,6 +3,9 @@ each unrolled query would have while drafting, and the greedy chain acceptance i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from transformers import DynamicCache
 
@@ -99,3 +102,28 @@ def chain_hits(correct: list[torch.Tensor], usable: list[torch.Tensor]) -> tuple
         hits.append(int((all_ok & all_use).sum()))
         counts.append(int(all_use.sum()))
     return hits, counts
+
+
+class ChainTally:
+    """Greedy chain acceptance summed over held-out batches (:func:`chain_hits` of each).
+
+    Attributes:
+        hits: ``[d - 1]``: chain starts whose first d drafts all equal the target's greedy tokens.
+        counts: ``[d - 1]``: chain starts whose first d drafts are all scored.
+    """
+
+    def __init__(self, depth: int) -> None:
+        self.hits, self.counts = [0] * depth, [0] * depth
+
+    def add(self, correct: list[torch.Tensor], usable: list[torch.Tensor]) -> None:
+        """Add one batch's :func:`chain_hits`."""
+        h, c = chain_hits(correct, usable)
+        self.hits = [a + x for a, x in zip(self.hits, h, strict=True)]
+        self.counts = [a + x for a, x in zip(self.counts, c, strict=True)]
+
+
+def chain_metrics(hits: Sequence[int], counts: Sequence[int]) -> dict[str, Any]:
+    """The held-out metrics of chain tallies (:class:`ChainTally`): ``chain[d - 1] = hits[d - 1] / counts[d - 1]``
+    (4 places) and ``chain_tau = 1 + sum(chain)``, the greedy chain tau estimate (the bonus token included)."""
+    chain = [round(h / max(1, c), 4) for h, c in zip(hits, counts, strict=True)]
+    return {"chain": chain, "chain_tau": round(1 + sum(chain), 4)}
