@@ -20,7 +20,7 @@ from selfspec.decode.drafters.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT
 from selfspec.decode.tree import greedy_tree_from_accuracy, static_tree
 from selfspec.decode.tuning import budget as tree_budget
 from selfspec.decode.tuning import costs, draft_costs
-from selfspec.decode.tuning.budget import TreeBudget
+from selfspec.decode.tuning.budget import TreeSize
 from selfspec.decode.tuning.calibration import AcceptanceProfile, load_acceptance_profile
 
 if TYPE_CHECKING:
@@ -50,14 +50,14 @@ class TreeBudgetChoice:
         source: ``"given"`` (both integers passed), ``"default"`` (the defaults of
             :mod:`selfspec.decode.drafters.eagle`: no usable acceptance profile, or ``tune="off"``) or ``"auto"``
             (sized to this machine by :func:`selfspec.decode.tuning.budget.tune_tree_budget`).
-        budget: the chosen :class:`~selfspec.decode.tuning.budget.TreeBudget` with its expected gain (``"auto"``
+        budget: the chosen :class:`~selfspec.decode.tuning.budget.TreeSize` with its expected gain (``"auto"``
             only).
         acceptance_profile: the head's profile the budget came from (``"auto"`` only); the batch tree rule sizes
             trees by batch size from it.
     """
 
     source: str
-    budget: TreeBudget | None = None
+    budget: TreeSize | None = None
     acceptance_profile: AcceptanceProfile | None = None
 
 
@@ -73,15 +73,16 @@ def medusa_drafter(
     """A :class:`MedusaDrafter`. Its tree: ``tree`` if given; else Medusa's greedy tree from the heads'
     held-out accuracies with ``tree_nodes`` nodes, or, when ``tree_nodes`` is None and ``tune="auto"``,
     with the size that maximises expected tokens per second on this machine
-    (:func:`selfspec.decode.tuning.budget.choose_medusa_tree_nodes`, from the cached verification cost profile);
+    (:func:`selfspec.decode.tuning.budget.choose_tree` over :func:`~selfspec.decode.tuning.budget.medusa_trees`, from
+    the cached verification cost profile);
     heads without accuracies (or ``tune="off"``) get ``DEFAULT_TREE_NODES`` nodes. The heads get ``target``'s lm_head
     attached. ``head_dir`` and ``options`` (EAGLE's and the block drafter's settings) mean nothing to a static tree."""
     heads.attach_target(target.get_output_embeddings().weight)
     acc = heads.config.head_topk_accuracy
     if tree is None:
         if tree_nodes is None and acc and tune == "auto":
-            size = tree_budget.choose_medusa_tree_nodes(costs.get_cost_profile(target), acc)
-            n = size.num_nodes
+            size = tree_budget.choose_tree(costs.get_cost_profile(target), tree_budget.medusa_trees(acc))
+            n = size.shape.nodes
             logger.info(
                 "Medusa tree sized to this machine: %d nodes (expected tau %.2f, %.1f ms a step, %.2fx plain decoding)",
                 n,
@@ -111,7 +112,8 @@ def block_drafter(
     ``tree_nodes`` unused). ``block_length`` (chain
     drafts per step) and ``block_top_k`` (candidates per slot; > 1 adds each slot's next candidates as leaves)
     ``"auto"``: with ``tune="auto"`` and the head's held-out chain acceptance, the tree that maximises expected
-    tokens per second on this machine (:func:`~.tuning.budget.choose_block_length`, from the cached verification cost
+    tokens per second on this machine (:func:`~.tuning.budget.choose_tree` over :func:`~.tuning.budget.block_trees`,
+    from the cached verification cost
     profile, the cached cost of one block forward and, for the width, the head's held-out sibling acceptance); else
     the head's whole block as a chain.
     An integer fixes that field and sizes the other. ``confidence_min`` cuts a DSpark block at its confidence head.
@@ -132,15 +134,15 @@ def block_drafter(
         width = top_k if top_k is None or top_k <= len(rows) + 1 else 1  # a width not profiled: chain sized alone
         whole = cfg.max_drafts  # one forward over the whole block whatever the tree: one cost for every shape
         draft_ms = draft_costs.get_draft_cost(BlockDrafter(head, target), target, [whole])[whole]
-        size = tree_budget.choose_block_length(
-            costs.get_cost_profile(target), chain, draft_ms, siblings=rows, length=length, top_k=width
-        )
-        length = size.length
-        top_k, branch_depth = (size.top_k, size.branch_depth) if top_k in (None, size.top_k) else (top_k, None)
+        trees = tree_budget.block_trees(chain, draft_ms, siblings=rows, length=length, top_k=width)
+        size = tree_budget.choose_tree(costs.get_cost_profile(target), trees)
+        shape = size.shape
+        length = shape.depth
+        top_k, branch_depth = (shape.top_k, shape.branch_depth) if top_k in (None, shape.top_k) else (top_k, None)
         logger.info(
             "block tree sized to this machine: %d chain drafts, %d candidates on the first %d (%d nodes; block"
             " forward %.1f ms; expected tau %.2f, %.2fx plain decoding)",
-            length, top_k, branch_depth, size.nodes, draft_ms, size.expected_tau, size.expected_speedup,
+            length, top_k, branch_depth, shape.nodes, draft_ms, size.expected_tau, size.expected_speedup,
         )  # fmt: skip
     drafter = BlockDrafter(
         head, target, length=length, top_k=top_k or 1, branch_depth=branch_depth, confidence_min=confidence_min
@@ -195,13 +197,14 @@ def eagle_drafter(
             why,
         )
         return drafter, TreeBudgetChoice("default")
-    drafter = EagleDrafter(head, target, budget.depth, budget.top_k, budget.total_tokens)
+    shape = budget.shape
+    drafter = EagleDrafter(head, target, shape.depth, shape.top_k, shape.tokens)
     logger.info(
         "EAGLE tree budget sized to this machine: depth %d, total_tokens %d, top_k %d (expected tau %.2f, "
         "%.1f ms a step, %.2fx plain decoding)",
-        budget.depth,
-        budget.total_tokens,
-        budget.top_k,
+        shape.depth,
+        shape.tokens,
+        shape.top_k,
         budget.expected_tau,
         budget.expected_cycle_ms,
         budget.expected_speedup,

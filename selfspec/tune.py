@@ -12,7 +12,7 @@ EAGLE-1/2 and EAGLE-3 heads (both drafted as EAGLE-2 dynamic trees by
 
 Medusa heads have no acceptance profile: their static tree is sized from the verification cost profile and the
 heads' held-out top-k accuracies (``head_topk_accuracy`` in their ``config.json``, written by training;
-:func:`selfspec.decode.tuning.budget.choose_medusa_tree_nodes`). For them the command measures (or reads) the
+:func:`selfspec.decode.tuning.budget.medusa_trees`). For them the command measures (or reads) the
 cost profile and prints the node count that ``selfspec.load`` will then choose, with its table; no prompt is
 decoded and nothing is written beside the heads.
 
@@ -144,24 +144,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = calibration.save_acceptance_profile(profile, heads_dir)
     cost = costs.get_cost_profile(target, refresh=args.refresh_cost)
     draft = draft_costs.get_draft_cost(drafter, target, range(1, args.depth_max + 1), refresh=args.refresh_cost)
-    budget = tree_budget.choose_tree_budget(cost, profile, draft)
+    budget = tree_budget.choose_tree(cost, tree_budget.eagle_trees(profile, draft))
+    shape = budget.shape
     print(f"acceptance profile: {path} ({profile.steps} steps over {profile.prompts} prompts, top_k {profile.top_k})")
     inexact = sum(map(sum, profile.inexact_steps))
     if inexact:
         print(f"  {inexact} (budget, step) cells are lower bounds: their trees keep candidates the big tree dropped")
     chosen = (
-        f"chosen: depth {budget.depth}, total_tokens {budget.total_tokens}, top_k {budget.top_k}: expected tau "
+        f"chosen: depth {shape.depth}, total_tokens {shape.tokens}, top_k {shape.top_k}: expected tau "
         f"{budget.expected_tau:.2f}, {budget.expected_cycle_ms:.1f} ms a step vs {budget.plain_step_ms:.1f} ms a "
         f"plain step, expected speedup {budget.expected_speedup:.2f}x"
     )
     draft_line = "draft cost by depth (ms): " + ", ".join(f"{d}: {v:.1f}" for d, v in sorted(draft.items()))
-    _print_choice(cost, target, draft_line, tree_budget.budget_table_text(budget), chosen, budget.expected_speedup)
+    _print_choice(cost, target, draft_line, tree_budget.tree_table_text(budget), chosen, budget.expected_speedup)
     return 0
 
 
 def _medusa(parser: argparse.ArgumentParser, args: argparse.Namespace, heads_dir: Path) -> int:
-    """The Medusa tree size ``selfspec.load`` chooses here (:func:`~.tuning.budget.choose_medusa_tree_nodes` over
-    the cached or measured verification cost), printed with its table. Exits 2 for heads without accuracies."""
+    """The Medusa tree size ``selfspec.load`` chooses here (:func:`~.tuning.budget.medusa_trees` by the one chooser,
+    over the cached or measured verification cost), printed with its table. Exits 2 for heads without accuracies."""
     target, _ = load_target(args.target, dtype=args.dtype, device=args.device)
     heads = load_heads(heads_dir, target=target)
     accuracy = heads.config.head_topk_accuracy
@@ -173,13 +174,13 @@ def _medusa(parser: argparse.ArgumentParser, args: argparse.Namespace, heads_dir
             "tree_nodes=N or tree=[...] to selfspec.load, or train the heads with `selfspec train`"
         )
     cost = costs.get_cost_profile(target, refresh=args.refresh_cost)
-    size = tree_budget.choose_medusa_tree_nodes(cost, accuracy)
+    size = tree_budget.choose_tree(cost, tree_budget.medusa_trees(accuracy))
     chosen = (
-        f"chosen: Medusa tree of {size.num_nodes} nodes: expected tau {size.expected_tau:.2f}, "
+        f"chosen: Medusa tree of {size.shape.nodes} nodes: expected tau {size.expected_tau:.2f}, "
         f"{size.expected_cycle_ms:.1f} ms a step vs {cost.plain_step_ms:.1f} ms a plain step, expected speedup "
         f"{size.expected_speedup:.2f}x (selfspec.load and selfspec bench size the tree this way by themselves)"
     )
-    _print_choice(cost, target, None, tree_budget.medusa_table_text(size), chosen, size.expected_speedup)
+    _print_choice(cost, target, None, tree_budget.tree_table_text(size), chosen, size.expected_speedup)
     return 0
 
 

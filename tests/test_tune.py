@@ -126,31 +126,34 @@ def test_tune_tree_sizes_an_eagle3_head(three_layers, tmp_path, capsys):
     cost = costs.get_cost_profile(t)
     draft = draft_costs.get_draft_cost(EagleDrafter(head, t, 3, 2, 6), t, range(1, 4))
     assert any(p.name.startswith("draft-eagle3-") for p in (tmp_path / "cache" / "profiles").iterdir())
-    budget = tree_budget.choose_tree_budget(cost, profile, draft)
-    assert tree_budget.budget_table_text(budget) in printed
-    assert f"chosen: depth {budget.depth}, total_tokens {budget.total_tokens}, top_k 2: expected tau" in printed
+    budget = tree_budget.choose_tree(cost, tree_budget.eagle_trees(profile, draft))
+    assert tree_budget.tree_table_text(budget) in printed
+    shape = budget.shape
+    assert f"chosen: depth {shape.depth}, total_tokens {shape.tokens}, top_k 2: expected tau" in printed
     settings = BenchSettings(max_new_tokens=6, warmup=0, eos_token_ids=())
     methods = build_methods(t, CharTokenizer(), settings, methods=["baseline"], heads={"eagle3": heads})
     record = methods["eagle3"].tree_budget
-    assert (record.chosen_by, record.depth, record.total_tokens) == ("auto", budget.depth, budget.total_tokens)
+    assert (record.chosen_by, record.depth, record.total_tokens) == ("auto", shape.depth, shape.tokens)
     assert record.expected_tau == pytest.approx(budget.expected_tau)
 
 
 def test_tune_tree_sizes_a_medusa_tree(three_layers, tmp_path, capsys):
     """Medusa heads: no prompt is decoded and no profile written; the node count printed is the one
-    choose_medusa_tree_nodes gives from the heads' accuracies and the cost profile, and the one selfspec.load uses."""
+    the one tree chooser gives over Medusa's greedy trees (from the heads' accuracies and the cost profile), and the
+    one selfspec.load uses."""
     t, prompt_file = three_layers
     medusa = make_medusa(t)
     heads = medusa.save_pretrained(tmp_path / "medusa")
     assert tune.main(["--heads", str(heads), "--prompts", str(tmp_path / "no-such-file.jsonl")]) == 0
     printed = capsys.readouterr().out
     assert not (heads / calibration.ACCEPTANCE_PROFILE_NAME).exists()
-    size = tree_budget.choose_medusa_tree_nodes(costs.get_cost_profile(t), medusa.config.head_topk_accuracy)
-    assert 2 <= size.num_nodes <= 32
-    assert tree_budget.medusa_table_text(size) in printed
-    assert f"chosen: Medusa tree of {size.num_nodes} nodes: expected tau {size.expected_tau:.2f}" in printed
+    trees = tree_budget.medusa_trees(medusa.config.head_topk_accuracy)
+    size = tree_budget.choose_tree(costs.get_cost_profile(t), trees)
+    assert 2 <= size.shape.nodes <= 32
+    assert tree_budget.tree_table_text(size) in printed
+    assert f"chosen: Medusa tree of {size.shape.nodes} nodes: expected tau {size.expected_tau:.2f}" in printed
     assert str(costs.cost_profile_path(t)) in printed
-    assert len(make_drafter(t, heads).tree.paths) + 1 == size.num_nodes
+    assert len(make_drafter(t, heads).tree.paths) + 1 == size.shape.nodes
 
 
 def test_tune_tree_explains_how_medusa_trees_are_sized_without_accuracies(three_layers, tmp_path, capsys):

@@ -12,7 +12,7 @@ each batch size, the tree that maximises tokens per second per row, or no specul
 nothing beats plain decoding:
 
 * for an EAGLE head with an acceptance profile, the EAGLE-2 budget (depth, total_tokens) of
-  :func:`~selfspec.decode.tuning.budget.choose_tree_budget` on the per-row cost curve of batch B;
+  :func:`~selfspec.decode.tuning.budget.choose_tree` over the EAGLE budgets on the per-row cost curve of batch B;
 * for any other drafter, a depth cap chosen from the acceptance by depth measured so far in the same
   call (how often the accepted path reached each depth) and the measured draft time.
 
@@ -32,7 +32,7 @@ import torch
 
 from selfspec.base.files import now_utc, profiles_dir, read_cached, write_cached
 from selfspec.decode.loop import TreeCap
-from selfspec.decode.tuning.budget import choose_tree_budget
+from selfspec.decode.tuning.budget import choose_tree, eagle_trees
 from selfspec.decode.tuning.costs import CostProfile, cost_key, interleaved_medians, profile_stem
 from selfspec.decode.verifier import Verifier
 
@@ -274,10 +274,11 @@ class BatchTreeRule:
         return self._online_cap(batch)
 
     def _eagle_cap(self, batch: int) -> TreeCap:
-        budget = choose_tree_budget(self.cost.per_row_profile(batch), self.acceptance, self.draft_ms_by_depth)
-        if budget.expected_speedup <= 1.0:
+        trees = eagle_trees(self.acceptance, self.draft_ms_by_depth)
+        size = choose_tree(self.cost.per_row_profile(batch), trees)
+        if size.expected_speedup <= 1.0:
             return TreeCap(depth=0, expected_speedup=1.0)
-        return TreeCap(budget.depth, budget.total_tokens, expected_speedup=budget.expected_speedup)
+        return TreeCap(size.shape.depth, size.shape.tokens, expected_speedup=size.expected_speedup)
 
     def _online_cap(self, batch: int) -> TreeCap:
         if not self._trees:

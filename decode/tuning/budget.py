@@ -1,21 +1,31 @@
-"""The tree budget: which EAGLE-2 ``depth`` / ``total_tokens`` (or Medusa tree size) decodes fastest here.
+"""One tree-size chooser: which draft tree (its shape) decodes fastest here, for every head family.
 
 A pure choice from measured profiles (Sequoia-style hardware-aware sizing: Chen et al. 2024, "Sequoia:
-Scalable, Robust, and Hardware-aware Speculative Decoding", arXiv:2402.12374): maximise
+Scalable, Robust, and Hardware-aware Speculative Decoding", arXiv:2402.12374): over the candidate trees a family
+can draft, maximise
 
-    expected tokens per second = tau(d, N) / (draft_ms(d) + verify_ms(N + 1) + overhead_ms)
+    expected tokens per second = tau(shape) / (draft_ms(shape) + verify_ms(nodes) + overhead_ms)
 
-over EAGLE-2's two knobs (Li et al. 2024, arXiv:2406.16858): the draft depth d and the number N of draft
-tokens kept after reranking (the verified tree has N + 1 nodes with the root). ``tau`` comes from the
-head's :class:`~selfspec.decode.tuning.calibration.AcceptanceProfile`, the costs from
-:mod:`selfspec.decode.tuning.costs` (:func:`tune_tree_budget` fetches them, measuring on first use).
+with :func:`choose_tree`, whose one result is a :class:`TreeSize`. What is family-specific is only the list of
+candidates, each a :class:`TreeShape` with its expected tau and drafting cost, made by the family's enumerator:
+
+- :func:`eagle_trees`: EAGLE-2's two knobs (Li et al. 2024, arXiv:2406.16858), the draft depth d and the number N
+  of draft tokens kept after reranking, tau from the head's :class:`~selfspec.decode.tuning.calibration.
+  AcceptanceProfile` and the drafting cost by depth;
+- :func:`medusa_trees`: Medusa's greedy static tree of N nodes, tau from the heads' held-out top-k accuracies;
+- :func:`block_trees`: a block drafter's chain length, width and branched depths, tau from the head's held-out
+  chain and sibling acceptance, one block forward for every shape.
+
+The costs come from :mod:`selfspec.decode.tuning.costs` and :mod:`selfspec.decode.tuning.draft_costs`
+(:func:`tune_tree_budget` fetches them for an EAGLE head, measuring on first use); which enumerator a head family
+uses is its drafter factory's business (:mod:`selfspec.families`), never a switch here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from selfspec.decode.tree import greedy_tree_scores
 from selfspec.decode.tuning.calibration import AcceptanceProfile, num_candidates
@@ -27,13 +37,60 @@ if TYPE_CHECKING:
 
     from selfspec.decode.drafters.eagle import EagleDrafter
 
+__all__ = [
+    "TreeCandidate",
+    "TreeOption",
+    "TreeShape",
+    "TreeSize",
+    "block_trees",
+    "choose_tree",
+    "eagle_trees",
+    "medusa_trees",
+    "tree_table_text",
+    "tune_tree_budget",
+]
+
 
 @dataclass(frozen=True)
-class BudgetOption:
-    """One candidate budget and its expected cost and throughput (times in ms)."""
+class TreeShape:
+    """The size of a draft tree, as the drafters take it.
+
+    Attributes:
+        depth: the deepest draft below the root: EAGLE's draft depth d, a block drafter's chain length L, the
+            deepest path of a Medusa tree.
+        tokens: the draft tokens asked for, the root excluded: EAGLE's ``total_tokens`` N (kept after reranking;
+            a depth creates at most so many candidates), else ``nodes - 1``.
+        nodes: the nodes verified, the root included.
+        top_k: candidates per expansion: EAGLE's ``top_k``, a block slot's width (1: the chain alone), the widest
+            rank a Medusa tree takes plus one.
+        branch_depth: block trees: the chain depths that carry ``top_k - 1`` sibling leaves (0 otherwise).
+    """
 
     depth: int
-    total_tokens: int
+    tokens: int
+    nodes: int
+    top_k: int = 1
+    branch_depth: int = 0
+
+
+# One candidate tree of a family's enumerator: ``(shape, expected tau, ms to draft it)``.
+TreeCandidate = tuple[TreeShape, float, float]
+
+
+@dataclass(frozen=True)
+class TreeOption:
+    """One candidate tree with its expected cost and throughput (times in ms).
+
+    Attributes:
+        shape: the tree.
+        tau: expected tokens per step (bonus token included).
+        draft_ms / verify_ms: drafting it; verifying its nodes (:meth:`CostProfile.verify_cost_ms`).
+        cycle_ms: ``draft_ms + verify_ms + overhead_ms``.
+        tokens_per_s: ``1000 * tau / cycle_ms``.
+        speedup: ``tau * plain_step_ms / cycle_ms``.
+    """
+
+    shape: TreeShape
     tau: float
     draft_ms: float
     verify_ms: float
@@ -43,74 +100,86 @@ class BudgetOption:
 
 
 @dataclass(frozen=True)
-class TreeBudget:
-    """The chosen EAGLE-2 budget.
+class TreeSize:
+    """The tree chosen for a head on this machine (:func:`choose_tree`), with what was weighed.
 
     Attributes:
-        depth, total_tokens, top_k: the drafter settings.
-        expected_tau: tau of the budget (from the acceptance profile).
+        shape: the chosen :class:`TreeShape`.
+        expected_tau: its expected tokens per step.
         expected_cycle_ms: draft + verify (+ overhead) ms of one step.
-        expected_speedup: ``(tau / cycle_ms) / (1 / plain_step_ms)``.
+        expected_tokens_per_s: ``1000 * expected_tau / expected_cycle_ms``.
+        expected_speedup: ``expected_tau * plain_step_ms / expected_cycle_ms``.
         plain_step_ms: the cost of one plain decoding step (one token, plain ``linear``).
-        table: every budget considered, in (depth, total_tokens) order.
+        table: every tree considered (:class:`TreeOption`), in the enumerator's order.
     """
 
-    depth: int
-    total_tokens: int
-    top_k: int
+    shape: TreeShape
     expected_tau: float
     expected_cycle_ms: float
+    expected_tokens_per_s: float
     expected_speedup: float
     plain_step_ms: float
-    table: tuple[BudgetOption, ...] = ()
-
-    def summary(self) -> dict[str, Any]:
-        """The budget without its table (for reports)."""
-        return {
-            "depth": self.depth,
-            "top_k": self.top_k,
-            "total_tokens": self.total_tokens,
-            "expected_tau": self.expected_tau,
-            "expected_cycle_ms": self.expected_cycle_ms,
-            "expected_speedup": self.expected_speedup,
-            "plain_step_ms": self.plain_step_ms,
-        }
+    table: tuple[TreeOption, ...] = ()
 
 
-def choose_tree_budget(
+def choose_tree(
     cost: CostProfile,
-    acceptance: AcceptanceProfile,
-    draft_ms_by_depth: Mapping[int, float],
+    candidates: Sequence[TreeCandidate],
     plain_step_ms: float | None = None,
     overhead_ms: float = 0.0,
-    depth: int | None = None,
-    total_tokens: int | None = None,
-) -> TreeBudget:
-    """The (depth d, total_tokens N) maximising expected tokens per second (Sequoia-style hardware-aware sizing).
+) -> TreeSize:
+    """The candidate tree maximising expected tokens per second (Sequoia-style hardware-aware sizing).
 
-    ``tokens_per_s(d, N) = 1000 * tau(d, N) / (draft_ms(d) + verify_ms(n + 1) + overhead_ms)`` with
-    ``n = min(N, candidates(d))`` (a budget above what a depth creates keeps them all, so only
-    ``N <= candidates(d)`` is listed) and ``verify_ms`` interpolated linearly between measured sizes
-    (:meth:`CostProfile.verify_cost_ms`). Ties go to the smaller tree.
+    ``tokens_per_s = 1000 * tau / (draft_ms + verify_ms(nodes) + overhead_ms)``, ``verify_ms`` interpolated
+    linearly between measured sizes (:meth:`CostProfile.verify_cost_ms`). Ties go to the cheaper cycle, then to the
+    first listed (the enumerators list smaller trees first).
 
     Args:
-        cost: the verification cost profile.
-        acceptance: the acceptance profile.
-        draft_ms_by_depth: ``{depth: ms}`` of one draft at that depth, for every depth considered.
+        cost: the target's verification cost profile on this machine.
+        candidates: the family's trees, ``(shape, tau, draft_ms)`` (:func:`eagle_trees`, :func:`medusa_trees`,
+            :func:`block_trees`).
         plain_step_ms: ms of one plain decoding step; None = ``cost.plain_step_ms``.
         overhead_ms: per-step cost outside draft and verify forwards (acceptance, KV compaction).
-        depth: fix the depth (user override); None = choose.
-        total_tokens: fix N (user override); None = choose.
 
     Returns:
-        :class:`TreeBudget` with the whole table.
+        :class:`TreeSize` with the whole table.
+
+    Raises:
+        ValueError: no candidates.
+    """
+    if not candidates:
+        raise ValueError("no candidate tree to choose from")
+    plain = cost.plain_step_ms if plain_step_ms is None else plain_step_ms
+    table = []
+    for shape, tau, draft_ms in candidates:
+        verify = cost.verify_cost_ms(shape.nodes)
+        cycle = float(draft_ms) + verify + overhead_ms
+        table.append(TreeOption(shape, tau, float(draft_ms), verify, cycle, 1e3 * tau / cycle, tau * plain / cycle))
+    best = max(table, key=lambda o: (o.tokens_per_s, -o.cycle_ms))
+    return TreeSize(best.shape, best.tau, best.cycle_ms, best.tokens_per_s, best.speedup, plain, tuple(table))
+
+
+def eagle_trees(
+    acceptance: AcceptanceProfile,
+    draft_ms_by_depth: Mapping[int, float],
+    depth: int | None = None,
+    total_tokens: int | None = None,
+) -> list[TreeCandidate]:
+    """EAGLE-2's candidate budgets (depth d, total_tokens N), in (d, N) order: ``tau(d, N)`` from the acceptance
+    profile, ``n = min(N, candidates(d))`` draft nodes verified (a budget above what a depth creates keeps them all,
+    so only ``N <= candidates(d)`` is listed), the draft cost of depth d.
+
+    Args:
+        acceptance: the head's acceptance profile (its ``top_k`` is the shapes').
+        draft_ms_by_depth: ``{depth: ms}`` of one draft at that depth, for every depth considered.
+        depth: fix the depth (user override); None = every depth of the profile.
+        total_tokens: fix N (user override); None = every N of the profile.
 
     Raises:
         ValueError: a fixed value outside the acceptance table, or a depth without a draft cost.
     """
     depths = [depth] if depth is not None else list(range(1, acceptance.depth_max + 1))
-    plain = cost.plain_step_ms if plain_step_ms is None else plain_step_ms
-    options: list[BudgetOption] = []
+    out: list[TreeCandidate] = []
     for d in depths:
         if not 1 <= d <= acceptance.depth_max:
             raise ValueError(f"depth {d} is outside the acceptance profile (1..{acceptance.depth_max})")
@@ -124,22 +193,14 @@ def choose_tree_budget(
         else:
             budgets = list(range(1, min(n_cand, acceptance.total_tokens_max) + 1))
         for n in budgets:
-            tau = acceptance.tau_at(d, n)
-            verify = cost.verify_cost_ms(min(n, n_cand) + 1)
-            cycle = float(draft_ms_by_depth[d]) + verify + overhead_ms
-            tps = 1e3 * tau / cycle
-            options.append(
-                BudgetOption(d, n, tau, float(draft_ms_by_depth[d]), verify, cycle, tps, tau * plain / cycle)
-            )
-    if not options:
+            shape = TreeShape(d, n, min(n, n_cand) + 1, acceptance.top_k)
+            out.append((shape, acceptance.tau_at(d, n), float(draft_ms_by_depth[d])))
+    if not out:
         raise ValueError(
             f"total_tokens {total_tokens} is outside the acceptance profile "
             f"(total_tokens <= {acceptance.total_tokens_max}) at every depth considered"
         )
-    best = max(options, key=lambda o: (o.tokens_per_s, -o.cycle_ms))
-    return TreeBudget(
-        best.depth, best.total_tokens, acceptance.top_k, best.tau, best.cycle_ms, best.speedup, plain, tuple(options)
-    )
+    return out
 
 
 def tune_tree_budget(
@@ -151,17 +212,17 @@ def tune_tree_budget(
     refresh: bool = False,
     overhead_ms: float = 0.0,
     cost: CostProfile | None = None,
-) -> TreeBudget:
-    """Choose the budget for ``drafter``'s head on ``target`` here: cached (or measured) verification and
-    drafting costs, then :func:`choose_tree_budget`. Changes neither the drafter nor the target.
+) -> TreeSize:
+    """Choose the EAGLE budget for ``drafter``'s head on ``target`` here: cached (or measured) verification and
+    drafting costs, then :func:`choose_tree` over :func:`eagle_trees`. Changes neither the drafter nor the target.
 
     Args:
         cost: the verification cost profile to use; None = :func:`~selfspec.decode.tuning.costs.get_cost_profile`.
-        Others: see :func:`choose_tree_budget`; ``refresh`` measures the costs again.
+        Others: see :func:`eagle_trees` and :func:`choose_tree`; ``refresh`` measures the costs again.
 
     Raises:
         ValueError: ``acceptance`` was profiled with another ``top_k`` than the drafter's, or see
-            :func:`choose_tree_budget`.
+            :func:`eagle_trees`.
     """
     if acceptance.top_k != drafter.top_k:
         raise ValueError(
@@ -171,49 +232,23 @@ def tune_tree_budget(
         cost = get_cost_profile(target, refresh=refresh)
     depths = [depth] if depth is not None else range(1, acceptance.depth_max + 1)
     draft = get_draft_cost(drafter, target, depths, refresh=refresh)
-    return choose_tree_budget(cost, acceptance, draft, overhead_ms=overhead_ms, depth=depth, total_tokens=total_tokens)
+    return choose_tree(cost, eagle_trees(acceptance, draft, depth, total_tokens), overhead_ms=overhead_ms)
 
 
-@dataclass(frozen=True)
-class MedusaTreeSize:
-    """The Medusa tree size chosen for a machine (:func:`choose_medusa_tree_nodes`).
+def medusa_trees(
+    topk_accuracy: Sequence[Sequence[float]], max_nodes: int = 32, draft_ms: float = 0.0
+) -> list[TreeCandidate]:
+    """Medusa's candidate trees: its greedy static tree of N nodes for N in ``2..max_nodes``, in N order.
 
-    Attributes:
-        num_nodes: tree nodes N, root included.
-        expected_tau: ``1 + sum`` of the chosen paths' estimated acceptance (from the heads' accuracies).
-        expected_cycle_ms: ``draft_ms + verify_ms(N)``.
-        expected_speedup: ``expected_tau * plain_step_ms / expected_cycle_ms``.
-        table: ``(N, expected_tau, expected_speedup)`` for every size considered.
-    """
-
-    num_nodes: int
-    expected_tau: float
-    expected_cycle_ms: float
-    expected_speedup: float
-    table: tuple[tuple[int, float, float], ...]
-
-
-def choose_medusa_tree_nodes(
-    cost: CostProfile, topk_accuracy: Sequence[Sequence[float]], max_nodes: int = 32, draft_ms: float = 0.0
-) -> MedusaTreeSize:
-    """Size a Medusa tree to the machine: the N in ``2..max_nodes`` maximising
-    ``tau(N) / (draft_ms + verify_ms(N))``.
-
-    ``tau(N)`` is Medusa's own estimate for its greedy tree of N nodes
-    (:func:`~selfspec.decode.tree.greedy_tree_scores`: products of the heads' held-out top-k
-    accuracies, as if heads erred independently), and ``verify_ms`` is
-    :meth:`CostProfile.verify_cost_ms`. Medusa's drafting (one pass of small heads over one hidden
-    state) measured 2-3 % of a step on the 2-core CPU, hence ``draft_ms = 0`` by default. Ties go to
-    the smaller tree.
+    ``tau(N)`` is Medusa's own estimate for its greedy tree of N nodes (:func:`~selfspec.decode.tree.
+    greedy_tree_scores`: ``1 +`` the sum of products of the heads' held-out top-k accuracies, as if heads erred
+    independently). Medusa's drafting (one pass of small heads over one hidden state) measured 2-3 % of a step on
+    the 2-core CPU, hence ``draft_ms = 0`` by default.
 
     Args:
-        cost: the target's verification cost profile on this machine.
         topk_accuracy: ``[K][k]`` cumulative top-1..top-k accuracies per head (the heads' config).
         max_nodes: the largest tree considered (root included), >= 2.
         draft_ms: drafting cost per step, ms.
-
-    Returns:
-        :class:`MedusaTreeSize`.
 
     Raises:
         ValueError: ``max_nodes < 2``, or no accuracies.
@@ -222,68 +257,37 @@ def choose_medusa_tree_nodes(
         raise ValueError("max_nodes must be >= 2")
     if not topk_accuracy or not topk_accuracy[0]:
         raise ValueError("need the heads' top-k accuracies (head_topk_accuracy in their config)")
-    scores = [score for _, score in greedy_tree_scores(topk_accuracy, max_nodes)]
-    plain = cost.plain_step_ms
-    table, best = [], None
+    scored = greedy_tree_scores(topk_accuracy, max_nodes)
+    scores = [score for _, score in scored]
+    out: list[TreeCandidate] = []
     for n in range(2, len(scores) + 2):
-        tau = 1.0 + sum(scores[: n - 1])
-        cycle = draft_ms + cost.verify_cost_ms(n)
-        option = (n, tau, tau * plain / cycle)
-        table.append(option)
-        if best is None or option[2] > best[2]:
-            best = option
-    n, tau, speedup = best
-    return MedusaTreeSize(n, tau, draft_ms + cost.verify_cost_ms(n), speedup, tuple(table))
+        paths = [path for path, _ in scored[: n - 1]]
+        shape = TreeShape(max(map(len, paths)), n - 1, n, 1 + max(max(p) for p in paths))
+        out.append((shape, 1.0 + sum(scores[: n - 1]), draft_ms))
+    return out
 
 
-@dataclass(frozen=True)
-class BlockLength:
-    """The draft tree chosen for a block drafter (:func:`choose_block_length`): a chain of ``length`` drafts and,
-    with ``top_k`` > 1, the next ``top_k - 1`` candidates of each of its first ``branch_depth`` slots as leaves.
-
-    Attributes:
-        length: chain drafts per step L.
-        top_k: candidates per slot (1: the chain alone).
-        branch_depth: b, the chain depths with sibling leaves (0 when ``top_k`` is 1).
-        expected_tau: ``1 + sum_{d <= L} chain[d - 1] + sum_{d <= b} siblings[top_k - 2][d - 1]``.
-        expected_speedup: ``expected_tau * plain_step_ms / (draft_ms + verify_ms(nodes))``.
-        table: ``(L, top_k, b, expected_tau, expected_speedup)`` for every tree considered.
-    """
-
-    length: int
-    top_k: int
-    branch_depth: int
-    expected_tau: float
-    expected_speedup: float
-    table: tuple[tuple[int, int, int, float, float], ...]
-
-    @property
-    def nodes(self) -> int:
-        """Verified tree nodes: ``1 + L + b (top_k - 1)``."""
-        return tree_nodes(self.length, self.top_k, self.branch_depth)
-
-
-def tree_nodes(length: int, top_k: int, branch_depth: int) -> int:
+def block_nodes(length: int, top_k: int, branch_depth: int) -> int:
     """Nodes of a block tree: the root, a chain of ``length`` drafts, ``top_k - 1`` leaves at ``branch_depth``
     depths."""
     return 1 + length + branch_depth * (top_k - 1)
 
 
-def choose_block_length(
-    cost: CostProfile,
+def block_trees(
     chain: Sequence[float],
     draft_ms: float = 0.0,
     siblings: Sequence[Sequence[float]] | None = None,
     length: int | None = None,
     top_k: int | None = None,
-) -> BlockLength:
-    """Size a block drafter's tree to the machine: the chain length L in ``1..len(chain)`` and, where ``siblings``
-    is given, the width k and branched depths b, maximising ``tau / (draft_ms + verify_ms(nodes))`` with
-    ``tau = 1 + sum_{d <= L} chain[d - 1] + sum_{d <= b} siblings[k - 2][d - 1]`` and ``nodes = 1 + L + b (k - 1)``.
+) -> list[TreeCandidate]:
+    """A block drafter's candidate trees: the chain length L in ``1..len(chain)`` and, where ``siblings`` is given,
+    the width k and branched depths b, with ``tau = 1 + sum_{d <= L} chain[d - 1] + sum_{d <= b} siblings[k - 2][d
+    - 1]`` and ``nodes = 1 + L + b (k - 1)``, in (L, k, b) order.
+
     ``chain[d - 1]`` is the held-out share of blocks whose first d drafts the target accepts; ``siblings[k - 2][d -
     1]`` the share whose d-th draft is refused but whose target token is among the slot's next k - 1 candidates (a
     leaf: it adds one token and ends the path). One block forward drafts every tree, so ``draft_ms`` is the same
-    for all. Ties go to the smaller tree. ``length`` / ``top_k``: consider that chain length / width only.
+    for all. ``length`` / ``top_k``: consider that chain length / width only.
 
     Raises:
         ValueError: an empty ``chain``, a ``siblings`` row shorter than ``chain``, ``length`` outside
@@ -300,8 +304,7 @@ def choose_block_length(
         raise ValueError(
             f"top_k {top_k} needs held-out sibling acceptance for {top_k} candidates; have 1..{len(siblings) + 1}"
         )
-    plain = cost.plain_step_ms
-    table, best = [], None
+    out: list[TreeCandidate] = []
     for n in [length] if length is not None else range(1, len(chain) + 1):
         base = 1.0 + float(sum(chain[:n]))
         trees = [(1, 0, base)]
@@ -310,40 +313,33 @@ def choose_block_length(
         for k, b, tau in trees:
             if top_k is not None and k != top_k:
                 continue
-            option = (n, k, b, tau, tau * plain / (draft_ms + cost.verify_cost_ms(tree_nodes(n, k, b))))
-            table.append(option)
-            if best is None or option[4] > best[4]:
-                best = option
-    return BlockLength(*best, tuple(table))
+            nodes = block_nodes(n, k, b)
+            out.append((TreeShape(n, nodes - 1, nodes, k, b), tau, draft_ms))
+    return out
 
 
-def medusa_table_text(size: MedusaTreeSize, columns: Sequence[int] = DEFAULT_NODE_COUNTS) -> str:
-    """Plain-text table of a Medusa tree's expected tau and speedup by node count N (root included), at the
-    sizes of ``columns`` that were considered and the chosen one."""
-    rows = {n: (tau, speedup) for n, tau, speedup in size.table}
-    cols = sorted({n for n in columns if n in rows} | {size.num_nodes})
-    lines = ["Medusa tree (columns: nodes, root included; * = chosen)", "nodes   " + "".join(f"{n:>8}" for n in cols)]
-    for title, col, fmt in (("tau", 0, "{:.2f}"), ("speedup", 1, "{:.2f}x")):
-        cells = [fmt.format(rows[n][col]) + ("*" if n == size.num_nodes else "") for n in cols]
-        lines.append(f"{title:<8}" + "".join(f"{c:>8}" for c in cells))
-    return "\n".join(lines) + "\n"
-
-
-def budget_table_text(budget: TreeBudget, columns: Sequence[int] = DEFAULT_NODE_COUNTS) -> str:
-    """Plain-text tables of expected tau and speedup by depth (rows) and ``total_tokens`` (columns)."""
-    cells = {(o.depth, o.total_tokens): o for o in budget.table}
-    depths = sorted({o.depth for o in budget.table})
-    cols = sorted({n for n in columns if any((d, n) in cells for d in depths)} | {budget.total_tokens})
+def tree_table_text(size: TreeSize, columns: Sequence[int] = DEFAULT_NODE_COUNTS) -> str:
+    """Plain-text tables of expected tau and speedup by depth (rows) and draft tokens (columns: the sizes of
+    ``columns`` that were considered, and the chosen one); where several trees share a cell (block trees of other
+    widths), the fastest."""
+    cells: dict[tuple[int, int], TreeOption] = {}
+    for o in size.table:
+        key = (o.shape.depth, o.shape.tokens)
+        if key not in cells or o.tokens_per_s > cells[key].tokens_per_s:
+            cells[key] = o
+    chosen = (size.shape.depth, size.shape.tokens)
+    depths = sorted({d for d, _ in cells})
+    cols = sorted({n for n in columns if any((d, n) in cells for d in depths)} | {size.shape.tokens})
     lines = []
     for title, attr, fmt in (("expected tau", "tau", "{:.2f}"), ("expected speedup", "speedup", "{:.2f}x")):
-        lines.append(f"{title} (rows: depth, columns: total_tokens; * = chosen)")
+        lines.append(f"{title} (rows: depth, columns: draft tokens; * = chosen)")
         lines.append("depth " + "".join(f"{n:>8}" for n in cols))
         for d in depths:
             row = []
             for n in cols:
                 o = cells.get((d, n))
                 text = "-" if o is None else fmt.format(getattr(o, attr))
-                row.append(f"{text + ('*' if (d, n) == (budget.depth, budget.total_tokens) else ''):>8}")
+                row.append(f"{text + ('*' if (d, n) == chosen else ''):>8}")
             lines.append(f"{d:>5} " + "".join(row))
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"

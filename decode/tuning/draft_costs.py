@@ -1,7 +1,7 @@
 """What drafting costs here: median ms of one draft by depth, cached on disk.
 
-The tree budgets (:func:`selfspec.decode.tuning.budget.tune_tree_budget`,
-:func:`~selfspec.decode.tuning.budget.choose_block_length`) weigh the verification cost of a tree
+The tree chooser (:func:`selfspec.decode.tuning.budget.choose_tree`, over :func:`~selfspec.decode.tuning.budget.
+eagle_trees` or :func:`~selfspec.decode.tuning.budget.block_trees`) weighs the verification cost of a tree
 (:mod:`selfspec.decode.tuning.costs`) against the cost of drafting it. For EAGLE that grows with the draft
 depth (one head forward per level); a DFlash / DSpark block drafter runs one forward over its whole block
 whatever it keeps, so its cost is measured once, at the block's length. Measured like the verification cost

@@ -140,8 +140,19 @@ def markov_chain(head, logits: torch.Tensor, anchor: torch.Tensor) -> list[int]:
     return chain
 
 
+def choose_block(cost, chain, draft_ms=0.0, siblings=None, length=None, top_k=None):
+    """The one tree chooser over a block drafter's trees (:func:`~selfspec.decode.tuning.budget.block_trees`)."""
+    from selfspec.decode.tuning.budget import block_trees, choose_tree
+
+    return choose_tree(cost, block_trees(chain, draft_ms, siblings=siblings, length=length, top_k=top_k))
+
+
+def shape_of(size) -> tuple[int, int, int, int]:
+    """``(L, top_k, branch_depth, nodes)`` of a block tree size."""
+    return size.shape.depth, size.shape.top_k, size.shape.branch_depth, size.shape.nodes
+
+
 def test_block_length_sized_from_acceptance_and_costs():
-    from selfspec.decode.tuning.budget import choose_block_length
     from selfspec.decode.tuning.costs import CostProfile
 
     cost = CostProfile(
@@ -149,19 +160,18 @@ def test_block_length_sized_from_acceptance_and_costs():
         context_length=64, node_counts=(1, 2, 4, 8), verify_ms=(10.0, 11.0, 12.0, 20.0),
     )  # fmt: skip
     # chain shares 0.6, 0.4, 0.3, 0.1, 0.05: at 8 nodes the cost jumps, so 3 drafts (4 nodes) win
-    size = choose_block_length(cost, [0.6, 0.4, 0.3, 0.1, 0.05, 0.02, 0.01])
-    assert (size.length, size.top_k, size.branch_depth, size.nodes) == (3, 1, 0, 4)
+    size = choose_block(cost, [0.6, 0.4, 0.3, 0.1, 0.05, 0.02, 0.01])
+    assert shape_of(size) == (3, 1, 0, 4)
     assert size.expected_tau == pytest.approx(2.3)
     assert size.expected_speedup == pytest.approx(2.3 * 10.0 / 12.0)
     # the block forward costs the same for every tree: it lowers every option alike (the ratio moves, not the tree)
-    drafted = choose_block_length(cost, [0.6, 0.4, 0.3, 0.1, 0.05, 0.02, 0.01], draft_ms=5.0)
-    assert drafted.length == 3 and drafted.expected_speedup == pytest.approx(2.3 * 10.0 / 17.0)
+    drafted = choose_block(cost, [0.6, 0.4, 0.3, 0.1, 0.05, 0.02, 0.01], draft_ms=5.0)
+    assert drafted.shape.depth == 3 and drafted.expected_speedup == pytest.approx(2.3 * 10.0 / 17.0)
     with pytest.raises(ValueError, match="held-out chain"):
-        choose_block_length(cost, [])
+        choose_block(cost, [])
 
 
 def test_block_tree_width_sized_from_sibling_acceptance():
-    from selfspec.decode.tuning.budget import choose_block_length
     from selfspec.decode.tuning.costs import CostProfile
 
     cost = CostProfile(
@@ -172,21 +182,24 @@ def test_block_tree_width_sized_from_sibling_acceptance():
     # by tau / verify_ms(nodes): chain L=1 1.5/10.5, L=2 1.7/11; one sibling (k=2) at depth 1: L=1 1.8/11,
     # L=2 2.0/11.5 (4 nodes, the best); at both depths 2.1/13.625 (5 nodes: 11.5 + (20 - 11.5) / 4); k=3 at depth 1
     # 2.05/13.625
-    size = choose_block_length(cost, chain, siblings=siblings)
-    assert (size.length, size.top_k, size.branch_depth, size.nodes) == (2, 2, 1, 4)
+    size = choose_block(cost, chain, siblings=siblings)
+    assert shape_of(size) == (2, 2, 1, 4)
     assert size.expected_tau == pytest.approx(2.0) and size.expected_speedup == pytest.approx(2.0 * 10.0 / 11.5)
     assert len(size.table) == (1 + 1 + 1) + (1 + 2 + 2)  # per L: the chain, then k = 2, 3 at b = 1 .. L
-    assert (2, 3, 2, pytest.approx(2.17), pytest.approx(2.17 * 10.0 / (11.5 + 8.5 * 3 / 4))) in size.table
-    fixed = choose_block_length(cost, chain, siblings=siblings, length=1, top_k=3)
-    assert (fixed.length, fixed.top_k, fixed.branch_depth, fixed.expected_tau) == (1, 3, 1, pytest.approx(1.85))
+    widest = [o for o in size.table if (o.shape.depth, o.shape.top_k, o.shape.branch_depth) == (2, 3, 2)]
+    assert [(o.tau, o.speedup) for o in widest] == [
+        (pytest.approx(2.17), pytest.approx(2.17 * 10.0 / (11.5 + 8.5 * 3 / 4)))
+    ]
+    fixed = choose_block(cost, chain, siblings=siblings, length=1, top_k=3)
+    assert shape_of(fixed)[:3] == (1, 3, 1) and fixed.expected_tau == pytest.approx(1.85)
     # free of siblings, the chain alone is sized
-    assert choose_block_length(cost, chain).top_k == 1
+    assert choose_block(cost, chain).shape.top_k == 1
     with pytest.raises(ValueError, match="sibling"):
-        choose_block_length(cost, chain, siblings=siblings[:1], top_k=3)
+        choose_block(cost, chain, siblings=siblings[:1], top_k=3)
     with pytest.raises(ValueError, match="depths"):
-        choose_block_length(cost, chain, siblings=[[0.1]])
+        choose_block(cost, chain, siblings=[[0.1]])
     with pytest.raises(ValueError, match="outside"):
-        choose_block_length(cost, chain, length=3)
+        choose_block(cost, chain, length=3)
 
 
 def test_make_drafter_sizes_the_block_tree_from_the_heads_profile(monkeypatch):
@@ -195,7 +208,7 @@ def test_make_drafter_sizes_the_block_tree_from_the_heads_profile(monkeypatch):
     sized around it; a width the head has no profile for keeps all depths branched."""
     import dataclasses
 
-    from selfspec import drafting
+    from selfspec import head_drafters
     from selfspec.api import make_drafter
     from selfspec.decode.tuning.costs import CostProfile
 
@@ -203,9 +216,10 @@ def test_make_drafter_sizes_the_block_tree_from_the_heads_profile(monkeypatch):
         target_fingerprint="f" * 16, device="cpu", dtype="torch.float32", threads=1, torch="2.13.0",
         context_length=64, node_counts=(1, 2, 3, 4, 8), verify_ms=(10.0, 10.5, 11.0, 11.5, 20.0),
     )  # fmt: skip
-    monkeypatch.setattr(drafting.costs, "get_cost_profile", lambda target: cost)
+    monkeypatch.setattr(head_drafters.costs, "get_cost_profile", lambda target: cost)
     drafted = []  # the block forward's cost: asked once per sizing, at the whole block (2 drafts for B = 3)
-    monkeypatch.setattr(drafting.draft_costs, "get_draft_cost", lambda d, t, depths: drafted.append(depths) or {2: 2.0})
+    block_cost = lambda d, t, depths: drafted.append(depths) or {2: 2.0}  # noqa: E731
+    monkeypatch.setattr(head_drafters.draft_costs, "get_draft_cost", block_cost)
     target = tiny_target("llama")
     head = block_head(target, "dflash", 3)
     profile = {"heldout_chain": (0.5, 0.2), "heldout_siblings": ((0.3, 0.1), (0.35, 0.12))}

@@ -20,7 +20,6 @@ from selfspec.decode.kv import crop_cache, new_cache
 from selfspec.decode.loop import speculative_generate
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tuning import budget, calibration, costs, draft_costs
-from selfspec.decode.tuning.budget import choose_tree_budget
 from selfspec.decode.tuning.calibration import AcceptanceProfile
 from selfspec.decode.tuning.costs import CostProfile
 from selfspec.decode.verifier import Verifier
@@ -59,6 +58,16 @@ def acceptance(tau, top_k=2) -> AcceptanceProfile:
     )
 
 
+def choose_eagle(cost_profile, profile, draft_ms_by_depth, depth=None, total_tokens=None) -> budget.TreeSize:
+    """The one chooser over the EAGLE budgets of ``profile``."""
+    return budget.choose_tree(cost_profile, budget.eagle_trees(profile, draft_ms_by_depth, depth, total_tokens))
+
+
+def choose_medusa(cost_profile, accuracy, max_nodes=32, draft_ms=0.0) -> budget.TreeSize:
+    """The one chooser over Medusa's greedy trees."""
+    return budget.choose_tree(cost_profile, budget.medusa_trees(accuracy, max_nodes, draft_ms))
+
+
 # top_k 2: depth 1 creates 2 candidates, depth 2 six, depth 3 ten; the table stops at N = 6.
 TAU = [
     [1.5, 1.6, 1.6, 1.6, 1.6, 1.6],
@@ -83,11 +92,11 @@ def test_interpolation_exact_at_and_between_measured_points():
 
 
 def test_flat_cost_picks_the_biggest_budget():
-    b = choose_tree_budget(cost([1, 8], [10.0, 10.0]), acceptance(TAU), FLAT_DRAFT)
-    assert (b.depth, b.total_tokens) == (3, 6)
+    b = choose_eagle(cost([1, 8], [10.0, 10.0]), acceptance(TAU), FLAT_DRAFT)
+    assert (b.shape.depth, b.shape.tokens) == (3, 6)
     assert b.expected_tau == 2.6 and b.expected_cycle_ms == 10.0 and b.expected_speedup == pytest.approx(2.6)
     # every listed budget: N never above what the depth creates (2 at depth 1), nor the table's 6
-    assert sorted((o.depth, o.total_tokens) for o in b.table) == (
+    assert sorted((o.shape.depth, o.shape.tokens) for o in b.table) == (
         [(1, 1), (1, 2)] + [(2, n) for n in range(1, 7)] + [(3, n) for n in range(1, 7)]
     )
 
@@ -95,8 +104,8 @@ def test_flat_cost_picks_the_biggest_budget():
 def test_steep_cost_picks_a_small_budget():
     # verify_ms(n) = 10 n: the (1, 1) tree (2 nodes, 20 ms) gives 1.5 / 20 = 0.075 tokens/ms; (2, 2) gives
     # 1.9 / 30 = 0.063, (3, 3) 2.3 / 40 = 0.058; and plain decoding 1 / 10 = 0.1 beats them all.
-    b = choose_tree_budget(cost([1, 8], [10.0, 80.0]), acceptance(TAU), FLAT_DRAFT)
-    assert (b.depth, b.total_tokens) == (1, 1)
+    b = choose_eagle(cost([1, 8], [10.0, 80.0]), acceptance(TAU), FLAT_DRAFT)
+    assert (b.shape.depth, b.shape.tokens) == (1, 1)
     assert b.expected_cycle_ms == 20.0 and b.expected_speedup == pytest.approx(0.75)
     assert b.plain_step_ms == 10.0
 
@@ -104,28 +113,28 @@ def test_steep_cost_picks_a_small_budget():
 def test_draft_cost_and_overrides_shift_the_choice():
     flat = cost([1, 8], [10.0, 10.0])
     # depth 3 costs 10 ms more to draft: 2.6 / 20 < 2.2 / 10, depth 2 wins
-    b = choose_tree_budget(flat, acceptance(TAU), {1: 0.0, 2: 0.0, 3: 10.0})
-    assert (b.depth, b.total_tokens) == (2, 6)
-    b = choose_tree_budget(flat, acceptance(TAU), FLAT_DRAFT, depth=1)
-    assert (b.depth, b.total_tokens) == (1, 2)
-    b = choose_tree_budget(flat, acceptance(TAU), FLAT_DRAFT, total_tokens=3)
-    assert (b.depth, b.total_tokens) == (3, 3)
+    b = choose_eagle(flat, acceptance(TAU), {1: 0.0, 2: 0.0, 3: 10.0})
+    assert (b.shape.depth, b.shape.tokens) == (2, 6)
+    b = choose_eagle(flat, acceptance(TAU), FLAT_DRAFT, depth=1)
+    assert (b.shape.depth, b.shape.tokens) == (1, 2)
+    b = choose_eagle(flat, acceptance(TAU), FLAT_DRAFT, total_tokens=3)
+    assert (b.shape.depth, b.shape.tokens) == (3, 3)
     # N = 40 keeps every candidate of depths 1 and 2 (2 and 6, within the table); depth 3's 10 are not measured
-    b = choose_tree_budget(flat, acceptance(TAU), FLAT_DRAFT, total_tokens=40)
-    assert (b.depth, b.total_tokens, b.expected_tau, b.expected_cycle_ms) == (2, 40, 2.2, 10.0)
-    assert {o.depth for o in b.table} == {1, 2}
+    b = choose_eagle(flat, acceptance(TAU), FLAT_DRAFT, total_tokens=40)
+    assert (b.shape.depth, b.shape.tokens, b.expected_tau, b.expected_cycle_ms) == (2, 40, 2.2, 10.0)
+    assert {o.shape.depth for o in b.table} == {1, 2}
     # ties go to the smaller tree
-    b = choose_tree_budget(cost([1, 8], [10.0, 10.0]), acceptance([[1.5, 1.5, 1.5, 1.5]], top_k=4), {1: 0.0})
-    assert (b.depth, b.total_tokens) == (1, 1)
+    b = choose_eagle(cost([1, 8], [10.0, 10.0]), acceptance([[1.5, 1.5, 1.5, 1.5]], top_k=4), {1: 0.0})
+    assert (b.shape.depth, b.shape.tokens) == (1, 1)
     with pytest.raises(ValueError, match="outside"):
-        choose_tree_budget(flat, acceptance(TAU), FLAT_DRAFT, depth=4)
+        choose_eagle(flat, acceptance(TAU), FLAT_DRAFT, depth=4)
     with pytest.raises(ValueError, match="draft cost"):
-        choose_tree_budget(flat, acceptance(TAU), {1: 0.0})
+        choose_eagle(flat, acceptance(TAU), {1: 0.0})
 
 
 def test_table_text_marks_the_choice():
-    b = choose_tree_budget(cost([1, 8], [10.0, 10.0]), acceptance(TAU), FLAT_DRAFT)
-    text = budget.budget_table_text(b, columns=(1, 2, 4))
+    b = choose_eagle(cost([1, 8], [10.0, 10.0]), acceptance(TAU), FLAT_DRAFT)
+    text = budget.tree_table_text(b, columns=(1, 2, 4))
     assert "2.60*" in text and "2.60x*" in text and "6" in text.splitlines()[1]
 
 
@@ -525,9 +534,9 @@ def test_make_drafter_auto_budget_keeps_greedy_exact(oracle, head_dir):
     drafter = plan.drafter
     assert plan.tree_budget.source == "auto" and plan.tree_budget.budget is not None
     b = plan.tree_budget.budget
-    assert (drafter.depth, drafter.total_tokens, drafter.top_k) == (b.depth, b.total_tokens, 2)
-    assert 1 <= b.depth <= 4 and 1 <= b.total_tokens <= 10 and b.expected_tau >= 1.0
-    assert (b.depth, b.total_tokens) in {(o.depth, o.total_tokens) for o in b.table}
+    assert (drafter.depth, drafter.total_tokens, drafter.top_k) == (b.shape.depth, b.shape.tokens, 2)
+    assert 1 <= b.shape.depth <= 4 and 1 <= b.shape.tokens <= 10 and b.expected_tau >= 1.0
+    assert b.shape in {o.shape for o in b.table}
     assert costs.cost_profile_path(t).is_file()  # measured once, cached
     # verification runs the way its cost was measured
     verifier = make_verifier(t, drafter)
@@ -548,7 +557,7 @@ def test_make_drafter_overrides_and_fallbacks(oracle, head_dir):
     assert make_verifier(t, fixed, tune="off").plan == {}
     half = plan_drafter(t, head_dir, total_tokens=4)
     assert half.drafter.total_tokens == 4 and half.tree_budget.source == "auto"
-    assert half.tree_budget.budget.total_tokens == 4
+    assert half.tree_budget.budget.shape.tokens == 4
     plan = plan_drafter(t, head_dir, top_k=3)  # the profile holds for top_k 2 only
     other_k = plan.drafter
     assert (other_k.depth, other_k.total_tokens, other_k.top_k, plan.tree_budget.source) == (
@@ -601,25 +610,26 @@ def test_medusa_tree_scores_and_estimated_tau_by_hand():
     assert [p for p, _ in scored] == [(0,), (1,), (0, 0), (0, 1)] == greedy_tree_from_accuracy(ACC, 5)
     assert [round(x, 6) for _, x in scored] == [0.5, 0.2, 0.1, 0.05]
     flat = cost([1, 8], [10.0, 10.0])
-    size = budget.choose_medusa_tree_nodes(flat, ACC, max_nodes=8)
+    size = choose_medusa(flat, ACC, max_nodes=8)
     # all 6 paths of the 2x2 heads fit (a 7-node tree); tau = 1 + .5 + .2 + .1 + .05 + .04 + .02
-    assert size.num_nodes == 7 and size.expected_tau == pytest.approx(1.91)
-    assert [n for n, _, _ in size.table] == [2, 3, 4, 5, 6, 7]
+    assert size.shape.nodes == 7 and size.expected_tau == pytest.approx(1.91)
+    assert [o.shape.nodes for o in size.table] == [2, 3, 4, 5, 6, 7]
+    assert (size.shape.depth, size.shape.top_k, size.shape.tokens) == (2, 2, 6)  # paths of 2 heads x top-2
     assert size.expected_speedup == pytest.approx(1.91) and size.expected_cycle_ms == 10.0
 
 
 def test_medusa_tree_size_follows_the_cost_curve():
     steep = cost([1, 2, 3, 4], [10.0, 12.0, 20.0, 30.0])
-    size = budget.choose_medusa_tree_nodes(steep, ACC)
-    assert size.num_nodes == 2 and size.expected_speedup == pytest.approx(1.5 * 10 / 12)
+    size = choose_medusa(steep, ACC)
+    assert size.shape.nodes == 2 and size.expected_speedup == pytest.approx(1.5 * 10 / 12)
     # 3 nodes become cheap: tau 1.7 at 12.5 ms beats 1.5 at 12 ms
     dip = cost([1, 2, 3, 4], [10.0, 12.0, 12.5, 30.0])
-    assert budget.choose_medusa_tree_nodes(dip, ACC).num_nodes == 3
-    assert budget.choose_medusa_tree_nodes(dip, ACC, draft_ms=100.0).num_nodes == 3
+    assert choose_medusa(dip, ACC).shape.nodes == 3
+    assert choose_medusa(dip, ACC, draft_ms=100.0).shape.nodes == 3
     with pytest.raises(ValueError, match="accuracies"):
-        budget.choose_medusa_tree_nodes(dip, [])
+        choose_medusa(dip, [])
     with pytest.raises(ValueError, match="max_nodes"):
-        budget.choose_medusa_tree_nodes(dip, ACC, max_nodes=1)
+        choose_medusa(dip, ACC, max_nodes=1)
 
 
 def test_make_drafter_sizes_the_medusa_tree_unless_told(monkeypatch):
