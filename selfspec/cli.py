@@ -1,5 +1,5 @@
-"""The ``selfspec`` command: ``train``, ``bench``, ``tune-tree``, ``quickstart``, ``export``, ``import``, ``push``,
-``scaling-curve``."""
+"""The ``selfspec`` command: ``train``, ``adapt``, ``bench``, ``tune-tree``, ``quickstart``, ``export``, ``import``,
+``push``, ``scaling-curve``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "train": "train heads on a frozen target (same as: accelerate launch -m selfspec.train CONFIG [k=v ...])",
         "bench": "speedup and tau against plain transformers generate, in one run",
+        "adapt": "adapt heads to the work of a prompt file: the target answers it, the heads train from where they are",
         "tune-tree": "size a head's draft tree to this machine (EAGLE: writes <heads>/acceptance_profile.json)",
         "quickstart": "the embedded default: SmolLM2 target, ShareGPT data, train heads, then bench",
         "export": "write heads in a serving engine's format (speculators for vLLM, sglang, gguf for llama.cpp)",
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         from selfspec.bench import main as bench_main
 
         return bench_main(rest)
+    if command == "adapt":
+        from selfspec.adapt import main as adapt_main
+
+        return adapt_main(rest)
     if command == "tune-tree":
         from selfspec.tune import main as tune_main
 

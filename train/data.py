@@ -178,9 +178,11 @@ def _conversation_id(messages: list[Message]) -> str:
 
 
 class _Normaliser:
-    """Turns raw records into normalised conversations and counts what it skipped, for one log line."""
+    """Turns raw records into normalised conversations and counts what it skipped, for one log line; with
+    ``need_answer=False`` a conversation without an assistant turn is kept (a prompt to answer)."""
 
-    def __init__(self) -> None:
+    def __init__(self, need_answer: bool = True) -> None:
+        self.need_answer = need_answer
         self.unknown_roles: Counter[str] = Counter()
         self.no_assistant = 0
         self.not_user_first = 0
@@ -206,10 +208,10 @@ class _Normaliser:
                 continue
             content = turn.get(content_key, turn.get("content" if content_key == "value" else "value"))
             messages.append({"role": role, "content": _message_text(content)})
-        if not any(m["role"] == "assistant" for m in messages):
+        if self.need_answer and not any(m["role"] == "assistant" for m in messages):
             self.no_assistant += 1
             return None
-        first = next(m["role"] for m in messages if m["role"] != "system")
+        first = next((m["role"] for m in messages if m["role"] != "system"), None)
         if first != "user":
             self.not_user_first += 1
             return None
@@ -299,6 +301,79 @@ def load_conversations(source: str | os.PathLike = SHAREGPT_ALIAS, max_conversat
                     break
     normalise.log(name, len(conversations))
     return conversations
+
+
+PROMPT_LAYOUTS = (
+    "MT-bench / Spec-Bench JSONL (one object a line with 'turns': the first turn is the prompt), ShareGPT "
+    "('conversations') or OpenAI ('messages') records as JSON or JSONL (the turns before the first answer), or "
+    "plain text with one prompt a line"
+)
+
+
+def _prompt_records(path: Path, text: str) -> list[Any] | None:
+    """The JSON records of a prompt file (a JSON array, or JSONL when its first line opens an object); None for
+    plain text."""
+    body = text.lstrip()
+    if body.startswith("["):
+        try:
+            records = json.loads(body)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} opens a JSON array but is not JSON ({err}); expected {PROMPT_LAYOUTS}") from err
+        return records if isinstance(records, list) else [records]
+    if not body.startswith("{"):
+        return None
+    records = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno} is not a JSON object ({err}); expected {PROMPT_LAYOUTS}") from err
+    return records
+
+
+def load_prompt_file(path: str | os.PathLike) -> list[dict]:
+    """A user's prompts as conversations to answer (self-distillation writes the answers).
+
+    Args:
+        path: a file in one of :data:`PROMPT_LAYOUTS`; the layout is told from the content.
+
+    Returns:
+        ``[{"id": "sha1-...", "messages": [system / user messages]}]`` in file order, one per prompt with text. The
+        id is a hash of the messages (never their text), so the same prompt has the same id on every run.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is not UTF-8 text, holds no prompt, or is in none of the layouts (the message names the
+            record and the layouts).
+    """
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"no such prompt file: {file}")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{file} is not UTF-8 text; expected {PROMPT_LAYOUTS}") from err
+    records = _prompt_records(file, text)
+    normalise = _Normaliser(need_answer=False)
+    prompts: list[list[Message]] = []
+    if records is None:
+        prompts = [[{"role": "user", "content": line.strip()}] for line in text.splitlines() if line.strip()]
+    for i, record in enumerate(records or [], start=1):
+        turns = record.get("turns") if isinstance(record, dict) else None
+        if isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns):
+            prompts.append([{"role": "user", "content": turns[0]}])
+            continue
+        try:
+            conversation = normalise(record)
+        except ValueError as err:
+            raise ValueError(f"{file}: record {i} is in no known layout ({err}); expected {PROMPT_LAYOUTS}") from err
+        if conversation is not None:
+            prompts.append(prompt_messages(conversation))
+    prompts = [m for m in prompts if any(x["role"] == "user" and x["content"].strip() for x in m)]
+    if not prompts:
+        raise ValueError(f"{file} holds no prompt; expected {PROMPT_LAYOUTS}")
+    return [{"id": _conversation_id(m), "messages": m} for m in prompts]
 
 
 # --------------------------------------------------------------------------------------------------

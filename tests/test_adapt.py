@@ -1,0 +1,155 @@
+"""``selfspec adapt``: heads adapted to a prompt file on a tiny target, in every prompt layout; the record carries no
+text and no paths; the input heads are untouched; bad input is refused before any work; the CLI prints the held-out
+figures before and after."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from selfspec.adapt import ADAPTATION_FILE, adapt, main
+from selfspec.heads import load_heads
+from selfspec.heads.io import HeadFormatError
+from selfspec.train.config import TrainConfig
+from selfspec.train.data import load_prompt_file
+from tests.helpers.archs import tiny_llama
+from tests.helpers.conversations import conversations
+from tests.helpers.tokenizers import tiny_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOPICS = ["the sea", "winter", "a cat", "bread", "rivers", "the moon", "a song", "trains", "snow", "tea", "maps", "ink"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(target dir, EAGLE-3 heads trained on it, a JSONL prompt file)."""
+    from selfspec.train.__main__ import run
+
+    root = tmp_path_factory.mktemp("adapt")
+    target = root / "target"
+    tiny_llama(vocab_size=96, hidden_size=32).save_pretrained(target)
+    tiny_tokenizer().save_pretrained(target)
+    data = root / "chats.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in conversations(24)))
+    cfg = TrainConfig(
+        head="eagle3",
+        target=str(target),
+        data=str(data),
+        self_distill=False,
+        max_length=32,
+        draft_vocab_size=64,
+        lr=1e-2,
+        warmup_steps=1,
+        epochs=2,
+        eval_every=2,
+        save_every=2,
+        eval_fraction=0.2,
+        calibrate_prompts=0,
+        output_dir=str(root / "run"),
+        eagle3={"batch_tokens": 96, "ttt_steps": 2},
+    )
+    heads = run(cfg)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"question_id": i, "turns": [f"tell me about {t}", "and more"]}) + "\n"
+            for i, t in enumerate(TOPICS)
+        )
+    )
+    return target, heads, prompts
+
+
+def digest(directory) -> str:
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file())).hexdigest()
+
+
+OPTIONS = ("max_length=64", "calibrate_prompts=0", "eagle3.batch_tokens=128", "eval_every=2", "save_every=2")
+
+
+def test_adapt_writes_heads_and_a_record_without_text_or_paths(setup, tmp_path, capsys):
+    target, heads, prompts = setup
+    before = digest(heads)
+    out = tmp_path / "adapted"
+    code = main(
+        [
+            str(heads),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--tokens",
+            "400",
+            "--max-new-tokens",
+            "12",
+            "--lr",
+            "1e-2",
+            *OPTIONS,
+        ]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "held-out chain tau estimate      before" in printed and "after" in printed
+    assert digest(heads) == before  # the input heads are only read
+    adapted = load_heads(out / "heads")  # the strict loader
+    assert type(adapted) is type(load_heads(heads))
+    record = json.loads((out / "heads" / ADAPTATION_FILE).read_text())
+    assert record["prompts"] == len(TOPICS) and record["train_prompts"] + record["heldout_prompts"] == len(TOPICS)
+    assert record["heldout_prompts"] >= 1 and record["answers"] == len(TOPICS)
+    assert record["budget"] == {"tokens": 400, "minutes": None}
+    assert record["trained_tokens"] >= 400 and record["stopped_by"] == "tokens"
+    after, start = record["heldout"]["after"], record["heldout"]["before"]
+    assert after["chain_tau"] >= start["chain_tau"]  # selection keeps the start when training does not beat it
+    for name in (ADAPTATION_FILE, "training_record.json", "config.json"):
+        text = (out / "heads" / name).read_text()
+        assert str(tmp_path) not in text and str(prompts) not in text, name  # neither the run's nor the prompts' path
+        assert not any(t in text for t in TOPICS), name
+
+
+@pytest.mark.parametrize("layout", ["sharegpt", "openai", "text", "array"])
+def test_prompt_layouts_read_to_the_same_prompts(tmp_path, layout):
+    path = tmp_path / "p"
+    if layout == "sharegpt":
+        path.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": t}]}) + "\n" for t in TOPICS))
+    elif layout == "openai":
+        rows = [{"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": "x"}]} for t in TOPICS]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif layout == "array":
+        path.write_text(json.dumps([{"turns": [t]} for t in TOPICS]))
+    else:
+        path.write_text("\n".join(TOPICS) + "\n\n")
+    prompts = load_prompt_file(path)
+    assert [p["messages"] for p in prompts] == [[{"role": "user", "content": t}] for t in TOPICS]
+    assert all(p["id"].startswith("sha1-") for p in prompts)
+
+
+def test_bad_input_is_refused_before_any_work(setup, tmp_path):
+    target, heads, prompts = setup
+    out = tmp_path / "out"
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    with pytest.raises(ValueError, match="holds no prompt"):
+        adapt(heads, empty, out, tokens=10)
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text(json.dumps({"question": "hi"}) + "\n")
+    with pytest.raises(ValueError, match="record 1 is in no known layout"):
+        adapt(heads, odd, out, tokens=10)
+    with pytest.raises(ValueError, match="budget must be positive"):
+        adapt(heads, prompts, out, tokens=0)
+    with pytest.raises(ValueError, match="give a budget"):
+        adapt(heads, prompts, out)
+    long = tmp_path / "long.txt"
+    long.write_text("hello\n" + " ".join(["word"] * 600) + "\n")
+    with pytest.raises(ValueError, match="longer than the target's context of 512 tokens .* prompt 2"):
+        adapt(heads, long, out, tokens=10)
+    other = tmp_path / "other"
+    tiny_llama(vocab_size=96, hidden_size=32, seed=1).save_pretrained(other)
+    tiny_tokenizer().save_pretrained(other)
+    with pytest.raises(HeadFormatError, match="pass --target"):
+        adapt(heads, prompts, out, tokens=10, target=str(other))
+    assert not out.exists()
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(heads), "--prompts", str(empty), "--out", str(out), "--tokens", "5"])
+    assert exit_info.value.code == 2
