@@ -49,9 +49,8 @@ from selfspec.bench.report import (
     SettingsRecord,
 )
 from selfspec.export.gguf import export_gguf
-from selfspec.export.gguf_block import spec_type as block_spec_type
+from selfspec.families import family_of
 from selfspec.heads import load_heads
-from selfspec.heads.dflash import BlockHead
 from selfspec.llamacpp import Generation, LlamaCpp, build_info, completion, forward_costs, speculative_simple
 from selfspec.prompts import BenchPrompt, Message, encode_messages
 
@@ -285,9 +284,10 @@ def run_llamacpp_bench(
 
 
 def head_spec_type(head: Any) -> str:
-    """llama.cpp's ``--spec-type`` of a head: ``draft-dflash`` / ``draft-dspark`` for block heads, else
-    ``draft-eagle3``."""
-    return block_spec_type(head) if isinstance(head, BlockHead) else tuning.HEAD_SPEC_TYPE
+    """llama.cpp's ``--spec-type`` of a head, its family's (:attr:`selfspec.families.Family.llamacpp_spec_type`:
+    ``draft-eagle3``, ``draft-dflash``, ``draft-dspark``); a family llama.cpp has no drafter for gets ``draft-eagle3``
+    and is refused by its GGUF export, which runs before anything is measured."""
+    return family_of(head).llamacpp_spec_type or tuning.HEAD_SPEC_TYPE
 
 
 def _render(tokenizer: Any, messages: Sequence[Message]) -> tuple[torch.Tensor, str]:
@@ -333,7 +333,16 @@ class LlamaCppEngine(BenchEngine):
         kinds: speculative method -> ``(--spec-type, the head's GGUF or None)``.
     """
 
-    def __init__(self, target, tokenizer, settings: BenchSettings, calls, choice, chosen_by: str, kinds) -> None:
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        tokenizer: Any,
+        settings: BenchSettings,
+        calls: _Calls,
+        choice: tuning.SettingsChoice,
+        chosen_by: str,
+        kinds: Mapping[str, tuple[str, Path | None]],
+    ) -> None:
         self.target, self.tokenizer, self.calls = target, tokenizer, calls
         self.choice, self.chosen_by, self.kinds = choice, chosen_by, kinds
         self.names = [PLAIN, LOOP, *kinds]
