@@ -88,6 +88,8 @@ class Family:
         tree_tuning: what ``selfspec tune-tree`` does for the family: ``"acceptance_profile"`` (EAGLE-2 trees:
             decode prompts for an acceptance profile, then choose the budget), ``"head_accuracy"`` (a static tree sized
             from the heads' held-out accuracies), or None (nothing to tune: ``selfspec.load`` sizes the tree itself).
+        llamacpp_spec_type: llama.cpp's ``--spec-type`` for the family's drafts (``"draft-eagle3"``, ...), or None:
+            llama.cpp has no drafter for it.
     """
 
     name: str
@@ -97,6 +99,7 @@ class Family:
     export_hint: Callable[[Any], str] = lambda head: "no export format holds them; serve them with selfspec"
     card: CardText | None = None
     tree_tuning: str | None = None
+    llamacpp_spec_type: str | None = None
 
     @property
     def heads(self) -> HeadFamily:
@@ -215,6 +218,7 @@ for _record in (
         exports={"speculators": export_speculators, "sglang": export_sglang, "gguf": gguf_export},
         card=CardText("Li et al. 2025, EAGLE-3, https://arxiv.org/abs/2503.01840", eagle3_description, eagle3_engines),
         tree_tuning="acceptance_profile",
+        llamacpp_spec_type="draft-eagle3",
     ),
     Family(
         "dflash",
@@ -226,6 +230,7 @@ for _record in (
             block_description,
             partial(block_engines, sglang_class="DFlashDraftModel"),
         ),
+        llamacpp_spec_type="draft-dflash",
     ),
     Family(
         "dspark",
@@ -237,6 +242,7 @@ for _record in (
             partial(block_description, markov=True),
             partial(block_engines, sglang_class="Qwen3DSparkModel", verifies_block_plus_one=True),
         ),
+        llamacpp_spec_type="draft-dspark",
     ),
 ):
     register_family(_record)

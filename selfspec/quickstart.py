@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     lines = [speed_line(out / "report.json", cfg.head)] if code == 0 else []
     gguf = cfg.target in ALIASES  # llama.cpp needs the target as GGUF: the alias's file
-    in_llamacpp = "gguf" in family(cfg.head).exports and gguf  # the families llama.cpp drafts with
+    in_llamacpp = family(cfg.head).llamacpp_spec_type is not None and gguf  # the families llama.cpp drafts with
     if code == 0 and in_llamacpp and (args.llamacpp or find_llamacpp() is not None):
         ensure_llamacpp()  # found, or built because --llamacpp asked for it
         llama_out = Path(cfg.output_dir) / "bench-llamacpp"
@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         llama_args += ["--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
         code = bench_main([*llama_args, "--out", str(llama_out)])
         lines.append(speed_line(llama_out / "report.json", cfg.head))
-    elif "gguf" not in family(cfg.head).exports:
-        lines.append(f"llama.cpp: not run (llama.cpp has no draft layout for {family(cfg.head).title} heads)")
+    elif family(cfg.head).llamacpp_spec_type is None:
+        lines.append(f"llama.cpp: not run (llama.cpp has no drafter for {family(cfg.head).title} heads)")
     elif not gguf:
         lines.append(
             f"llama.cpp: not run (no GGUF of the target {cfg.target}: `selfspec bench --engine llamacpp --target-gguf "
