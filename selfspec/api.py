@@ -14,6 +14,7 @@ from selfspec.decode.drafters import (
     Drafter,
     EagleDrafter,
 )
+from selfspec.decode.drafters.served_history import ServedHistory
 from selfspec.decode.loop import decode_rows
 from selfspec.decode.request import GenerationOutput, GenerationRequest
 from selfspec.decode.sampling import SamplingConfig
@@ -60,6 +61,9 @@ class SpeculativeModel:
         tree_budget: how an EAGLE drafter's tree budget was chosen (:class:`TreeBudgetChoice`), or None.
         tune: ``"auto"`` or ``"off"`` (``load(tune="off")``: nothing is measured; batches draft the drafter's
             own tree).
+        history: the :class:`~selfspec.decode.drafters.served_history.ServedHistory` a hybrid drafter draws on
+            (``load(hybrid=True, history=True)``), fed every output this model returns; None without one. It lives
+            in this process only.
     """
 
     def __init__(
@@ -70,6 +74,7 @@ class SpeculativeModel:
         verifier: Verifier | None = None,
         tree_budget: TreeBudgetChoice | None = None,
         tune: str = "auto",
+        history: ServedHistory | None = None,
     ) -> None:
         if tune not in TUNE_MODES:
             raise ValueError(f"tune must be one of {TUNE_MODES}, got {tune!r}")
@@ -79,6 +84,7 @@ class SpeculativeModel:
         self.verifier = make_verifier(target, drafter) if verifier is None else verifier
         self.tree_budget = tree_budget
         self.tune = tune
+        self.history = history
         self._eagle_batch_rule: BatchTreeRule | None = None
 
     # ------------------------------------------------------------------ inputs
@@ -191,6 +197,9 @@ class SpeculativeModel:
         if batch is not None and batch_tree == "auto" and self.tune == "auto":
             policy = self.batch_tree_rule()
         outs = decode_rows(self.verifier, drafters, ids, request, streamers=streamers, tree_policy=policy)
+        if self.history is not None:  # served outputs become a drafting source for the next requests
+            for out in outs:
+                self.history.add(out.tokens)
         return outs if batch is not None else outs[0]
 
     def batch_tree_rule(self) -> BatchTreeRule:
@@ -310,7 +319,9 @@ def load(
             directory inside ``heads`` when there is one (Medusa-2 heads, :mod:`selfspec.train.medusa2`).
         drafter_options: ``tree``, ``tree_nodes``, ``draft_model``, ``draft_tokens``, ``draft_shared_vocab``,
             ``prompt_lookup``, ``hybrid``, ``suffix_index`` (a saved index or a JSONL of conversations,
-            indexed with ``tokenizer``; see :func:`make_drafter`), and EAGLE options (``depth``, ``top_k``,
+            indexed with ``tokenizer``; see :func:`make_drafter`), ``history`` (True or a
+            :class:`~selfspec.decode.drafters.served_history.ServedHistory`: the hybrid also drafts from the outputs
+            served so far), and EAGLE options (``depth``, ``top_k``,
             ``total_tokens``; ``"auto"`` = sized to this machine when the head has an acceptance profile, see
             :func:`make_drafter`).
 
@@ -346,7 +357,7 @@ def load(
     check_target(target)  # refuses a target whose decoding would not be exactly its own
     plan = plan_drafter(target, heads, tune=tune, tokenizer=tokenizer, **drafter_options)
     verifier = make_verifier(target, plan.drafter, tune)
-    return SpeculativeModel(target, tokenizer, plan.drafter, verifier, plan.tree_budget, tune)
+    return SpeculativeModel(target, tokenizer, plan.drafter, verifier, plan.tree_budget, tune, plan.history)
 
 
 from_pretrained = load

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from selfspec.decode.drafters import Drafter, DraftModelDrafter, HybridDrafter, PromptLookupDrafter
+from selfspec.decode.drafters.served_history import ServedHistory
 from selfspec.decode.drafters.suffix_index import SuffixIndex
 from selfspec.decode.tuning import costs
 from selfspec.decode.verifier import Verifier
@@ -28,10 +29,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DrafterPlan:
-    """A drafter and, for an EAGLE head (alone or in a hybrid), how its tree budget was chosen (else None)."""
+    """A drafter and, for an EAGLE head (alone or in a hybrid), how its tree budget was chosen (else None); with
+    ``history``, the :class:`~selfspec.decode.drafters.served_history.ServedHistory` the hybrid drafts from, which
+    the model feeds with every output it serves."""
 
     drafter: Drafter
     tree_budget: TreeBudgetChoice | None = None
+    history: ServedHistory | None = None
 
 
 def make_verifier(target: PreTrainedModel, drafter, tune: str = "auto") -> Verifier:
@@ -77,6 +81,7 @@ def plan_drafter(
     prompt_lookup: bool = False,
     hybrid: bool = False,
     suffix_index: str | Path | SuffixIndex | None = None,
+    history: bool | ServedHistory = False,
     tokenizer: Any = None,
     tune: str = "auto",
     **head_options: Any,
@@ -91,6 +96,9 @@ def plan_drafter(
     adds continuations from training answers as a second n-gram source: a
     :class:`~selfspec.decode.drafters.suffix_index.SuffixIndex`, a file saved by its ``save`` (``.safetensors``), or a
     JSONL file of ``{"id", "messages"}`` conversations whose assistant turns are indexed with ``tokenizer``.
+    ``history`` (with ``hybrid=True``; True or a :class:`~selfspec.decode.drafters.served_history.ServedHistory`)
+    takes that place instead: continuations from the outputs served so far, which the model adds after each
+    request (:attr:`DrafterPlan.history`).
 
     Medusa heads use ``tree`` (index paths) if given, else Medusa's greedy tree from their held-out
     accuracies, of ``tree_nodes`` nodes or, when None and ``tune="auto"``, of the size that maximises
@@ -129,8 +137,12 @@ def plan_drafter(
         raise ValueError("pass exactly one of heads=..., draft_model=..., prompt_lookup=True")
     if hybrid and heads is None:
         raise ValueError("hybrid=True merges a head's tree with prompt lookup: pass heads=... too")
-    if suffix_index is not None and not hybrid:
-        raise ValueError("suffix_index=... is a source of the hybrid drafter: pass hybrid=True (and heads=...) too")
+    if (suffix_index is not None or history) and not hybrid:
+        raise ValueError(
+            "suffix_index=... and history=... are sources of the hybrid drafter: pass hybrid=True (and heads=...) too"
+        )
+    if suffix_index is not None and history:
+        raise ValueError("pass one second n-gram source: suffix_index=... (training answers) or history=... (served)")
     if prompt_lookup:
         return DrafterPlan(PromptLookupDrafter(num_tokens=draft_tokens * 2))
     if draft_model is not None:
@@ -159,12 +171,13 @@ def plan_drafter(
     drafter, choice = make(target, heads, head_dir, tune, tree=tree, tree_nodes=tree_nodes, **head_options)
     if not hybrid:
         return DrafterPlan(drafter, choice)
-    index = SuffixIndex.open(suffix_index, tokenizer) if suffix_index is not None else None
+    served = (ServedHistory() if history is True else history) or None
+    index = SuffixIndex.open(suffix_index, tokenizer) if suffix_index is not None else served
     cost = costs.get_cost_profile(target) if tune == "auto" else _nominal_cost(target)
     hybrid_drafter = HybridDrafter(
         drafter, cost.verify_cost_ms, PromptLookupDrafter(num_tokens=draft_tokens * 2), index
     )
-    return DrafterPlan(hybrid_drafter, choice)
+    return DrafterPlan(hybrid_drafter, choice, served)
 
 
 # With tune="off" a hybrid drafter sizes its split from this nominal cost: one extra tree node costs 4% of a

@@ -31,9 +31,9 @@ acceptance of index chains is counted apart from the context's (keyed by ``-n``)
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -42,8 +42,17 @@ from selfspec.decode.drafters.prompt_lookup import PromptLookupDrafter
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import DraftTree, depths_of, root_only
 
-if TYPE_CHECKING:
-    from selfspec.decode.drafters.suffix_index import SuffixIndex
+
+class ContinuationSource(Protocol):
+    """A second n-gram source of the hybrid: continuations of the context's longest matching suffix n-gram
+    (:class:`~selfspec.decode.drafters.suffix_index.SuffixIndex` over training answers,
+    :class:`~selfspec.decode.drafters.served_history.ServedHistory` over served outputs)."""
+
+    def lookup(self, context: Sequence[int], max_tokens: int) -> tuple[list[int], int]:
+        """``(up to max_tokens ids, the match length n)``; ``([], 0)`` when nothing matches."""
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError when the source holds ids outside the target's vocabulary."""
 
 
 def merge_chain(tree: DraftTree, chain: list[int]) -> tuple[DraftTree, list[int]]:
@@ -159,8 +168,9 @@ class HybridDrafter(Drafter):
         verify_cost_ms: the target's verification cost here by tree size (nodes -> ms), e.g. a cost
             profile's ``verify_cost_ms`` (:mod:`selfspec.decode.tuning.costs`).
         lookup: the n-gram source (its ``max_ngram`` / ``min_ngram``; ``num_tokens`` is the longest chain).
-        suffix_index: an optional second n-gram source, continuations from training answers
-            (:class:`~selfspec.decode.drafters.suffix_index.SuffixIndex`); shared, read only, by :meth:`fork`.
+        suffix_index: an optional second n-gram source (:class:`ContinuationSource`): continuations from training
+            answers (:class:`~selfspec.decode.drafters.suffix_index.SuffixIndex`) or from the outputs served so far
+            (:class:`~selfspec.decode.drafters.served_history.ServedHistory`); shared by :meth:`fork`.
 
     Attributes:
         acceptance: the :class:`SourceAcceptance` of the current decode (reset by :meth:`begin`).
@@ -175,7 +185,7 @@ class HybridDrafter(Drafter):
         head: Drafter,
         verify_cost_ms: Callable[[int], float],
         lookup: PromptLookupDrafter | None = None,
-        suffix_index: SuffixIndex | None = None,
+        suffix_index: ContinuationSource | None = None,
     ) -> None:
         if isinstance(head, HybridDrafter):
             raise ValueError("the head of a hybrid drafter cannot be a hybrid drafter")

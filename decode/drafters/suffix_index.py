@@ -198,16 +198,28 @@ class SuffixIndex:
             ``[min_ngram, max_ngram]`` (and ``<= len(context)``) whose last-n-gram occurs in the corpus with
             a continuation of at least ``min_support`` agreeing occurrences; ``([], 0)`` when none does.
         """
+        tokens, n, _ = self.match(context, max_tokens)
+        return tokens, n
+
+    def match(self, context: Sequence[int], max_tokens: int) -> tuple[list[int], int, list[int]]:
+        """:meth:`lookup` and the sequences its match drew on.
+
+        Returns:
+            ``(tokens, n, sources)``: as :meth:`lookup`, plus the indices (in corpus order, distinct, ascending) of
+            the sequences holding the occurrences of the matched n-gram that voted; ``[]`` when nothing matched.
+        """
         if max_tokens < 1 or not self.num_tokens:
-            return [], 0
+            return [], 0, []
         context = list(context)
         for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
             at = self._occurrences(context[-n:])
             if at.numel():
                 path = self._follow(at, max_tokens)
                 if path:
-                    return path, n
-        return [], 0
+                    ends = torch.cumsum(self.lengths, 0)
+                    sources = torch.unique(torch.searchsorted(ends, at, right=True)).tolist()
+                    return path, n, sources
+        return [], 0, []
 
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse an index holding token ids ``>= vocab_size`` (built with another tokenizer).
