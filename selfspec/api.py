@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,7 @@ from selfspec.decode.drafters import (
     Drafter,
     EagleDrafter,
 )
+from selfspec.decode.drafters.hybrid import head_of
 from selfspec.decode.drafters.served_history import ServedHistory
 from selfspec.decode.loop import decode_rows
 from selfspec.decode.request import GenerationOutput, GenerationRequest
@@ -27,6 +29,8 @@ from selfspec.decode.verifier import Verifier
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.generation.streamers import BaseStreamer
+
+    from selfspec.train.online import OnlineAdapter, OnlineOptions
 from selfspec.drafting import (
     TUNE_MODES,
     DrafterPlan,
@@ -64,6 +68,8 @@ class SpeculativeModel:
         history: the :class:`~selfspec.decode.drafters.served_history.ServedHistory` a hybrid drafter draws on
             (``load(hybrid=True, history=True)``), fed every output this model returns; None without one. It lives
             in this process only.
+        online: the :class:`~selfspec.train.online.OnlineAdapter` that adapts the head to the requests served
+            (``load(..., adapt=True)``), or None.
     """
 
     def __init__(
@@ -75,6 +81,7 @@ class SpeculativeModel:
         tree_budget: TreeBudgetChoice | None = None,
         tune: str = "auto",
         history: ServedHistory | None = None,
+        online: OnlineAdapter | None = None,
     ) -> None:
         if tune not in TUNE_MODES:
             raise ValueError(f"tune must be one of {TUNE_MODES}, got {tune!r}")
@@ -85,6 +92,7 @@ class SpeculativeModel:
         self.tree_budget = tree_budget
         self.tune = tune
         self.history = history
+        self.online = online
         self._eagle_batch_rule: BatchTreeRule | None = None
 
     # ------------------------------------------------------------------ inputs
@@ -196,11 +204,31 @@ class SpeculativeModel:
         policy = None
         if batch is not None and batch_tree == "auto" and self.tune == "auto":
             policy = self.batch_tree_rule()
+        if self.online is not None:
+            self.online.before_request()  # a pending swap lands here, never within a request
+        t0 = time.perf_counter()
         outs = decode_rows(self.verifier, drafters, ids, request, streamers=streamers, tree_policy=policy)
+        if self.online is not None:  # learns from what it served; the target verified every token
+            served_s = (time.perf_counter() - t0) / len(outs)
+            for row, out in zip(ids, outs, strict=True):
+                sequence = torch.cat([row.cpu(), torch.tensor(out.tokens, dtype=torch.long)])
+                self.online.observe(sequence, row.numel(), out.stats.mean_accepted_tokens, served_s)
         if self.history is not None:  # served outputs become a drafting source for the next requests
             for out in outs:
                 self.history.add(out.tokens)
         return outs if batch is not None else outs[0]
+
+    def save_heads(self, directory: str | Path) -> Path:
+        """Write the head adapted online (``load(..., adapt=True)``) to ``directory``: the strict head files and
+        ``adaptation.json`` (counts only: no text, no paths). A later ``selfspec.load(target, directory,
+        adapt=True)`` continues from it.
+
+        Raises:
+            ValueError: the model adapts nothing (its heads are the files it was loaded from).
+        """
+        if self.online is None:
+            raise ValueError("save_heads writes heads adapted online: load with adapt=True (or use selfspec adapt)")
+        return self.online.save(directory)
 
     def batch_tree_rule(self) -> BatchTreeRule:
         """The rule that sizes each row's tree by batch size (:class:`~.tuning.batch_rule.BatchTreeRule`),
@@ -210,7 +238,7 @@ class SpeculativeModel:
         of the online kind (it learns within a call)."""
         cost = get_batch_cost_profile(self.target, verifier=self.verifier)
         profile = self.tree_budget.acceptance_profile if self.tree_budget is not None else None
-        if isinstance(self.drafter, EagleDrafter) and profile is not None:
+        if profile is not None and self.drafter.info().draft_cost is not None:  # the head's profile and draft cost
             if self._eagle_batch_rule is None:
                 draft = get_draft_cost(self.drafter, self.target, range(1, profile.depth_max + 1))
                 self._eagle_batch_rule = BatchTreeRule(cost, profile, draft)
@@ -293,6 +321,7 @@ def load(
     threads: int | None = None,
     tune: str = "auto",
     adapter: str | Path | Any | None = None,
+    adapt: bool | OnlineOptions = False,
     **drafter_options: Any,
 ) -> SpeculativeModel:
     """Load a target and a drafter.
@@ -317,6 +346,10 @@ def load(
             ``target``: the target decoded is the base with the adapter merged in, and heads must have been
             trained on that adapted target (the fingerprint names base and adapter). Default: the ``adapter/``
             directory inside ``heads`` when there is one (Medusa-2 heads, :mod:`selfspec.train.medusa2`).
+        adapt: True or :class:`~selfspec.train.online.OnlineOptions`: the EAGLE-3 head learns from the requests it
+            serves (:mod:`selfspec.train.online`: between requests by default, within a CPU share, swapped in only
+            when it beats the live head on held-out traffic, rolled back when served acceptance falls); outputs
+            stay the target's. :meth:`SpeculativeModel.save_heads` writes the adapted head.
         drafter_options: ``tree``, ``tree_nodes``, ``draft_model``, ``draft_tokens``, ``draft_shared_vocab``,
             ``prompt_lookup``, ``hybrid``, ``suffix_index`` (a saved index or a JSONL of conversations,
             indexed with ``tokenizer``; see :func:`make_drafter`), ``history`` (True or a
@@ -357,7 +390,17 @@ def load(
     check_target(target)  # refuses a target whose decoding would not be exactly its own
     plan = plan_drafter(target, heads, tune=tune, tokenizer=tokenizer, **drafter_options)
     verifier = make_verifier(target, plan.drafter, tune)
-    return SpeculativeModel(target, tokenizer, plan.drafter, verifier, plan.tree_budget, tune, plan.history)
+    online = None
+    if adapt:
+        drafter = head_of(plan.drafter)
+        if not isinstance(drafter, EagleDrafter):
+            raise ValueError(
+                f"adapt= trains the head of an EAGLE-3 drafter; this model drafts with {drafter.info().name}"
+            )
+        from selfspec.train.online import OnlineAdapter, OnlineOptions  # the training stack, only when adapting
+
+        online = OnlineAdapter(drafter.head, target, adapt if isinstance(adapt, OnlineOptions) else None)
+    return SpeculativeModel(target, tokenizer, plan.drafter, verifier, plan.tree_budget, tune, plan.history, online)
 
 
 from_pretrained = load

@@ -1,0 +1,139 @@
+"""Online adaptation: an EAGLE-3 head that learns from the requests it serves. Outputs stay the target's while the
+head changes between requests (single prompts and ragged batches, greedy and sampled); a fault in adaptation never
+stops decoding; a swapped-in head that serves worse is rolled back; the buffers stay within their bound; the adapted
+head is saved without text and a restarted process continues from it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import selfspec
+from selfspec.train.online import OnlineAdapter, OnlineOptions
+from tests.helpers.archs import tiny_llama
+from tests.helpers.heads import make_eagle3
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+N = 12  # new tokens per request
+FAST = OnlineOptions(
+    window=2,
+    steps_per_request=3,
+    batch_tokens=64,
+    max_length=64,
+    cpu_share=0.99,
+    heldout_every=2,
+    buffer_tokens=96,
+    lr=3e-2,
+)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab_size=96, hidden_size=32, layers=3)
+
+
+def prompts(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 96, (int(torch.randint(4, 9, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+
+def greedy(target, ids: torch.Tensor) -> list[int]:
+    out = target.generate(ids[None], do_sample=False, max_new_tokens=N, min_new_tokens=N, pad_token_id=0)
+    return out[0, ids.numel() :].tolist()
+
+
+def load(target, options=FAST):
+    return selfspec.load(target, make_eagle3(target), adapt=options, tune="off", depth=3, top_k=2, total_tokens=6)
+
+
+def test_outputs_stay_the_targets_while_the_head_changes(target):
+    model = load(target)
+    head = model.online.live
+    start = {k: v.clone() for k, v in head.state_dict().items()}
+    for ids in prompts(10):
+        assert model.generate(ids, max_new_tokens=N, eos_token_id=[]).tokens == greedy(target, ids)
+    batch = prompts(3, seed=1)  # ragged rows, each its own length
+    outs = model.generate(batch, max_new_tokens=N, eos_token_id=[])
+    assert [o.tokens for o in outs] == [greedy(target, ids) for ids in batch]
+    stats = model.online.stats
+    assert stats.requests == 13 and stats.steps > 0 and stats.swaps >= 1
+    assert any(not torch.equal(start[k], v) for k, v in head.state_dict().items())  # it did change
+    assert model.online.memory_bytes() <= (96 + 96 // 4 + 2 * 64) * (4 * 32 * 4 + 8)  # within the declared bound
+
+
+def test_sampled_outputs_keep_the_targets_distribution_while_adapting(target):
+    """Seeded, 400 draws of the first two sampled tokens after one prompt, with the head adapting between draws;
+    pooled chi-square against the target's exact law of those two tokens at p < 0.001."""
+    from tests.helpers.stats import chi2_critical, pooled_chi2
+
+    model = load(target)
+    ids = prompts(1, seed=5)[0]
+    n, counts = 400, {}
+    for i in range(n):
+        out = model.generate(ids, max_new_tokens=2, do_sample=True, seed=i, eos_token_id=[])
+        counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
+    assert model.online.stats.steps > 0
+    with torch.no_grad():  # the exact law of two sampled tokens: p(a) p(b | a), every a at once
+        p1 = torch.softmax(target(ids[None]).logits[0, -1].double(), -1)
+        rows = torch.cat([ids.repeat(96, 1), torch.arange(96)[:, None]], dim=1)
+        p2 = torch.softmax(target(rows).logits[:, -1].double(), -1)
+    law = {(a, b): float(p1[a] * p2[a, b]) for a in range(96) for b in range(96)}
+    stat, dof = pooled_chi2(counts, law, n)
+    assert stat < chi2_critical(dof, 0.001)
+
+
+def test_a_fault_in_adaptation_never_stops_decoding(target, monkeypatch):
+    model = load(target)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(model.online, "_step", broken)
+    batch = prompts(3)
+    with pytest.warns(RuntimeWarning, match="online adaptation stopped .*disk on fire.*serves on unchanged"):
+        first = model.generate(batch[0], max_new_tokens=N, eos_token_id=[])
+    assert not model.online.enabled
+    assert first.tokens == greedy(target, batch[0])
+    assert [model.generate(ids, max_new_tokens=N, eos_token_id=[]).tokens for ids in batch[1:]] == [
+        greedy(target, ids) for ids in batch[1:]
+    ]
+
+
+def test_a_swapped_in_head_that_serves_worse_is_rolled_back(target):
+    adapter = OnlineAdapter(make_eagle3(target), target, FAST)
+    good = {k: v.clone() for k, v in adapter.live.state_dict().items()}
+    adapter._window = [2.0, 2.0]
+    adapter._end_window()  # the window of the first head: tau 2.0
+    with torch.no_grad():
+        adapter.live.fc.weight.add_(1.0)  # as a swap would
+    adapter._trial = True
+    adapter._window = [1.5, 1.5]  # served worse
+    adapter._end_window()
+    assert adapter.stats.rollbacks == 1 and adapter.stats.windows[-1]["action"] == "rolled back"
+    assert all(torch.equal(good[k], v) for k, v in adapter.live.state_dict().items())
+
+
+def test_saved_heads_carry_no_text_and_a_restart_continues(target, tmp_path):
+    model = load(target)
+    for ids in prompts(6):
+        model.generate(ids, max_new_tokens=N, eos_token_id=[])
+    out = model.save_heads(tmp_path / "adapted")
+    record = json.loads((out / "adaptation.json").read_text())
+    assert record["mode"] == "online" and record["requests"] == 6 and record["served_tokens"] == 6 * N
+    restarted = selfspec.load(target, out, adapt=FAST, tune="off", depth=3, top_k=2, total_tokens=6)
+    saved = model.online.live.state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in restarted.online.live.state_dict().items())
+    with pytest.raises(ValueError, match="load with adapt=True"):
+        selfspec.load(target, out, tune="off").save_heads(tmp_path / "x")
+
+
+def test_bad_options_and_families_are_refused(target):
+    from tests.helpers.heads import make_eagle
+
+    with pytest.raises(ValueError, match="cpu_share"):
+        OnlineOptions(cpu_share=1.5)
+    with pytest.raises(ValueError, match="adapt them offline with selfspec adapt"):
+        OnlineAdapter(make_eagle(target), target)
