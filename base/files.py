@@ -48,6 +48,7 @@ __all__ = [
     "read_cached",
     "read_dataclass",
     "read_json",
+    "record_dict",
     "replace_dir",
     "staging_dir",
     "write_cached",
@@ -104,6 +105,12 @@ def write_cached(path: Path, data: dict[str, Any], what: str) -> None:
         logger.warning("cannot cache the %s in %s (%s); using it uncached", what, path, err)
     else:
         logger.info("%s cached in %s", what, path)
+
+
+def record_dict(record: Any, header: Mapping[str, Any]) -> dict[str, Any]:
+    """A dataclass record as its file's JSON object: the ``header`` keys (``format``, ``version``) first, then its
+    fields (:func:`dataclasses.asdict`); :func:`read_dataclass` with the same ``header`` reads it back."""
+    return {**header, **dataclasses.asdict(record)}
 
 
 def now_utc() -> str:

@@ -183,6 +183,13 @@ class BlockConfig:
         """S, the draft vocabulary size."""
         return int(self.draft_vocab_size)
 
+    @property
+    def cost_shape(self) -> str:
+        """The sizes one head forward's cost depends on besides the target, as a file-name part of the draft-cost
+        cache (:mod:`selfspec.decode.tuning.draft_costs`): the block, the draft layers, the draft vocabulary and the
+        Markov rank."""
+        return f"b{self.block_size}-l{self.num_layers}-v{self.n_draft}-r{self.markov_rank}"
+
 
 class MarkovHead(nn.Module):
     """DSpark's low-rank Markov bias: ``markov_w2(markov_w1[prev]) [.., S]`` for previous target ids ``prev``."""

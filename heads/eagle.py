@@ -120,6 +120,12 @@ class EagleConfig:
     def n_draft(self) -> int:
         return self.draft_vocab_size or self.vocab_size
 
+    @property
+    def cost_shape(self) -> str:
+        """The sizes one head forward's cost depends on besides the target, as a file-name part of the draft-cost
+        cache (:mod:`selfspec.decode.tuning.draft_costs`): the draft vocabulary and the ``fc`` bias."""
+        return f"v{self.n_draft}-b{int(self.fc_bias)}"
+
 
 FULL_ATTENTION = "full_attention"
 """The layer type of the head's own attention: full context, never a sliding window."""

@@ -188,6 +188,13 @@ class Eagle3Config:
         export to an engine that computes neither must refuse."""
         return tuple(name for name, on in (("fc_norm", self.fc_norm), ("norm_output", self.norm_output)) if on)
 
+    @property
+    def cost_shape(self) -> str:
+        """The sizes one head forward's cost depends on besides the target, as a file-name part of the draft-cost
+        cache (:mod:`selfspec.decode.tuning.draft_costs`): the draft vocabulary and EAGLE-3.1's norms (the fc over
+        three layers, without a bias, is the family's own)."""
+        return f"v{self.draft_vocab_size}" + "".join(f"-{flag}" for flag in self.eagle31_flags)
+
 
 class FusedInputNorm(nn.Module):
     """The attention input of an EAGLE-3 layer, standing in for the layer's ``input_layernorm``:

@@ -518,8 +518,8 @@ def test_bench_runs_block_heads_exactly_and_names_their_tree(tmp_path):
     dirs = {t: block_head(target, t, 4).save_pretrained(tmp_path / t) for t in ("dflash", "dspark")}
     settings = BenchSettings(max_new_tokens=14, warmup=0, eos_token_ids=())
     methods = build_methods(target, tokenizer, settings, methods=["baseline"], heads=dirs)
-    assert methods["dflash"].description.endswith("(block tree: a chain of 3 drafts)")
-    assert methods["dspark"].description.endswith("(block tree: a chain of 4 drafts)")
+    assert methods["dflash"].description.endswith("(tree: a chain of 3 drafts)")
+    assert methods["dspark"].description.endswith("(tree: a chain of 4 drafts)")
     prompts = [BenchPrompt("a", "x", ("hello there, hello",))]
     report = run_bench(target, tokenizer, methods, prompts, settings).to_dict()
     assert report["mismatches"] == []

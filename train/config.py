@@ -349,7 +349,7 @@ class TrainConfig:
                 object.__setattr__(self, name, _read(cls, value, root=name))
             elif not isinstance(value, cls):
                 raise ValueError(f"{name} must be a mapping of {cls.__name__} fields, got {value!r}")
-        if self.head == "medusa" and self.medusa.joint and self.target_adapter:
+        if self.medusa.joint and self.target_adapter:  # the option asks for Medusa-2 and its own adapter
             raise ValueError(
                 "medusa.joint (Medusa-2) trains its own LoRA adapter on the base target: drop target_adapter, or "
                 "merge that adapter into a saved model first and pass that directory as the target"

@@ -26,6 +26,49 @@ from selfspec.decode.tree import DraftTree
 
 
 @dataclass(frozen=True)
+class TreeShape:
+    """The size of a draft tree, as the drafters take it.
+
+    Attributes:
+        depth: the deepest draft below the root: EAGLE's draft depth d, a block drafter's chain length L, the
+            deepest path of a Medusa tree.
+        tokens: the draft tokens asked for, the root excluded: EAGLE's ``total_tokens`` N (kept after reranking;
+            a depth creates at most so many candidates), else ``nodes - 1``.
+        nodes: the nodes verified, the root included.
+        top_k: candidates per expansion: EAGLE's ``top_k``, a block slot's width (1: the chain alone), the widest
+            rank a Medusa tree takes plus one.
+        branch_depth: block trees: the chain depths that carry ``top_k - 1`` sibling leaves (0 otherwise).
+    """
+
+    depth: int
+    tokens: int
+    nodes: int
+    top_k: int = 1
+    branch_depth: int = 0
+
+
+@dataclass(frozen=True)
+class DraftCostKey:
+    """What one draft of a head drafter costs depends on, besides the target: the identity of its measured cost
+    (:mod:`selfspec.decode.tuning.draft_costs`, which times :meth:`Drafter.at_depth` drafters and caches the result
+    under this key).
+
+    Attributes:
+        family: the head's family (``head_type``), the first word of the cache file's name.
+        shape: the sizes the cost depends on, as a file-name part (``"k4-v32000-b1"``: top_k, draft vocabulary, ...).
+        top_k: candidates per expansion (recorded with the cost).
+        per_block: True when one forward drafts the whole block whatever depth is kept (DFlash, DSpark: the cost
+            is measured at the block's length, the drafter's context growing by one position a call); False when
+            each level costs one more forward (EAGLE: measured on a fixed context by depth).
+    """
+
+    family: str
+    shape: str
+    top_k: int
+    per_block: bool = False
+
+
+@dataclass(frozen=True)
 class DrafterInfo:
     """What the loop needs to know about a drafter (read once per call).
 
@@ -40,6 +83,11 @@ class DrafterInfo:
             when its children are always chosen deterministically (top-k, n-gram continuations).
         head: True when it drafts with heads on the target's hidden states (its trees are worth the tuned
             verification kernels of :mod:`selfspec.decode.verifier`).
+        draft_cost: set by a drafter whose drafting cost the tree chooser weighs (:class:`DraftCostKey`); it then
+            builds the drafters that measurement times (:meth:`Drafter.at_depth`). None: a cost not measured.
+        tree: the tree it drafts each step when a depth / token budget fixed it at construction (EAGLE-2's
+            depth, ``total_tokens`` and ``top_k``; a block drafter's chain, width and branch depth); None: a tree
+            found each step (n-gram chains, a hybrid) or a static tree.
     """
 
     name: str
@@ -48,6 +96,8 @@ class DrafterInfo:
     vocab_size: int | None = None
     sampled: bool = False
     head: bool = False
+    draft_cost: DraftCostKey | None = None
+    tree: TreeShape | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +166,15 @@ class Drafter(ABC):
 
     def accept(self, accepted: AcceptedPath) -> None:  # noqa: B027 (optional hook)
         """Told what this step's verification accepted (:class:`AcceptedPath`). Default: nothing."""
+
+    def at_depth(self, depth: int, target) -> Drafter:
+        """A fresh drafter of the same head and settings that drafts ``depth`` levels (a block drafter: a chain of
+        ``depth``), attached to ``target``: what the draft-cost measurement times at each depth.
+
+        Raises:
+            ValueError: a drafter without :attr:`DrafterInfo.draft_cost` (the default), or a depth it cannot draft.
+        """
+        raise ValueError(f"the {self.info().name} drafter has no drafting cost to measure")
 
     def fork(self) -> Drafter:
         """A drafter for one more sequence of a batch: weights and settings shared, per-sequence state set

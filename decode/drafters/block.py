@@ -23,7 +23,15 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.decode.drafters.base import AcceptedPath, Drafter, DrafterInfo, DraftLimit, chain_room
+from selfspec.decode.drafters.base import (
+    AcceptedPath,
+    DraftCostKey,
+    Drafter,
+    DrafterInfo,
+    DraftLimit,
+    TreeShape,
+    chain_room,
+)
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import DraftTree
 from selfspec.heads.block_layers import ContextKV
@@ -71,13 +79,24 @@ class BlockDrafter(Drafter):
 
     def info(self) -> DrafterInfo:
         """The head's target layers (outputs of ``target_layer_ids``, as ``hidden_states[i + 1]``) and its block."""
+        cfg = self.head.config
+        nodes = 1 + self.length + (self.top_k - 1) * self.branch_depth
         return DrafterInfo(
-            name=self.head.config.head_type,
+            name=cfg.head_type,
             max_depth=self.length,
             target_layers=self.head.target_layers,
-            vocab_size=self.head.config.vocab_size,
+            vocab_size=cfg.vocab_size,
             head=True,
+            draft_cost=DraftCostKey(cfg.head_type, cfg.cost_shape, self.top_k, per_block=True),
+            tree=TreeShape(self.length, nodes - 1, nodes, self.top_k, self.branch_depth if self.top_k > 1 else 0),
         )
+
+    def at_depth(self, depth: int, target) -> BlockDrafter:
+        """A chain drafter of this head that keeps ``depth`` drafts of its block (one forward over the block
+        whatever it keeps). Raises ValueError beyond the head's block."""
+        if depth > self.head.config.max_drafts:
+            raise ValueError(f"a block drafter drafts at most {self.head.config.max_drafts} tokens, not {depth}")
+        return BlockDrafter(self.head, target, length=depth)
 
     def fork(self) -> BlockDrafter:
         twin = super().fork()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.decode.drafters.base import AcceptedPath, Drafter, DrafterInfo, DraftLimit
+from selfspec.decode.drafters.base import AcceptedPath, DraftCostKey, Drafter, DrafterInfo, DraftLimit, TreeShape
 from selfspec.decode.kv import crop_cache
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import DraftTree
@@ -35,6 +35,11 @@ from selfspec.decode.tree import DraftTree
 DEFAULT_DEPTH = 5
 DEFAULT_TOP_K = 4
 DEFAULT_TOTAL_TOKENS = 12
+
+
+def num_candidates(top_k: int, depth: int) -> int:
+    """Candidates an EAGLE-2 drafter creates: ``top_k`` at depth 1, ``top_k ** 2`` at each further depth."""
+    return top_k + (depth - 1) * top_k * top_k
 
 
 def select_nodes(scores: torch.Tensor, parents: torch.Tensor, budget: int) -> torch.Tensor:
@@ -99,13 +104,21 @@ class EagleDrafter(Drafter):
 
     def info(self) -> DrafterInfo:
         """EAGLE-3 heads take the states of three target layers (``head.target_layers``); EAGLE-1 heads the last."""
+        cfg = self.head.config
+        nodes = min(self.total_tokens, num_candidates(self.top_k, self.depth)) + 1
         return DrafterInfo(
             name="eagle",
             max_depth=self.depth,
             target_layers=self.head.target_layers,
-            vocab_size=self.head.config.vocab_size,
+            vocab_size=cfg.vocab_size,
             head=True,
+            draft_cost=DraftCostKey(cfg.head_type, f"k{self.top_k}-{cfg.cost_shape}", self.top_k),
+            tree=TreeShape(self.depth, self.total_tokens, nodes, self.top_k),
         )
+
+    def at_depth(self, depth: int, target) -> EagleDrafter:
+        """An EAGLE drafter of this head, ``top_k`` and ``total_tokens`` that drafts ``depth`` levels."""
+        return EagleDrafter(self.head, target, depth, self.top_k, self.total_tokens)
 
     def _new_cache(self):
         from transformers import DynamicCache

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.base.files import now_utc, profiles_dir, read_cached, write_cached
+from selfspec.base.files import now_utc, profiles_dir, read_cached, read_dataclass, record_dict, write_cached
 from selfspec.decode.loop import TreeCap
 from selfspec.decode.tuning.budget import choose_tree, eagle_trees
 from selfspec.decode.tuning.costs import CostProfile, cost_key, interleaved_medians, profile_stem
@@ -45,8 +45,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
 BATCH_NODE_COUNTS = (1, 2, 4, 8, 16, 32)
-_FORMAT = "selfspec-batch-verify-cost"
-_VERSION = 1
+_HEADER = {"format": "selfspec-batch-verify-cost", "version": 1}
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -110,47 +109,12 @@ class BatchCostProfile:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": _FORMAT,
-            "version": _VERSION,
-            "key": dict(self.key),
-            "context_length": self.context_length,
-            "batch_sizes": list(self.batch_sizes),
-            "node_counts": list(self.node_counts),
-            "verify_ms": [list(r) for r in self.verify_ms],
-            "created_utc": self.created_utc,
-        }
+        return record_dict(self, _HEADER)
 
     @classmethod
     def from_dict(cls, data: Any) -> BatchCostProfile:
-        """Parse :meth:`to_dict`'s layout. Raises ValueError on anything else."""
-        fields = {
-            "format",
-            "version",
-            "key",
-            "context_length",
-            "batch_sizes",
-            "node_counts",
-            "verify_ms",
-            "created_utc",
-        }
-        if not isinstance(data, dict) or set(data) != fields:
-            raise ValueError(f"not a batch cost profile: expected the keys {sorted(fields)}")
-        if data["format"] != _FORMAT or data["version"] != _VERSION:
-            raise ValueError(
-                f"batch cost profile format {data['format']!r} v{data['version']} is not {_FORMAT} v{_VERSION}"
-            )
-        try:
-            return cls(
-                key=dict(data["key"]),
-                context_length=int(data["context_length"]),
-                batch_sizes=tuple(data["batch_sizes"]),
-                node_counts=tuple(data["node_counts"]),
-                verify_ms=tuple(tuple(r) for r in data["verify_ms"]),
-                created_utc=str(data["created_utc"]),
-            )
-        except TypeError as err:
-            raise ValueError(f"malformed batch cost profile: {err}") from err
+        """Parse :meth:`to_dict`'s layout strictly. Raises ValueError on anything else."""
+        return read_dataclass(cls, data, "batch cost profile", header=_HEADER)
 
 
 @torch.inference_mode()

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from selfspec.decode.drafters.base import TreeShape
 from selfspec.decode.tree import greedy_tree_scores
 from selfspec.decode.tuning.calibration import AcceptanceProfile, num_candidates
 from selfspec.decode.tuning.costs import DEFAULT_NODE_COUNTS, CostProfile, get_cost_profile
@@ -49,28 +50,6 @@ __all__ = [
     "tree_table_text",
     "tune_tree_budget",
 ]
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    """The size of a draft tree, as the drafters take it.
-
-    Attributes:
-        depth: the deepest draft below the root: EAGLE's draft depth d, a block drafter's chain length L, the
-            deepest path of a Medusa tree.
-        tokens: the draft tokens asked for, the root excluded: EAGLE's ``total_tokens`` N (kept after reranking;
-            a depth creates at most so many candidates), else ``nodes - 1``.
-        nodes: the nodes verified, the root included.
-        top_k: candidates per expansion: EAGLE's ``top_k``, a block slot's width (1: the chain alone), the widest
-            rank a Medusa tree takes plus one.
-        branch_depth: block trees: the chain depths that carry ``top_k - 1`` sibling leaves (0 otherwise).
-    """
-
-    depth: int
-    tokens: int
-    nodes: int
-    top_k: int = 1
-    branch_depth: int = 0
 
 
 # One candidate tree of a family's enumerator: ``(shape, expected tau, ms to draft it)``.

@@ -28,7 +28,7 @@ import torch
 
 from selfspec.base.files import now_utc, read_dataclass, read_json, write_json
 from selfspec.base.fingerprint import target_fingerprint
-from selfspec.decode.drafters.eagle import EagleDrafter
+from selfspec.decode.drafters.eagle import EagleDrafter, num_candidates
 from selfspec.decode.loop import speculative_generate
 from selfspec.decode.verifier import Verifier
 from selfspec.heads.config import HeadFormatError, read_safetensors
@@ -49,11 +49,6 @@ _HEAD_FILES = ("model.safetensors", "draft_vocab.safetensors")
 # `selfspec tune-tree` alike.
 CALIBRATION_DEPTH_MAX = 6
 CALIBRATION_TOTAL_TOKENS_MAX = 48
-
-
-def num_candidates(top_k: int, depth: int) -> int:
-    """Candidates an EAGLE-2 drafter creates: ``top_k`` at depth 1, ``top_k ** 2`` at each further depth."""
-    return top_k + (depth - 1) * top_k * top_k
 
 
 def candidate_depths(parents: torch.Tensor) -> torch.Tensor:

@@ -20,10 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.base.files import now_utc, profiles_dir, read_cached, read_dataclass, write_cached
-from selfspec.decode.drafters.base import AcceptedPath, DraftLimit
-from selfspec.decode.drafters.block import BlockDrafter
-from selfspec.decode.drafters.eagle import EagleDrafter
+from selfspec.base.files import now_utc, profiles_dir, read_cached, read_dataclass, record_dict, write_cached
+from selfspec.decode.drafters.base import AcceptedPath, DraftCostKey, Drafter, DraftLimit
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import DraftTree
 from selfspec.decode.tuning.costs import DEFAULT_CONTEXT_LENGTH, cost_key, interleaved_medians, profile_stem
@@ -35,7 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DRAFT_COST_VERSION = 1
-_DRAFT_FORMAT = "selfspec-draft-cost"
+_HEADER = {"format": "selfspec-draft-cost", "version": DRAFT_COST_VERSION}
 
 
 @dataclass(frozen=True)
@@ -59,24 +57,29 @@ class DraftCost:
             raise ValueError("draft_ms must map depths to positive numbers")
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": _DRAFT_FORMAT,
-            "version": DRAFT_COST_VERSION,
-            "key": dict(self.key),
-            "top_k": self.top_k,
-            "draft_ms": dict(self.draft_ms),
-            "created_utc": self.created_utc,
-        }
+        return record_dict(self, _HEADER)
 
     @classmethod
     def from_dict(cls, data: Any) -> DraftCost:
         """Parse :meth:`to_dict`'s layout strictly. Raises ValueError on anything else."""
-        return read_dataclass(cls, data, header={"format": _DRAFT_FORMAT, "version": DRAFT_COST_VERSION})
+        return read_dataclass(cls, data, header=_HEADER)
+
+
+def draft_cost_key(drafter: Drafter) -> DraftCostKey:
+    """What the drafter's cost depends on (:attr:`~selfspec.decode.drafters.base.DrafterInfo.draft_cost`).
+
+    Raises:
+        ValueError: a drafter that declares no drafting cost to measure (prompt lookup, a hybrid, ...).
+    """
+    key = drafter.info().draft_cost
+    if key is None:
+        raise ValueError(f"the {drafter.info().name} drafter declares no drafting cost to measure")
+    return key
 
 
 @torch.inference_mode()
 def measure_draft_cost(
-    drafter: EagleDrafter | BlockDrafter,
+    drafter: Drafter,
     target: PreTrainedModel,
     depths: Sequence[int],
     context_length: int = DEFAULT_CONTEXT_LENGTH,
@@ -85,15 +88,15 @@ def measure_draft_cost(
     """Median wall ms of one drafting step (``accept`` of a step with nothing accepted, then ``propose``) at each
     draft depth.
 
-    One drafter per depth is built from ``drafter``'s head (and, for EAGLE, its ``top_k``; ``drafter`` itself is
-    not used or changed). Each is begun on ``context_length`` random tokens with the target's real features.
-    EAGLE: one untimed propose feeds the prompt's pairs; each timed call then feeds one accepted pair, as a
-    decoding step with nothing accepted does, and grows the tree to the depth. Block drafters: each timed call
-    feeds one position and runs the whole block, keeping ``depth`` drafts (the context grows by one per call).
+    One drafter per depth is built by ``drafter.at_depth`` (``drafter`` itself is not used or changed). Each is
+    begun on ``context_length`` random tokens with the target's real features. A drafter whose levels each cost a
+    forward (EAGLE): one untimed propose feeds the prompt's pairs; each timed call then feeds one accepted pair, as
+    a decoding step with nothing accepted does, and grows the tree to the depth. A drafter that runs its whole
+    block (``DraftCostKey.per_block``: DFlash, DSpark): each timed call feeds one position and runs the whole
+    block, keeping ``depth`` drafts (the context grows by one per call).
 
     Args:
-        drafter: an :class:`~selfspec.decode.drafters.eagle.EagleDrafter` or
-            :class:`~selfspec.decode.drafters.block.BlockDrafter` attached to ``target`` (the template).
+        drafter: a drafter that declares its drafting cost (:func:`draft_cost_key`), attached to ``target``.
         target: the frozen target.
         depths: draft depths d >= 1.
         context_length: prompt tokens before the draft.
@@ -103,14 +106,14 @@ def measure_draft_cost(
         ``{depth: ms}``.
 
     Raises:
-        ValueError: an empty ``depths``, a depth < 1, or (block drafters) a depth beyond the head's block.
+        ValueError: an empty ``depths``, a depth < 1, a drafter without a drafting cost, or a depth it cannot
+            draft (block drafters: beyond the head's block).
     """
     depths = sorted({int(d) for d in depths})
     if not depths or depths[0] < 1:
         raise ValueError("need draft depths >= 1")
-    block = isinstance(drafter, BlockDrafter)
-    if block and depths[-1] > drafter.head.config.max_drafts:
-        raise ValueError(f"a block drafter drafts at most {drafter.head.config.max_drafts} tokens, not {depths[-1]}")
+    block = draft_cost_key(drafter).per_block
+    drafter.at_depth(depths[-1], target)  # refuses a depth it cannot draft before any work
     device = next(target.parameters()).device
     gen = torch.Generator().manual_seed(1)
     context = torch.randint(0, target.config.vocab_size, (context_length + 1,), generator=gen).to(device)
@@ -121,7 +124,7 @@ def measure_draft_cost(
     greedy = SamplingConfig()
 
     def block_at(length: int) -> Callable[[], None]:
-        at_length = BlockDrafter(drafter.head, target, length=length)
+        at_length = drafter.at_depth(length, target)
         at_length.begin(context[:-1], hidden)
         grown = [context]
 
@@ -137,7 +140,7 @@ def measure_draft_cost(
     def at(depth: int) -> Callable[[], None]:
         if block:
             return block_at(depth)
-        at_depth = EagleDrafter(drafter.head, target, depth, drafter.top_k, drafter.total_tokens)
+        at_depth = drafter.at_depth(depth, target)
         at_depth.begin(context[:-1], hidden)
         limit = DraftLimit(useful_depth=depth)
         at_depth.propose(context, greedy, None, limit)  # feeds the prompt's pairs: the cache now holds a real context
@@ -154,22 +157,16 @@ def measure_draft_cost(
     return {d: round(ms, 4) for d, ms in medians.items()}
 
 
-def draft_cost_path(drafter: EagleDrafter | BlockDrafter, target: PreTrainedModel) -> Path:
-    """Cache file of a drafter's cost by depth (it depends on the head's shapes, EAGLE-3.1's norms and EAGLE's
-    ``top_k``, not on the weights; a block drafter's on its block, layers, draft vocabulary and Markov rank)."""
-    cfg = drafter.head.config
+def draft_cost_path(drafter: Drafter, target: PreTrainedModel) -> Path:
+    """Cache file of a drafter's cost by depth: the target's measurement identity and the drafter's
+    :class:`~selfspec.decode.drafters.base.DraftCostKey` (the head's shapes and ``top_k``, not its weights)."""
+    key = draft_cost_key(drafter)
     stem = profile_stem(cost_key(target), next(target.parameters()).device)
-    if isinstance(drafter, BlockDrafter):
-        shape = f"b{cfg.block_size}-l{cfg.num_layers}-v{cfg.n_draft}-r{cfg.markov_rank}"
-        return profiles_dir() / f"draft-{cfg.head_type}-{stem}-{shape}.json"
-    if cfg.head_type == "eagle3":  # fc over three layers, no bias: its own cost; EAGLE-3.1's norms add to it
-        flags = "".join(f"-{flag}" for flag in cfg.eagle31_flags)
-        return profiles_dir() / f"draft-eagle3-{stem}-k{drafter.top_k}-v{cfg.draft_vocab_size}{flags}.json"
-    return profiles_dir() / f"draft-eagle-{stem}-k{drafter.top_k}-v{cfg.n_draft}-b{int(cfg.fc_bias)}.json"
+    return profiles_dir() / f"draft-{key.family}-{stem}-{key.shape}.json"
 
 
 def get_draft_cost(
-    drafter: EagleDrafter | BlockDrafter, target: PreTrainedModel, depths: Sequence[int], refresh: bool = False
+    drafter: Drafter, target: PreTrainedModel, depths: Sequence[int], refresh: bool = False
 ) -> dict[int, float]:
     """:func:`measure_draft_cost`, cached like :func:`get_cost_profile` (same identity plus the head's shapes:
     :func:`draft_cost_path`). A bad cache file is re-measured with a warning.
@@ -187,8 +184,10 @@ def get_draft_cost(
             logger.warning("draft cost profile %s was measured for %s: measuring it again", path, cached.key)
         elif all(d in ms for d in wanted):
             return {d: ms[d] for d in wanted}
-    logger.info("measuring %s drafting cost at depths %s ...", drafter.head.config.head_type, wanted)
+    logger.info("measuring %s drafting cost at depths %s ...", draft_cost_key(drafter).family, wanted)
     ms = measure_draft_cost(drafter, target, wanted)
-    record = DraftCost(key=key, top_k=drafter.top_k, draft_ms={str(d): v for d, v in ms.items()}, created_utc=now_utc())
+    record = DraftCost(
+        key=key, top_k=draft_cost_key(drafter).top_k, draft_ms={str(d): v for d, v in ms.items()}, created_utc=now_utc()
+    )
     write_cached(path, record.to_dict(), "draft cost profile")
     return ms

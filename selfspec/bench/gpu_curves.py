@@ -170,12 +170,10 @@ def greedy_exactness(
     model = build_target(size, dtype, device, eos_token_id=EOS)
     eos = model.generation_config.eos_token_id
     gen = torch.Generator().manual_seed(1)
-    built = {
-        "prompt_lookup": PromptLookupDrafter(num_tokens=8),
-        "medusa": MedusaDrafter(
-            random_medusa(model, None), static_tree(greedy_tree_from_accuracy(TREE_ACCURACY, MEDUSA_DRAFT_NODES))
-        ),
-    }
+    medusa = MedusaDrafter(
+        random_medusa(model, None), static_tree(greedy_tree_from_accuracy(TREE_ACCURACY, MEDUSA_DRAFT_NODES))
+    )
+    built = {d.info().name: d for d in (PromptLookupDrafter(num_tokens=8), medusa)}
     result = {name: {"matches": 0, "prompts": 0, "first_diffs": [], "tau": []} for name in built}
     for _ in range(prompts):
         # half random tokens, half a repeated random snippet, so prompt lookup has something to find

@@ -15,8 +15,7 @@ import torch
 
 from selfspec.api import DrafterPlan, SpeculativeModel, make_drafter, make_verifier, plan_drafter
 from selfspec.bench.report import TreeBudgetRecord
-from selfspec.decode.drafters import BlockDrafter, NoDraftDrafter, PromptLookupDrafter
-from selfspec.decode.drafters.eagle import EagleDrafter
+from selfspec.decode.drafters import NoDraftDrafter, PromptLookupDrafter
 from selfspec.decode.drafters.hybrid import HybridDrafter
 from selfspec.decode.drafters.suffix_index import SuffixIndex
 from selfspec.decode.loop import GenerationStats
@@ -199,14 +198,14 @@ def tree_budget_record(plan: DrafterPlan) -> TreeBudgetRecord | None:
     """What the report records of an EAGLE drafter's tree budget (None for other drafters): its ``depth``,
     ``top_k``, ``total_tokens``, how they were set (``chosen_by``: ``"given"``, ``"default"`` or ``"auto"``)
     and, when sized to the machine, the expected tau and speedup."""
-    drafter = plan.drafter
-    if not isinstance(drafter, EagleDrafter) or plan.tree_budget is None:
+    shape = plan.drafter.info().tree
+    if shape is None or plan.tree_budget is None:
         return None
     budget = plan.tree_budget.budget
     return TreeBudgetRecord(
-        depth=drafter.depth,
-        top_k=drafter.top_k,
-        total_tokens=drafter.total_tokens,
+        depth=shape.depth,
+        top_k=shape.top_k,
+        total_tokens=shape.tokens,
         chosen_by=plan.tree_budget.source,
         expected_tau=budget.expected_tau if budget is not None else None,
         expected_speedup=budget.expected_speedup if budget is not None else None,
@@ -339,10 +338,10 @@ def build_methods(
         model = SpeculativeModel(target, tokenizer, plan.drafter, verifier, plan.tree_budget)
         method = selfspec_method(model, settings, eos)
         source = f" from {head}" if isinstance(head, (str, Path)) else ""
-        if isinstance(plan.drafter, BlockDrafter):  # the tree sized at load (the EAGLE budget has its own record)
-            d = plan.drafter
-            width = f", {d.top_k} candidates on the first {d.branch_depth}" if d.top_k > 1 else ""
-            source += f" (block tree: a chain of {d.length} drafts{width})"
+        shape = plan.drafter.info().tree
+        if shape is not None and plan.tree_budget is None:  # a tree sized at load (an EAGLE budget has its record)
+            width = f", {shape.top_k} candidates on the first {shape.branch_depth}" if shape.top_k > 1 else ""
+            source += f" (tree: a chain of {shape.depth} drafts{width})"
         out[name] = dataclasses.replace(
             method, description=method.description + source, tree_budget=tree_budget_record(plan)
         )

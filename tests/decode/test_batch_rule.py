@@ -69,7 +69,7 @@ def test_batch_cost_profile_is_measured_cached_and_refused_when_corrupt(tmp_path
     p = measure_batch_cost_profile(t, batch_sizes=(1, 4), node_counts=(1, 4), context_length=16, repeats=1)
     assert p.batch_sizes == (1, 4) and len(p.verify_ms) == 2 and all(len(r) == 2 for r in p.verify_ms)
     assert BatchCostProfile.from_dict(p.to_dict()) == p
-    with pytest.raises(ValueError, match="not a batch cost profile"):
+    with pytest.raises(ValueError, match="batch cost profile: not a version-1"):
         BatchCostProfile.from_dict({"format": "x"})
     with pytest.raises(ValueError, match="one finite positive ms"):
         BatchCostProfile(p.key, 16, (1, 4), (1, 4), ((1.0, float("nan")), (1.0, 2.0)))
