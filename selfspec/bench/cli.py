@@ -167,6 +167,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--fresh-sweep", action="store_true", help="--engine llamacpp: sweep the settings again, ignoring the cache"
     )
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="serve the prompts in order as a stream with the first --heads: no drafts, the frozen head, the head "
+        "adapting online and the hybrid with the served history, tau and speed per window (selfspec.bench.stream)",
+    )
+    p.add_argument("--window", type=int, default=10, help="--stream: requests per window")
+    p.add_argument(
+        "--stream-methods",
+        nargs="*",
+        default=["no_draft", "head", "online", "hybrid_history"],
+        help="--stream: which of no_draft (always run), head, online, hybrid_history",
+    )
     p.add_argument("--out", default="runs/bench", help="directory for report.json, report.md and PNG plots")
     return p
 
@@ -189,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.prompts, args.num_prompts, args.max_turns, args.per_category, head_dirs=list(heads.values())
     )
     target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
+    if args.stream:
+        return _stream_main(parser, args, heads, prompts, target, tokenizer)
     if args.batch_size:
         return _batch_main(parser, args, heads, methods, prompts, settings, target, tokenizer)
     if args.engine == "llamacpp":
@@ -214,6 +229,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = write_report(report, args.out)
     print(summary_text(report))
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def _stream_main(parser, args, heads, prompts, target, tokenizer) -> int:
+    """``--stream``: :func:`selfspec.bench.stream.run_stream` with the first head, greedy, first turns."""
+    from selfspec.bench.stream import build_stream_models, run_stream, stream_markdown, write_stream
+    from selfspec.train.online import OnlineOptions
+
+    if not heads or args.temperature or args.window < 1:
+        parser.error("--stream needs --heads (the first is streamed), greedy decoding and --window >= 1")
+    methods = ["no_draft", *(m for m in args.stream_methods if m != "no_draft")]
+    try:
+        models = build_stream_models(target, tokenizer, next(iter(heads.values())), methods, OnlineOptions())
+    except ValueError as err:
+        parser.error(str(err))
+    report = run_stream(models, prompts, args.window, args.max_new_tokens)
+    paths = write_stream(report, args.out)
+    print(stream_markdown(report))
+    print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 
 
