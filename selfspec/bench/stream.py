@@ -99,9 +99,9 @@ def run_stream(
 
 
 def window_rows(served: dict[str, list[Served]], window: int) -> list[dict[str, Any]]:
-    """Per window of ``window`` requests and per method: tau (tokens per verification step), tokens/s, speed over ``no_draft``
-    (its tokens/s over no_draft's in the window), adaptation seconds, and the requests whose tokens differ from
-    ``no_draft``'s (mismatches)."""
+    """Per window of ``window`` requests and per method: tau (tokens per verification step), tokens/s, speed over
+    ``no_draft`` (its tokens/s over no_draft's in the window), adaptation seconds, and the requests whose tokens differ
+    from ``no_draft``'s (mismatches)."""
     ref = served["no_draft"]
     rows = []
     for start in range(0, len(ref), window):
