@@ -1,28 +1,13 @@
 """Draft heads (nn.Modules only): Medusa-1, EAGLE-1/2, EAGLE-3, and the block drafters DFlash and DSpark.
 
-``load_heads(directory)`` reads ``config.json`` and loads it with the loader its ``head_type`` names in the
-family registry (:mod:`selfspec.heads.families`; importing this package registers the built-in families); every
-family reads and writes its directory through :mod:`selfspec.heads.io`, and takes a Hub repo id for the
-directory and pushes to the Hub through :mod:`selfspec.heads.hub`.
+``load_heads(directory)`` (:mod:`selfspec.heads.load`) reads ``config.json`` and loads it with the loader its
+``head_type`` names in the family registry (:mod:`selfspec.heads.families`, which imports a built-in family's module
+the first time the family is asked for); every family reads and writes its directory through
+:mod:`selfspec.heads.io`, and takes a Hub repo id for the directory and pushes to the Hub through
+:mod:`selfspec.heads.hub`.
 """
 
-from __future__ import annotations
-
-from pathlib import Path
-from typing import TYPE_CHECKING
-
-from selfspec.base.fingerprint import target_fingerprint
-from selfspec.heads.dflash import BlockHead
-from selfspec.heads.eagle import EagleHead
-from selfspec.heads.eagle3 import Eagle3Head
-from selfspec.heads.families import head_families, head_family
-from selfspec.heads.hub import resolve_head_dir
-from selfspec.heads.io import HeadFormatError, read_config
-from selfspec.heads.medusa import MedusaHeads
-
-if TYPE_CHECKING:
-    from torch import nn
-    from transformers import PreTrainedModel
+from selfspec.base.lazy import lazy_exports
 
 __all__ = [
     "BlockHead",
@@ -35,31 +20,17 @@ __all__ = [
     "load_heads",
 ]
 
-
-def load_heads(
-    directory: str | Path,
-    target: PreTrainedModel | None = None,
-    *,
-    revision: str | None = None,
-    token: str | bool | None = None,
-) -> nn.Module:
-    """Load a head directory written by ``save_pretrained`` (strict: nothing is half-loaded).
-
-    Args:
-        directory: folder with ``config.json`` and ``model.safetensors``, or a Hub repo id of heads pushed
-            with ``push_to_hub`` (downloaded by :func:`selfspec.heads.hub.resolve_head_dir`).
-        target: the frozen target; when given, its fingerprint must match and its lm_head / embeddings
-            are attached.
-        revision, token: Hub revision and token, for a Hub repo id.
-
-    Returns:
-        The head module of the family its ``config.json`` names (:class:`MedusaHeads`, :class:`EagleHead`,
-        :class:`Eagle3Head`, :class:`BlockHead`, or a registered family's).
-
-    Raises:
-        HeadFormatError: a ``head_type`` no registered family has, missing or corrupt files, mismatched tensors,
-            another target; a Hub id that does not exist, cannot be reached, or holds no selfspec heads.
-    """
-    d = resolve_head_dir(directory, revision=revision, token=token)
-    family = head_family(read_config(d).get("head_type"))
-    return family.load(d, target, target_fingerprint(target) if target is not None else None)
+# Imported on first use: ``import selfspec.heads.io`` loads neither the head modules nor the Hub client.
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "BlockHead": "selfspec.heads.dflash",
+        "Eagle3Head": "selfspec.heads.eagle3",
+        "EagleHead": "selfspec.heads.eagle",
+        "HeadFormatError": "selfspec.heads.io",
+        "MedusaHeads": "selfspec.heads.medusa",
+        "head_families": "selfspec.heads.families",
+        "head_family": "selfspec.heads.families",
+        "load_heads": "selfspec.heads.load",
+    },
+)

@@ -1,20 +1,22 @@
 """The head-family registry of the heads layer: which head families exist and how each one's directory loads.
 
-A head family is named once, by the ``head_type`` its ``config.json`` holds (``"medusa"``, ``"eagle"``,
-``"eagle3"``, ``"dflash"``, ``"dspark"``), and registered here by its own module with :func:`register_head_family`
-(the built-in families at the end of ``heads/medusa.py``, ``heads/eagle.py``, ``heads/eagle3.py`` and
-``heads/dflash.py``, which ``selfspec.heads`` imports). Every layer above keeps its own part of a family, keyed by
+A head family is named once, by the ``head_type`` its ``config.json`` holds, and registered here by its own module
+with :func:`register_head_family` (the built-in families at the end of ``heads/medusa.py``, ``heads/eagle.py``,
+``heads/eagle3.py`` and ``heads/dflash.py``). A built-in family's module is named in :data:`BUILTIN_FAMILIES` and
+imported the first time the family is asked for, so importing a package or a module registers nothing as a side
+effect and loads no head module it does not use. Every layer above keeps its own part of a family, keyed by
 the same name, in its own registry (the training recipe in :mod:`selfspec.train.recipes`, the drafter, the export
 layouts and the model-card text in :mod:`selfspec.families`), so each layer asks only for what it holds and the
 imports still go downward. Code that needs something of a family asks a registry; it never switches on the name.
 
-This module imports nothing but the strict reader's error, so every head module (and :mod:`selfspec.heads.hub`,
-which checks a Hub repo names a family before downloading it) can import it.
+This module imports nothing but the strict reader's error at module level, so every head module (and
+:mod:`selfspec.heads.hub`, which checks a Hub repo names a family before downloading it) can import it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,7 +50,24 @@ class HeadFamily:
     load: Callable[[Path, PreTrainedModel | None, str | None], nn.Module]
 
 
+# The built-in families: name -> the heads-layer module that defines and registers it (tests/test_layers.py holds
+# the table to that layer).
+BUILTIN_FAMILIES: Mapping[str, str] = {
+    "medusa": "selfspec.heads.medusa",
+    "eagle": "selfspec.heads.eagle",
+    "eagle3": "selfspec.heads.eagle3",
+    "dflash": "selfspec.heads.dflash",
+    "dspark": "selfspec.heads.dflash",
+}
+
 _FAMILIES: dict[str, HeadFamily] = {}
+
+
+def _registered(name: Any) -> HeadFamily | None:
+    """The record of ``name``, its built-in module imported first when it has not registered yet; None: unknown."""
+    if isinstance(name, str) and name not in _FAMILIES and name in BUILTIN_FAMILIES:
+        importlib.import_module(BUILTIN_FAMILIES[name])  # the module registers the family as it runs
+    return _FAMILIES.get(name) if isinstance(name, str) else None
 
 
 def register_head_family(family: HeadFamily) -> HeadFamily:
@@ -68,8 +87,8 @@ def register_head_family(family: HeadFamily) -> HeadFamily:
 
 
 def head_families() -> tuple[str, ...]:
-    """The registered family names, in registration order."""
-    return tuple(_FAMILIES)
+    """The family names: the built-in ones, then the others in registration order (no module is imported)."""
+    return tuple(dict.fromkeys([*BUILTIN_FAMILIES, *_FAMILIES]))
 
 
 def head_family(name: Any) -> HeadFamily:
@@ -78,10 +97,10 @@ def head_family(name: Any) -> HeadFamily:
     Raises:
         HeadFormatError: no family of that name; the message lists the registered ones.
     """
-    family = _FAMILIES.get(name) if isinstance(name, str) else None
+    family = _registered(name)
     if family is None:
         raise HeadFormatError(
-            f"head_type {name!r} names no selfspec head family; expected one of {list(_FAMILIES)} (a new family "
+            f"head_type {name!r} names no selfspec head family; expected one of {list(head_families())} (a new family "
             "registers itself with selfspec.heads.families.register_head_family)"
         )
     return family
@@ -97,9 +116,9 @@ def family_of(head: Any) -> HeadFamily:
     if not any(isinstance(head, family.head_class) for family in _FAMILIES.values()):
         raise HeadFormatError(
             f"not a selfspec head: {type(head).__name__}; load one with selfspec.heads.load_heads(DIR) (registered "
-            f"families: {list(_FAMILIES)})"
+            f"families: {list(head_families())})"
         )
-    family = _FAMILIES.get(head.config.head_type)
+    family = _registered(head.config.head_type)
     if family is None or not isinstance(head, family.head_class):
         raise HeadFormatError(
             f"a {type(head).__name__} whose config names head_type {head.config.head_type!r}, which is not its "

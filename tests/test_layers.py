@@ -386,9 +386,21 @@ def loaded_by(module: str) -> list[str]:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
 
 
+def test_the_built_in_family_table_names_head_modules():
+    """``heads/families.py`` imports a built-in family's module by name on its first lookup (the module registers the
+    family, so the table is not an edge of the graph above): each one is a module of the heads layer."""
+    from selfspec.heads.families import BUILTIN_FAMILIES
+
+    known = modules()
+    assert BUILTIN_FAMILIES and all(
+        m in known and layer(m) == layer("selfspec.heads") for m in BUILTIN_FAMILIES.values()
+    )
+
+
 def test_importing_a_module_loads_no_layer_above_it():
     """What the graph says, run for real: the package ``__init__``s re-export lazily, so importing the base layer's
     files, or the decode loop, loads nothing of a higher layer (nor ``selfspec.api``)."""
+    assert [m for m in loaded_by("selfspec.heads.io") if m.startswith("selfspec.heads.")] == ["selfspec.heads.io"]
     for module in ("selfspec.base.files", "selfspec.decode.loop"):
         above = [m for m in loaded_by(module) if m != "selfspec" and layer(m) > layer(module)]
         assert not above, f"import {module} loads {above}: a package __init__ above it imports them eagerly"
