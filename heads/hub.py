@@ -34,13 +34,20 @@ from huggingface_hub.errors import (
 )
 
 from selfspec.heads.families import head_families
-from selfspec.heads.io import CONFIG_NAME, DRAFT_VOCAB_NAME, WEIGHTS_NAME, HeadFormatError, read_json
+from selfspec.heads.io import ADAPTATION_NAME, CONFIG_NAME, DRAFT_VOCAB_NAME, WEIGHTS_NAME, HeadFormatError, read_json
 
 __all__ = ["HUB_FILES", "HubMixin", "hub_endpoint", "is_hub_id", "resolve_head_dir"]
 
 # What a head repo holds that loading uses: the head, and the acceptance profile the EAGLE tree budget reads
 # (decode/tuning/calibration.py) and the training record the bench reads (train/record.py), when they were pushed.
-HUB_FILES = (CONFIG_NAME, WEIGHTS_NAME, DRAFT_VOCAB_NAME, "acceptance_profile.json", "training_record.json")
+HUB_FILES = (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    DRAFT_VOCAB_NAME,
+    "acceptance_profile.json",
+    "training_record.json",
+    ADAPTATION_NAME,
+)
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 

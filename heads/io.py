@@ -46,6 +46,8 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 DRAFT_VOCAB_NAME = "draft_vocab.safetensors"
 HEAD_FILES = (CONFIG_NAME, WEIGHTS_NAME, DRAFT_VOCAB_NAME)
+ADAPTATION_NAME = "adaptation.json"
+"""Beside adapted heads: how they were adapted (``selfspec adapt``, online adaptation); counts and hashes, no text."""
 CHECKSUM_KEY = "selfspec_sha256"
 FIX = "re-export the heads with save_pretrained (or retrain them)"
 

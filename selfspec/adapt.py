@@ -40,13 +40,13 @@ from selfspec.base.files import write_json
 from selfspec.base.target import load_target
 from selfspec.heads import load_heads
 from selfspec.heads.hub import resolve_head_dir
+from selfspec.heads.io import ADAPTATION_NAME as ADAPTATION_FILE
 from selfspec.heads.io import HeadFormatError
 from selfspec.train.config import TrainConfig, load_config
 from selfspec.train.data import load_prompt_file
 
 logger = logging.getLogger(__name__)
 
-ADAPTATION_FILE = "adaptation.json"
 ADAPTATION_FORMAT = "selfspec-adaptation"
 
 

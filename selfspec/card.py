@@ -117,6 +117,22 @@ Command{how}:
     return "\n".join(parts)
 
 
+def adapted_line(adaptation: Mapping[str, Any] | None) -> str:
+    """The card's line on an adaptation (counts only), with its line break; empty without one."""
+    if not adaptation:
+        return ""
+    if adaptation.get("mode") == "online":
+        return (
+            f"- Adapted online on {adaptation['requests']:,} served requests / {adaptation['served_tokens']:,} served "
+            f"tokens ({adaptation['swaps']} updates kept, {adaptation['rollbacks']} rolled back).\n"
+        )
+    return (
+        f"- Adapted on {adaptation['prompts']:,} prompts / {adaptation['trained_tokens']:,} trained tokens of the "
+        f"target's answers to them (`selfspec adapt`; held-out chain tau "
+        f"{adaptation['heldout']['before']['chain_tau']:.2f} -> {adaptation['heldout']['after']['chain_tau']:.2f}).\n"
+    )
+
+
 def head_card(
     config: Mapping[str, Any],
     *,
@@ -124,6 +140,7 @@ def head_card(
     base_model: str,
     bench: Sequence[BenchFigures] = (),
     target_note: str | None = None,
+    adaptation: Mapping[str, Any] | None = None,
 ) -> ModelCard:
     """The model card of a head directory.
 
@@ -135,6 +152,8 @@ def head_card(
             llama.cpp's); none: no "Measured" section.
         target_note: a sentence on where the target the heads were trained on comes from (e.g. an alias's
             package), or None.
+        adaptation: the heads' ``adaptation.json`` (``selfspec adapt`` or online adaptation), or None: the card then
+            says what they were adapted on, in counts (never text).
 
     Returns:
         A :class:`~huggingface_hub.ModelCard`; ``str(card)`` is the ``README.md`` text and ``card.data``
@@ -158,6 +177,7 @@ def head_card(
     load_target = trained_on if re.fullmatch(r"[\w.-]+(/[\w.-]+)?", trained_on) else base_model
     note = f"\n  {target_note}" if target_note else ""
     layer_type = str(config.get("model_type") or "llama")  # the decoder layer's kind, for the EAGLE layouts
+    adapted = adapted_line(adaptation)
     engines = record.card.engines(CardContext(record.name, repo_id, base_model, load_target, ours, layer_type))
     body = f"""
 # {record.card_title} draft heads for {base_model}
@@ -168,7 +188,7 @@ every drafted token: greedy output is the target's own, token for token, and sam
 
 - Family: {record.card_title} ({record.card.paper}).
 - {record.card.describe(ours)}
-- Trained on the target `{trained_on}` (target fingerprint `{fingerprint}`). selfspec checks the fingerprint
+{adapted}- Trained on the target `{trained_on}` (target fingerprint `{fingerprint}`). selfspec checks the fingerprint
   when it loads the heads and refuses other target weights (another checkpoint or quantisation of the model).{note}
 
 ## Use

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import json
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -36,7 +37,7 @@ from selfspec.card import BenchFigures, head_card
 from selfspec.families import family as family_record
 from selfspec.heads import load_heads
 from selfspec.heads.hub import HUB_FILES, hub_endpoint, resolve_head_dir
-from selfspec.heads.io import HeadFormatError, read_config
+from selfspec.heads.io import ADAPTATION_NAME, HeadFormatError, read_config
 from selfspec.target import ALIASES, SMOLLM2_ALIAS
 
 if TYPE_CHECKING:
@@ -324,7 +325,15 @@ def push_heads(
             bench_figures(r, method=bench_method, command=bench_command if i == 0 else None, heads=repo_id)
             for i, r in enumerate(reports)
         ]
-        card = head_card(config, repo_id=repo_id, base_model=base, bench=bench, target_note=_target_note(config))
+        adapted = staged / ADAPTATION_NAME
+        card = head_card(
+            config,
+            repo_id=repo_id,
+            base_model=base,
+            bench=bench,
+            target_note=_target_note(config),
+            adaptation=json.loads(adapted.read_text()) if adapted.is_file() else None,
+        )
         card.save(staged / CARD_NAME)
         family = family_record(config["head_type"]).card_title
         version = importlib.metadata.version("selfspec")

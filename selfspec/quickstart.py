@@ -188,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         print(warning)
     print("\n".join(lines))
     print(f"total: {(time.perf_counter() - t0) / 60:.1f} min; bench report: {out / 'report.md'}")
+    print(
+        "\nadapt this head to your own work (your prompts, one a line or MT-bench / ShareGPT / OpenAI JSON; the "
+        f"target writes the answers):\n  selfspec adapt {heads_dir} --prompts MY_PROMPTS.jsonl --out runs/adapted "
+        "--tokens 420000"
+    )
     return code
 
 

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from selfspec.base.files import write_json
+from selfspec.heads.io import ADAPTATION_NAME
 from selfspec.train.config import Eagle3Options
 from selfspec.train.eagle3 import UnrolledEagle3, eagle3_step_loss, evaluate
 from selfspec.train.eagle_data import PairStore, collate, epoch_rows
@@ -49,8 +50,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
-
-ONLINE_FILE = "adaptation.json"
 
 
 @dataclass(frozen=True)
@@ -344,7 +343,7 @@ class OnlineAdapter:
             "served_s": round(s.served_s, 1),
             "options": dataclasses.asdict(self.options),
         }
-        write_json(Path(out) / ONLINE_FILE, record)
+        write_json(Path(out) / ADAPTATION_NAME, record)
         return Path(out)
 
 
