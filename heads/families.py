@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from selfspec.base.registry import register_once
 from selfspec.heads.io import HeadFormatError
 
 if TYPE_CHECKING:
@@ -79,11 +80,7 @@ def register_head_family(family: HeadFamily) -> HeadFamily:
     Raises:
         ValueError: another record is registered under the same name.
     """
-    known = _FAMILIES.get(family.name)
-    if known is not None and known != family:
-        raise ValueError(f"head family {family.name!r} is registered already (by {known.head_class.__name__})")
-    _FAMILIES[family.name] = family
-    return family
+    return register_once(_FAMILIES, family.name, family, "head family")
 
 
 def head_families() -> tuple[str, ...]:

@@ -17,7 +17,7 @@ from selfspec.decode.drafters.suffix_index import SuffixIndex
 from selfspec.decode.tuning import costs
 from selfspec.decode.verifier import Verifier
 from selfspec.families import family_of
-from selfspec.head_drafters import TreeBudgetChoice
+from selfspec.head_drafters import DraftSetup, TreeBudgetChoice
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -168,7 +168,7 @@ def plan_drafter(
     dtype = next(target.parameters()).dtype
     heads = heads.to(device=next(target.parameters()).device, dtype=dtype).eval()
     make = family_of(heads).make_drafter
-    drafter, choice = make(target, heads, head_dir, tune, tree=tree, tree_nodes=tree_nodes, **head_options)
+    drafter, choice = make(DraftSetup(target, heads, head_dir, tune, tree, tree_nodes), **head_options)
     if not hybrid:
         return DrafterPlan(drafter, choice)
     served = (ServedHistory() if history is True else history) or None

@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from selfspec.base.registry import register_once
 from selfspec.card_text import (
     CardText,
     block_description,
@@ -75,9 +76,9 @@ class Family:
 
     Attributes:
         name: the family's ``head_type`` (a family registered in :mod:`selfspec.heads.families`).
-        make_drafter: ``make(target, head, head_dir, tune, tree=..., tree_nodes=..., **options) -> (drafter,
-            tree budget choice or None)``: the head (on the target's device and dtype) as a drafter, its tree sized to
-            this machine with ``tune="auto"`` (:mod:`selfspec.head_drafters`).
+        make_drafter: ``make(setup, **options) -> (drafter, tree budget choice or None)``: the head of a
+            :class:`~selfspec.head_drafters.DraftSetup` (on the target's device and dtype) as a drafter, its tree sized
+            to this machine with ``tune="auto"`` (:mod:`selfspec.head_drafters`).
         drafter_options: the keyword options of ``selfspec.load`` its ``make_drafter`` reads (the bench passes only
             these on).
         exports: ``{format: exporter}`` for each format of :data:`EXPORT_FORMATS` that holds this family; ``selfspec
@@ -138,11 +139,7 @@ def register_family(record: Family) -> Family:
         raise ValueError(
             f"family {record.name!r} exports to unknown formats {unknown}; formats: {list(EXPORT_FORMATS)}"
         )
-    known = _FAMILIES.get(record.name)
-    if known is not None and known != record:
-        raise ValueError(f"family {record.name!r} is registered already")
-    _FAMILIES[record.name] = record
-    return record
+    return register_once(_FAMILIES, record.name, record, "family")
 
 
 def registered_families() -> tuple[str, ...]:

@@ -2,9 +2,10 @@
 drafter, with the tree sized to this machine through the tuning layer.
 
 Each factory is a family's ``make_drafter`` in :mod:`selfspec.families`, called by
-:func:`selfspec.drafting.plan_drafter` as ``make(target, head, head_dir, tune, tree=..., tree_nodes=...,
-**options)`` with the head already on the target's device and dtype; it returns the drafter and, for an EAGLE head,
-how its tree budget was chosen (:class:`TreeBudgetChoice`), else None.
+:func:`selfspec.drafting.plan_drafter` as ``make(setup, **options)``: a :class:`DraftSetup` (the target, the head
+already on its device and dtype, where it was loaded from, the tuning mode, a tree asked for) and the family's own
+options; it returns the drafter and, for an EAGLE head, how its tree budget was chosen (:class:`TreeBudgetChoice`),
+else None.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MEDUSA_PATHS",
     "DEFAULT_TREE_NODES",
+    "DraftSetup",
     "TreeBudgetChoice",
     "block_drafter",
     "eagle_drafter",
@@ -40,6 +42,38 @@ DEFAULT_MEDUSA_PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0,
 DEFAULT_TREE_NODES = 10
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraftSetup:
+    """What every family's drafter factory is given.
+
+    Attributes:
+        target: the frozen target.
+        head: the family's head module, on the target's device and dtype.
+        head_dir: the directory it was loaded from (its acceptance profile lives there), or None for a module.
+        tune: ``"auto"`` (size the tree to this machine) or ``"off"``.
+        tree: a static tree asked for (index paths; Medusa), or None.
+        tree_nodes: a static tree's size asked for (Medusa), or None.
+    """
+
+    target: PreTrainedModel
+    head: Any
+    head_dir: Path | None = None
+    tune: str = "auto"
+    tree: Sequence[Sequence[int]] | None = None
+    tree_nodes: int | None = None
+
+
+def fixed_or_auto(name: str, value: int | str) -> int | None:
+    """An option that is an integer or ``"auto"``: the integer, or None for ``"auto"``.
+
+    Raises:
+        ValueError: anything else (a bool too), with ``name`` in the message.
+    """
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{name} must be an integer or 'auto', got {value!r}")
+    return None if value == "auto" else value
 
 
 @dataclass(frozen=True)
@@ -61,26 +95,19 @@ class TreeBudgetChoice:
     acceptance_profile: AcceptanceProfile | None = None
 
 
-def medusa_drafter(
-    target: PreTrainedModel,
-    heads,
-    head_dir: Path | None = None,
-    tune: str = "auto",
-    tree: Sequence[Sequence[int]] | None = None,
-    tree_nodes: int | None = None,
-    **options: Any,
-) -> tuple[MedusaDrafter, None]:
-    """A :class:`MedusaDrafter`. Its tree: ``tree`` if given; else Medusa's greedy tree from the heads'
+def medusa_drafter(setup: DraftSetup, **options: Any) -> tuple[MedusaDrafter, None]:
+    """A :class:`MedusaDrafter`. Its tree: ``setup.tree`` if given; else Medusa's greedy tree from the heads'
     held-out accuracies with ``tree_nodes`` nodes, or, when ``tree_nodes`` is None and ``tune="auto"``,
     with the size that maximises expected tokens per second on this machine
     (:func:`selfspec.decode.tuning.budget.choose_tree` over :func:`~selfspec.decode.tuning.budget.medusa_trees`, from
     the cached verification cost profile);
     heads without accuracies (or ``tune="off"``) get ``DEFAULT_TREE_NODES`` nodes. The heads get ``target``'s lm_head
     attached. ``head_dir`` and ``options`` (EAGLE's and the block drafter's settings) mean nothing to a static tree."""
+    target, heads, tree, tree_nodes = setup.target, setup.head, setup.tree, setup.tree_nodes
     heads.attach_target(target.get_output_embeddings().weight)
     acc = heads.config.head_topk_accuracy
     if tree is None:
-        if tree_nodes is None and acc and tune == "auto":
+        if tree_nodes is None and acc and setup.tune == "auto":
             size = tree_budget.choose_tree(costs.get_cost_profile(target), tree_budget.medusa_trees(acc))
             n = size.shape.nodes
             logger.info(
@@ -98,18 +125,13 @@ def medusa_drafter(
 
 
 def block_drafter(
-    target: PreTrainedModel,
-    head,
-    head_dir: Path | None = None,
-    tune: str = "auto",
-    tree: Sequence[Sequence[int]] | None = None,
-    tree_nodes: int | None = None,
+    setup: DraftSetup,
     block_length: int | str = "auto",
     block_top_k: int | str = "auto",
     confidence_min: float = 0.0,
 ) -> tuple[BlockDrafter, None]:
-    """A :class:`~selfspec.decode.drafters.block.BlockDrafter` for a DFlash / DSpark head (``head_dir``, ``tree`` and
-    ``tree_nodes`` unused). ``block_length`` (chain
+    """A :class:`~selfspec.decode.drafters.block.BlockDrafter` for a DFlash / DSpark head (``setup.head_dir``, ``tree``
+    and ``tree_nodes`` unused). ``block_length`` (chain
     drafts per step) and ``block_top_k`` (candidates per slot; > 1 adds each slot's next candidates as leaves)
     ``"auto"``: with ``tune="auto"`` and the head's held-out chain acceptance, the tree that maximises expected
     tokens per second on this machine (:func:`~.tuning.budget.choose_tree` over :func:`~.tuning.budget.block_trees`,
@@ -121,15 +143,12 @@ def block_drafter(
     Raises:
         ValueError: ``block_length`` or ``block_top_k`` neither an integer nor ``"auto"``, or out of the head's range.
     """
-    for name, value in (("block_length", block_length), ("block_top_k", block_top_k)):
-        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ValueError(f"{name} must be an integer or 'auto', got {value!r}")
+    target, head = setup.target, setup.head
+    length, top_k = fixed_or_auto("block_length", block_length), fixed_or_auto("block_top_k", block_top_k)
     cfg = head.config
-    length = None if block_length == "auto" else block_length
-    top_k = None if block_top_k == "auto" else block_top_k
     branch_depth = None
     chain = cfg.heldout_chain
-    if tune == "auto" and chain and (length is None or top_k is None):
+    if setup.tune == "auto" and chain and (length is None or top_k is None):
         rows = cfg.heldout_siblings or ()
         width = top_k if top_k is None or top_k <= len(rows) + 1 else 1  # a width not profiled: chain sized alone
         whole = cfg.max_drafts  # one forward over the whole block whatever the tree: one cost for every shape
@@ -151,12 +170,7 @@ def block_drafter(
 
 
 def eagle_drafter(
-    target: PreTrainedModel,
-    head,
-    head_dir: Path | None = None,
-    tune: str = "auto",
-    tree: Sequence[Sequence[int]] | None = None,
-    tree_nodes: int | None = None,
+    setup: DraftSetup,
     depth: int | str = "auto",
     top_k: int | None = None,
     total_tokens: int | str = "auto",
@@ -164,14 +178,11 @@ def eagle_drafter(
     """An :class:`~selfspec.decode.drafters.eagle.EagleDrafter` whose ``"auto"`` depth / total_tokens are sized to the
     machine from the head's acceptance profile (``<head_dir>/acceptance_profile.json``) when ``tune="auto"`` (see
     :func:`selfspec.drafting.plan_drafter`; ``tree`` and ``tree_nodes`` unused)."""
-    for name, value in (("depth", depth), ("total_tokens", total_tokens)):
-        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ValueError(f"EAGLE {name} must be an integer or 'auto', got {value!r}")
+    target, head, head_dir, tune = setup.target, setup.head, setup.head_dir, setup.tune
+    fixed_depth, fixed_total = fixed_or_auto("EAGLE depth", depth), fixed_or_auto("EAGLE total_tokens", total_tokens)
     k = DEFAULT_TOP_K if top_k is None else top_k
-    if depth != "auto" and total_tokens != "auto":
-        return EagleDrafter(head, target, depth, k, total_tokens), TreeBudgetChoice("given")
-    fixed_depth = None if depth == "auto" else depth
-    fixed_total = None if total_tokens == "auto" else total_tokens
+    if fixed_depth is not None and fixed_total is not None:
+        return EagleDrafter(head, target, fixed_depth, k, fixed_total), TreeBudgetChoice("given")
     profile = None
     if tune == "auto":
         # a head passed as a module has no directory, so no profile: it decodes with the default tree

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from selfspec.base.registry import register_once
 from selfspec.heads.families import head_family
 from selfspec.train.config import TrainConfig
 from selfspec.train.dflash import capture_block, train_block
@@ -87,11 +88,7 @@ def register_recipe(name: str, entry: RecipeEntry) -> RecipeEntry:
         ValueError: another recipe is registered under ``name``.
     """
     head_family(name)
-    known = RECIPES.get(name)
-    if known is not None and known != entry:
-        raise ValueError(f"head family {name!r} has a recipe already")
-    RECIPES[name] = entry
-    return entry
+    return register_once(RECIPES, name, entry, "the recipe of head family")
 
 
 for _name, _entry in (

@@ -13,7 +13,7 @@ names it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from selfspec.decode.drafters.base import AcceptedPath, Drafter, DrafterInfo, Dr
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import DraftTree
 from selfspec.families import Family, register_family
+from selfspec.head_drafters import DraftSetup
 from selfspec.heads.config import config_from_dict
 from selfspec.heads.families import HeadFamily, register_head_family
 from selfspec.heads.hub import HubMixin
@@ -107,17 +108,9 @@ class ToyDrafter(Drafter):
         self._hidden = accepted.hidden[-1]
 
 
-def make_toy_drafter(
-    target: Any,
-    head: ToyHead,
-    head_dir: Path | None = None,
-    tune: str = "auto",
-    tree: Sequence[Sequence[int]] | None = None,
-    tree_nodes: int | None = None,
-    **options: Any,
-) -> tuple[ToyDrafter, None]:
+def make_toy_drafter(setup: DraftSetup, **options: Any) -> tuple[ToyDrafter, None]:
     """The family's drafter factory (a fixed tree: nothing to size)."""
-    return ToyDrafter(head), None
+    return ToyDrafter(setup.head), None
 
 
 class ToyRecipe(Recipe):
