@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import datetime
 import logging
 import os
 import platform
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import transformers
 
+from selfspec.base.files import now_utc
 from selfspec.bench.methods import BenchSettings
 from selfspec.bench.report import (
     SCHEMA_VERSION,
@@ -168,11 +168,55 @@ def run_engine(
         for name in names:
             engine.run(name, turn, settings)
             logger.info("warm-up %s done", name)
+    played = play_turns(engine, tokenizer, prompts, settings, limit)
+    if not played.samples:
+        raise ValueError("no prompt turn was run: every prompt is longer than max_prompt_tokens, or no prompts")
 
-    samples: list[Sample] = []
-    skipped: list[Skipped] = []
-    mismatches: list[Mismatch] = []
-    ties: list[Mismatch] = []
+    categories = sorted({s.category for s in played.samples})
+    summary = {n: summarize(played.samples, n, categories, settings.do_sample) for n in names}
+    return BenchReport(
+        schema_version=SCHEMA_VERSION,
+        created_utc=now_utc(),
+        settings=engine.settings_record(settings),
+        environment=environment_record(engine.device),
+        methods=engine.method_records(),
+        categories=categories,
+        samples=played.samples,
+        skipped=played.skipped,
+        mismatches=played.mismatches,
+        ties=played.ties,
+        summary=summary,
+        llamacpp=engine.engine_record(played.samples, summary),
+    )
+
+
+@dataclasses.dataclass
+class Played:
+    """What the interleaved loop of :func:`play_turns` gathers, in the order it ran.
+
+    Attributes:
+        samples: one per prompt turn run, every method's result in it.
+        skipped: the turns over the prompt limit (each ends its question).
+        mismatches / ties: outputs that differ from the reference's, and the differences at a near tie.
+    """
+
+    samples: list[Sample] = dataclasses.field(default_factory=list)
+    skipped: list[Skipped] = dataclasses.field(default_factory=list)
+    mismatches: list[Mismatch] = dataclasses.field(default_factory=list)
+    ties: list[Mismatch] = dataclasses.field(default_factory=list)
+
+
+def play_turns(
+    engine: BenchEngine,
+    tokenizer: Any,
+    prompts: Sequence[BenchPrompt],
+    settings: BenchSettings,
+    limit: int | None,
+) -> Played:
+    """Every method of ``engine`` once on every prompt turn, in an order rotated from turn to turn; a later turn of a
+    question is conditioned on the reference's answer, and a turn over ``limit`` tokens ends its question."""
+    names = list(engine.names)
+    played = Played()
     for prompt in prompts:
         history: list[Message] = list(prompt.preamble)
         for number, content in enumerate(prompt.turns, start=1):
@@ -187,18 +231,18 @@ def run_engine(
                     turn.ids.numel(),
                     limit,
                 )
-                skipped.append(Skipped(prompt.question_id, number, turn.ids.numel()))
+                played.skipped.append(Skipped(prompt.question_id, number, turn.ids.numel()))
                 break
-            seed = engine.turn_seed(settings, len(samples))
+            seed = engine.turn_seed(settings, len(played.samples))
             call_settings = dataclasses.replace(settings, seed=seed)
-            k = len(samples) % len(names)
+            k = len(played.samples) % len(names)
             outcomes = {name: engine.run(name, turn, call_settings) for name in names[k:] + names[:k]}
             results = {name: outcomes[name].result for name in names}
             sample = Sample(prompt.question_id, prompt.category, number, turn.ids.numel(), seed, results)
             sample, found, tied = engine.compare(sample, turn, outcomes, settings)
-            mismatches += found
-            ties += tied
-            samples.append(sample)
+            played.mismatches += found
+            played.ties += tied
+            played.samples.append(sample)
             logger.info(
                 "%s turn %d: %s",
                 prompt.question_id,
@@ -207,25 +251,7 @@ def run_engine(
             )
             answer = engine.answer(outcomes[engine.reference], tokenizer)
             history = messages + [{"role": "assistant", "content": answer}]
-    if not samples:
-        raise ValueError("no prompt turn was run: every prompt is longer than max_prompt_tokens, or no prompts")
-
-    categories = sorted({s.category for s in samples})
-    summary = {n: summarize(samples, n, categories, settings.do_sample) for n in names}
-    return BenchReport(
-        schema_version=SCHEMA_VERSION,
-        created_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        settings=engine.settings_record(settings),
-        environment=environment_record(engine.device),
-        methods=engine.method_records(),
-        categories=categories,
-        samples=samples,
-        skipped=skipped,
-        mismatches=mismatches,
-        ties=ties,
-        summary=summary,
-        llamacpp=engine.engine_record(samples, summary),
-    )
+    return played
 
 
 def _turn(
