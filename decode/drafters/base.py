@@ -18,11 +18,15 @@ from __future__ import annotations
 import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import DraftTree
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -167,7 +171,7 @@ class Drafter(ABC):
     def accept(self, accepted: AcceptedPath) -> None:  # noqa: B027 (optional hook)
         """Told what this step's verification accepted (:class:`AcceptedPath`). Default: nothing."""
 
-    def at_depth(self, depth: int, target) -> Drafter:
+    def at_depth(self, depth: int, target: PreTrainedModel) -> Drafter:
         """A fresh drafter of the same head and settings that drafts ``depth`` levels (a block drafter: a chain of
         ``depth``), attached to ``target``: what the draft-cost measurement times at each depth.
 

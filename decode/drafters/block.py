@@ -21,6 +21,8 @@ is the target's and sampling stays lossless whatever the head proposes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from selfspec.decode.drafters.base import (
@@ -35,6 +37,9 @@ from selfspec.decode.drafters.base import (
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import DraftTree
 from selfspec.heads.block_layers import ContextKV
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class BlockDrafter(Drafter):
@@ -91,7 +96,7 @@ class BlockDrafter(Drafter):
             tree=TreeShape(self.length, nodes - 1, nodes, self.top_k, self.branch_depth if self.top_k > 1 else 0),
         )
 
-    def at_depth(self, depth: int, target) -> BlockDrafter:
+    def at_depth(self, depth: int, target: PreTrainedModel) -> BlockDrafter:
         """A chain drafter of this head that keeps ``depth`` drafts of its block (one forward over the block
         whatever it keeps). Raises ValueError beyond the head's block."""
         if depth > self.head.config.max_drafts:

@@ -23,12 +23,17 @@ target's own features (as EAGLE's reference code does), which is what the head w
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from selfspec.decode.drafters.base import AcceptedPath, DraftCostKey, Drafter, DrafterInfo, DraftLimit, TreeShape
 from selfspec.decode.kv import crop_cache
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import DraftTree
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Sized for a 2-core CPU without a measured budget: verifying 13 nodes costs about 1.4-1.5 single-token target steps
 # there (docs/ARCHITECTURE.md, "Facts this design rests on").
@@ -116,7 +121,7 @@ class EagleDrafter(Drafter):
             tree=TreeShape(self.depth, self.total_tokens, nodes, self.top_k),
         )
 
-    def at_depth(self, depth: int, target) -> EagleDrafter:
+    def at_depth(self, depth: int, target: PreTrainedModel) -> EagleDrafter:
         """An EAGLE drafter of this head, ``top_k`` and ``total_tokens`` that drafts ``depth`` levels."""
         return EagleDrafter(self.head, target, depth, self.top_k, self.total_tokens)
 
