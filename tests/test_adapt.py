@@ -160,3 +160,41 @@ def test_bad_input_is_refused_before_any_work(setup, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         main([str(heads), "--prompts", str(empty), "--out", str(out), "--tokens", "5"])
     assert exit_info.value.code == 2
+
+
+def test_a_killed_adapt_resumes_with_the_same_command(setup, tmp_path, monkeypatch, caplog):
+    """Killed after its first checkpoint, the same command resumes there (its answers, features and steps kept),
+    ends with heads that load, and leaves the input heads as they were."""
+    import logging
+
+    from selfspec.train import loop
+
+    target, heads, prompts = setup
+    before = digest(heads)
+    argv = [
+        str(heads),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(tmp_path / "a"),
+        "--tokens",
+        "900",
+        "--max-new-tokens",
+        "12",
+        *OPTIONS,
+    ]
+    real = loop.save_checkpoint
+
+    def killed(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt  # the process dies right after a checkpoint is on disk
+
+    monkeypatch.setattr(loop, "save_checkpoint", killed)
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    assert not (tmp_path / "a" / "heads").exists() and digest(heads) == before
+    monkeypatch.setattr(loop, "save_checkpoint", real)
+    with caplog.at_level(logging.INFO):
+        assert main(argv) == 0
+    assert "resumed from" in caplog.text and "0 to generate" in caplog.text  # its steps and its answers
+    assert load_heads(tmp_path / "a" / "heads") is not None and digest(heads) == before
