@@ -137,10 +137,9 @@ def plan_drafter(
         raise ValueError("pass exactly one of heads=..., draft_model=..., prompt_lookup=True")
     if hybrid and heads is None:
         raise ValueError("hybrid=True merges a head's tree with prompt lookup: pass heads=... too")
-    if (suffix_index is not None or history) and not hybrid:
-        raise ValueError(
-            "suffix_index=... and history=... are sources of the hybrid drafter: pass hybrid=True (and heads=...) too"
-        )
+    for name, given in (("suffix_index", suffix_index is not None), ("history", bool(history))):
+        if given and not hybrid:
+            raise ValueError(f"{name}=... is a source of the hybrid drafter: pass hybrid=True (and heads=...) too")
     if suffix_index is not None and history:
         raise ValueError("pass one second n-gram source: suffix_index=... (training answers) or history=... (served)")
     if prompt_lookup:
