@@ -316,20 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        result = adapt(
-            args.heads,
-            args.prompts,
-            args.out,
-            tokens=args.tokens,
-            minutes=args.minutes,
-            target=args.target,
-            lr=args.lr,
-            max_new_tokens=args.max_new_tokens,
-            heldout_fraction=args.heldout_fraction,
-            threads=args.threads,
-            seed=args.seed,
-            overrides=tuple(args.overrides),
-        )
+        options = vars(args)  # every flag is the keyword of adapt() of the same name
+        where = [options.pop(name) for name in ("heads", "prompts", "out")]
+        result = adapt(*where, **{**options, "overrides": tuple(options["overrides"])})
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     print(report(result))
