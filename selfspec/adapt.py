@@ -185,6 +185,7 @@ def adapt(
         f"max_length={max_length}",
         "self_distill=true",
         f"distill_conversations={len(conversations)}",
+        f"distill_eval_conversations={len(conversations)}",  # every held-out prompt is answered and evaluated
         "original_conversations=0",
         f"distill_max_new_tokens={max_new_tokens}",
         f"distill_dir={out_dir / 'distill'}",
@@ -227,7 +228,7 @@ def adaptation_record(
     train, held = split_conversations(conversations, eval_fraction=cfg.eval_fraction, seed=cfg.seed)
     answers = [
         json.loads(line)
-        for f in sorted((out_dir / "distill").glob("*.jsonl"))
+        for f in sorted(Path(cfg.distill_dir or out_dir / "distill").glob("*.jsonl"))
         for line in f.read_text().splitlines()
         if line.strip()
     ]

@@ -97,10 +97,11 @@ def distill_plan(
 
     Returns:
         ``(train to regenerate, held-out to regenerate, train as written)``: the first ``distill_conversations``
-        training conversations, the first ``max(8, distill_conversations // 10)`` held-out ones, and the next
-        ``original_conversations`` training ones.
+        training conversations, the first ``distill_eval_conversations`` held-out ones (default
+        ``max(8, distill_conversations // 10)``), and the next ``original_conversations`` training ones.
     """
-    n, start = max(8, cfg.distill_conversations // 10), cfg.distill_conversations
+    start = cfg.distill_conversations
+    n = max(8, start // 10) if cfg.distill_eval_conversations is None else cfg.distill_eval_conversations
     return train_convs[:start], eval_convs[:n], train_convs[start : start + cfg.original_conversations]
 
 

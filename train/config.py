@@ -234,6 +234,8 @@ class TrainConfig:
         max_length: tokens per rendered conversation (also the packed row length of EAGLE batches).
         self_distill: regenerate the assistant answers with the target (greedy) before training.
         distill_conversations: how many training conversations to regenerate.
+        distill_eval_conversations: how many held-out conversations to regenerate (None:
+            ``max(8, distill_conversations // 10)``); ``selfspec adapt`` answers every held-out prompt.
         distill_max_new_tokens / distill_batch_size: generation budget for self-distillation.
         original_conversations: with ``self_distill``, also train on this many further training
             conversations as written (not regenerated; they come after the distilled ones). Target features
@@ -287,6 +289,7 @@ class TrainConfig:
     max_length: int = 512
     self_distill: bool = True
     distill_conversations: int = 320
+    distill_eval_conversations: int | None = None
     distill_max_new_tokens: int = 160
     distill_batch_size: int = 16
     distill_dir: str | None = None
