@@ -12,11 +12,11 @@ import pytest
 from selfspec.adapt import ADAPTATION_FILE, adapt, main
 from selfspec.heads import load_heads
 from selfspec.heads.io import HeadFormatError
-from selfspec.train.config import TrainConfig
 from selfspec.train.data import load_prompt_file
 from tests.helpers.archs import tiny_llama
 from tests.helpers.conversations import conversations
 from tests.helpers.tokenizers import tiny_tokenizer
+from tests.helpers.training import tiny_run_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,23 +34,7 @@ def setup(tmp_path_factory):
     tiny_tokenizer().save_pretrained(target)
     data = root / "chats.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in conversations(24)))
-    cfg = TrainConfig(
-        head="eagle3",
-        target=str(target),
-        data=str(data),
-        self_distill=False,
-        max_length=32,
-        draft_vocab_size=64,
-        lr=1e-2,
-        warmup_steps=1,
-        epochs=2,
-        eval_every=2,
-        save_every=2,
-        eval_fraction=0.2,
-        calibrate_prompts=0,
-        output_dir=str(root / "run"),
-        eagle3={"batch_tokens": 96, "ttt_steps": 2},
-    )
+    cfg = tiny_run_config(target, data, "eagle3", root / "run", epochs=2, eagle3={"batch_tokens": 96, "ttt_steps": 2})
     heads = run(cfg)
     prompts = root / "prompts.jsonl"
     prompts.write_text(

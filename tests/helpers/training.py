@@ -55,3 +55,29 @@ def fresh_accelerator(**kwargs):
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     return Accelerator(cpu=True, **kwargs)
+
+
+def tiny_run_config(target, data, head: str, out, /, **over):
+    """A ``TrainConfig`` of a seconds-long training run on a tiny saved target (``target``: its directory, ``data``:
+    a conversations file): no self-distillation, 32-token rows, a 64-token draft vocabulary, evaluation every 2
+    steps; ``over`` replaces any field (a family section included)."""
+    from selfspec.train.config import TrainConfig
+
+    options = dict(
+        head=head,
+        target=str(target),
+        data=str(data),
+        self_distill=False,
+        max_length=32,
+        draft_vocab_size=64,
+        lr=1e-2,
+        warmup_steps=1,
+        epochs=3,
+        eval_every=2,
+        save_every=2,
+        eval_fraction=0.2,
+        calibrate_prompts=0,
+        output_dir=str(out),
+    )
+    options.update(over)
+    return TrainConfig(**options)

@@ -16,6 +16,7 @@ from selfspec.train.config import TrainConfig
 from tests.helpers.archs import tiny_llama
 from tests.helpers.conversations import conversations
 from tests.helpers.tokenizers import tiny_tokenizer
+from tests.helpers.training import tiny_run_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,26 +39,7 @@ def setup(tmp_path_factory):
 
 
 def config(setup, head: str, out, **over) -> TrainConfig:
-    target, data = setup
-    options = dict(
-        head=head,
-        target=str(target),
-        data=str(data),
-        self_distill=False,
-        max_length=32,
-        draft_vocab_size=64,
-        lr=1e-2,
-        warmup_steps=1,
-        epochs=3,
-        eval_every=2,
-        save_every=2,
-        eval_fraction=0.2,
-        calibrate_prompts=0,
-        output_dir=str(out),
-        **SECTIONS[head],
-    )
-    options.update(over)
-    return TrainConfig(**options)
+    return tiny_run_config(*setup, head, out, **{**SECTIONS[head], **over})
 
 
 def run(cfg: TrainConfig):
