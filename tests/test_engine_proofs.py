@@ -29,7 +29,7 @@ def test_ci_requires_the_engines_and_runs_both_tiers():
     lines = [line.strip() for line in script.splitlines() if not line.lstrip().startswith("#")]
     order = [
         next(i for i, line in enumerate(lines) if needle in line)
-        for needle in ("selfspec.export.speculators_env", "selfspec.llamacpp", f"export {REQUIRE}=1", "-m pytest")
+        for needle in ("selfspec.engine_envs", "selfspec.llamacpp", f"export {REQUIRE}=1", "-m pytest")
     ]
     assert order == sorted(order)
     assert '-m "slow or not slow"' in lines[order[-1]]

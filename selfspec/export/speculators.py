@@ -39,7 +39,7 @@ EAGLE-1 is not a speculators 0.9.0 family (its ``EagleSpeculator`` was removed b
 refused here and exports with ``--format sglang``.
 
 The proof is speculators' own code: ``tests/export/test_speculators.py`` loads an export with
-``Eagle3DraftModel.from_pretrained`` in a separate environment (:mod:`selfspec.export.speculators_env`) and compares
+``Eagle3DraftModel.from_pretrained`` in a separate environment (:mod:`selfspec.engine_envs`) and compares
 its draft logits with selfspec's.
 """
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from selfspec.export.speculators_env import build_env
+from selfspec.engine_envs import build_env
 from selfspec.llamacpp import LlamaCpp, alias_gguf, find_llamacpp
 from tests.helpers.archs import tiny_target
 from tests.helpers.engines import engine_missing
@@ -24,10 +24,10 @@ def target():
 def spec_python() -> Path:
     """The Python of the speculators package's own venv (built once per machine, about a minute)."""
     try:
-        return build_env()
+        return build_env("speculators")
     except (RuntimeError, OSError) as err:
         engine_missing(
-            f"the speculators environment cannot be built here ({err}); run python -m selfspec.export.speculators_env"
+            f"the speculators environment cannot be built here ({err}); run python -m selfspec.engine_envs speculators"
         )
 
 

@@ -1,6 +1,6 @@
 """The speculators package (0.9.0) itself loads our EAGLE-3 and EAGLE-3.1 exports and computes the same draft logits.
 
-Runs in the separate environment of :mod:`selfspec.export.speculators_env` (speculators pins transformers<=5.19):
+Runs in the separate environment of :mod:`selfspec.engine_envs` (speculators pins transformers<=5.19):
 ``Eagle3DraftModel.from_pretrained`` (``speculators/models/eagle3/core.py``) + ``load_verifier_weights``
 (``speculators/model.py``), training-time-test steps of its own ``forward`` on fixed inputs, the logits read at its
 ``lm_head``. Tolerance 1e-5 (fp32; measured 3.3e-7 for EAGLE-3, 7.2e-7 for EAGLE-3.1's second step).

@@ -1,7 +1,7 @@
 """selfspec/export/speculators_block.py: DFlash and DSpark heads in the speculators format, proven by speculators.
 
 Fast: the layout, export -> import gives identical draft logits, the refusals at both ends. Slow: the speculators
-package 0.9.0 (its own venv, :mod:`selfspec.export.speculators_env`) loads the exports with
+package 0.9.0 (its own venv, :mod:`selfspec.engine_envs`) loads the exports with
 ``DFlashDraftModel`` / ``DSparkDraftModel.from_pretrained`` + ``load_verifier_weights`` and runs its own training
 ``forward`` on one anchor block (one valid anchor, so ``select_anchors`` has one choice); the logits (and DSpark's
 confidence logits) are read where the forward hands them to ``compute_metrics``, and equal selfspec's for the same

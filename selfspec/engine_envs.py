@@ -1,0 +1,143 @@
+"""The separate Python environments in which other projects' code judges and runs selfspec's heads.
+
+Engines and trainers pin what selfspec cannot share: the ``speculators`` package pins ``transformers<=5.19`` (selfspec
+runs 5.24 or later), vLLM's CPU build pins its own torch and transformers, OpenVINO GenAI its own runtime. Each gets a
+venv under the selfspec build cache (``<build cache>/envs/<name>``, :func:`~selfspec.base.files.build_cache_root`),
+built once per machine by ``python -m selfspec.engine_envs NAME ...`` (``.ci/run`` builds those its slow tests need)
+and reused while its probe passes. A family of engines declares its environment here (:func:`register_env`); the
+recipes are :data:`ENGINE_ENVS`:
+
+* ``speculators``: ``speculators==0.9.0`` and ``hs-connectors==0.9.0`` without their dependencies (they pull
+  torchvision, torchaudio and datasets that its model classes never import), ``transformers==5.19.0`` shadowing
+  this machine's inside the venv only, ``loguru``, and ``openai`` / ``aiohttp`` / ``httpx``, which its package
+  ``__init__`` imports; ``--system-site-packages``, so it reuses this machine's torch.
+
+Nothing here falls back silently: a failed build raises with pip's last lines and the command to retry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+from selfspec.base.files import build_cache_root
+
+__all__ = ["ENGINE_ENVS", "EngineEnv", "build_env", "env_python", "register_env"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineEnv:
+    """How one engine's (or trainer's) venv is made and checked.
+
+    Attributes:
+        name: the directory under ``<build cache>/envs`` and the name ``python -m selfspec.engine_envs`` takes.
+        steps: pip argument lists, run in order as ``<venv python> -m pip install --quiet *step``.
+        probe: Python source the venv's interpreter must run with exit status 0 for the venv to count as built.
+        system_site_packages: make the venv with ``--system-site-packages`` (reuse this machine's torch).
+        after: shell-free commands run after the pip steps, as argument lists whose ``{python}`` is replaced by the
+            venv's interpreter (e.g. removing wheels a dependency pulled in that break the import).
+        minutes: a rough build time on 2 cores with an empty pip cache, for the message users see.
+    """
+
+    name: str
+    steps: tuple[tuple[str, ...], ...]
+    probe: str
+    system_site_packages: bool = False
+    after: tuple[tuple[str, ...], ...] = ()
+    minutes: int = 2
+
+
+ENGINE_ENVS: dict[str, EngineEnv] = {}
+
+
+def register_env(env: EngineEnv) -> EngineEnv:
+    """Declare an engine environment (by its name; a second declaration of a name replaces the first)."""
+    ENGINE_ENVS[env.name] = env
+    return env
+
+
+register_env(
+    EngineEnv(
+        name="speculators",
+        steps=(
+            ("--no-deps", "speculators==0.9.0", "hs-connectors==0.9.0", "transformers==5.19.0", "loguru==0.7.3"),
+            ("openai", "aiohttp", "httpx"),
+        ),
+        probe="import transformers, speculators.models; assert transformers.__version__ == '5.19.0'",
+        system_site_packages=True,
+        minutes=1,
+    )
+)
+
+
+def _spec(name: str) -> EngineEnv:
+    if name not in ENGINE_ENVS:
+        raise KeyError(f"no engine environment {name!r}; declared: {sorted(ENGINE_ENVS)}")
+    return ENGINE_ENVS[name]
+
+
+def env_python(name: str) -> Path:
+    """The interpreter of the ``name`` venv (it may not exist yet).
+
+    Raises:
+        KeyError: ``name`` is not declared (the message lists those that are).
+    """
+    _spec(name)
+    return build_cache_root() / "envs" / name / "bin" / "python"
+
+
+def env_works(name: str) -> bool:
+    """Whether the ``name`` venv exists and its probe passes."""
+    python = env_python(name)
+    probe = _spec(name).probe
+    return python.is_file() and subprocess.run([str(python), "-c", probe], capture_output=True).returncode == 0
+
+
+def build_env(name: str) -> Path:
+    """Build the ``name`` venv unless its probe already passes; returns its interpreter.
+
+    Raises:
+        KeyError: ``name`` is not declared.
+        RuntimeError: a build step failed (the message holds its last output lines and the command to retry), or
+            the built venv's probe still fails.
+    """
+    spec = _spec(name)
+    python = env_python(name)
+    if env_works(name):
+        return python
+    root = python.parent.parent
+    venv = [sys.executable, "-m", "venv", "--clear", str(root)]
+    if spec.system_site_packages:
+        venv.insert(3, "--system-site-packages")
+    commands = [venv, *([str(python), "-m", "pip", "install", "--quiet", *step] for step in spec.steps)]
+    commands += [[part.replace("{python}", str(python)) for part in cmd] for cmd in spec.after]
+    for cmd in commands:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"building the {name} environment failed at `{' '.join(cmd)}`: {(done.stdout + done.stderr)[-2000:]}"
+                f"\nretry with: python -m selfspec.engine_envs {name}"
+            )
+    if not env_works(name):
+        raise RuntimeError(f"{python} was built but fails its probe ({spec.probe}); rebuild it: rm -r {root}")
+    return python
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m selfspec.engine_envs NAME ...``: build the named venvs (all declared ones without names)."""
+    parser = argparse.ArgumentParser(description="build the engines' own Python environments, once per machine")
+    parser.add_argument("names", nargs="*", help=f"which (default: all of {sorted(ENGINE_ENVS)})")
+    args = parser.parse_args(argv)
+    for name in args.names or sorted(ENGINE_ENVS):
+        spec = _spec(name)
+        if not env_works(name):
+            print(f"building the {name} environment (about {spec.minutes} min)", file=sys.stderr)
+        print(build_env(name))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
