@@ -13,9 +13,7 @@ import torch
 from selfspec.base.fingerprint import is_peft_model
 from selfspec.decode.drafters import (
     Drafter,
-    EagleDrafter,
 )
-from selfspec.decode.drafters.hybrid import head_of
 from selfspec.decode.drafters.served_history import ServedHistory
 from selfspec.decode.loop import decode_rows
 from selfspec.decode.request import GenerationOutput, GenerationRequest
@@ -392,14 +390,13 @@ def load(
     verifier = make_verifier(target, plan.drafter, tune)
     online = None
     if adapt:
-        drafter = head_of(plan.drafter)
-        if not isinstance(drafter, EagleDrafter):
-            raise ValueError(
-                f"adapt= trains the head of an EAGLE-3 drafter; this model drafts with {drafter.info().name}"
-            )
-        from selfspec.train.online import OnlineAdapter, OnlineOptions  # the training stack, only when adapting
+        head = plan.drafter.trained_head()
+        if head is None:
+            raise ValueError(f"adapt= trains a drafter's head; this model drafts with {plan.drafter.info().name}")
+        from selfspec.train.online import OnlineOptions  # the training stack, only when adapting
+        from selfspec.train.recipes import online_adapter
 
-        online = OnlineAdapter(drafter.head, target, adapt if isinstance(adapt, OnlineOptions) else None)
+        online = online_adapter(head, target, adapt if isinstance(adapt, OnlineOptions) else None)
     return SpeculativeModel(target, tokenizer, plan.drafter, verifier, plan.tree_budget, tune, plan.history, online)
 
 

@@ -129,10 +129,10 @@ class OnlineAdapter:
     """
 
     def __init__(self, head: torch.nn.Module, target: PreTrainedModel, options: OnlineOptions | None = None) -> None:
-        if str(head.config.head_type) not in ONLINE_FAMILIES:
+        if str(head.config.head_type) != "eagle3":
             raise ValueError(
-                f"online adaptation trains {', '.join(ONLINE_FAMILIES)} heads; these are {head.config.head_type} "
-                "heads: adapt them offline with selfspec adapt, or load without adapt="
+                f"this adapter trains EAGLE-3 heads; these are {head.config.head_type} heads: adapt them offline with "
+                "selfspec adapt, or load without adapt="
             )
         self.options = options or OnlineOptions()
         self.live, self.target = head, target
@@ -345,7 +345,3 @@ class OnlineAdapter:
         }
         write_json(Path(out) / ADAPTATION_NAME, record)
         return Path(out)
-
-
-ONLINE_FAMILIES = ("eagle3",)
-"""The head families online adaptation trains (EAGLE-3 first; the others adapt offline with ``selfspec adapt``)."""

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from selfspec.base.registry import register_once
 from selfspec.heads.families import head_family
 from selfspec.train.config import TrainConfig
@@ -29,12 +31,13 @@ from selfspec.train.inputs import RunInputs
 from selfspec.train.medusa import train_medusa
 from selfspec.train.medusa import warm_options as medusa_warm_options
 from selfspec.train.medusa2 import train_medusa2
+from selfspec.train.online import OnlineAdapter, OnlineOptions
 from selfspec.train.warm_start import WarmOptions, warm_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["RECIPES", "RecipeEntry", "recipe_for", "register_recipe"]
+__all__ = ["RECIPES", "RecipeEntry", "online_adapter", "recipe_for", "register_recipe"]
 
 
 def capture_last_state(cfg: TrainConfig, target: PreTrainedModel, budget_bytes: int) -> CapturedStates:
@@ -58,12 +61,16 @@ class RecipeEntry:
             ``medusa.joint`` chooses Medusa-2), or None: this one.
         warm_options: the options saved heads of the family fix for a run that starts from them (``init_heads``,
             :mod:`selfspec.train.warm_start`); None: the family has no warm start.
+        online: ``online(head, target, options) -> adapter``: the family's online adapter
+            (:class:`~selfspec.train.online.OnlineAdapter` for EAGLE-3), which ``selfspec.load(..., adapt=...)``
+            attaches; None: the family adapts offline only (``selfspec adapt``).
     """
 
     train: Callable[[RunInputs], Path]
     capture: Callable[[TrainConfig, PreTrainedModel, int], CapturedStates | None]
     variant: Callable[[TrainConfig], RecipeEntry] | None = None
     warm_options: WarmOptions | None = None
+    online: Callable[[torch.nn.Module, PreTrainedModel, OnlineOptions | None], OnlineAdapter] | None = None
 
 
 MEDUSA2 = RecipeEntry(train_medusa2, capture_nothing)
@@ -94,7 +101,7 @@ def register_recipe(name: str, entry: RecipeEntry) -> RecipeEntry:
 for _name, _entry in (
     ("medusa", RecipeEntry(train_medusa, capture_last_state, medusa_variant, medusa_warm_options)),
     ("eagle", RecipeEntry(train_eagle, capture_last_state, warm_options=eagle_warm_options)),
-    ("eagle3", RecipeEntry(train_eagle3, capture_eagle3, warm_options=eagle3_warm_options)),
+    ("eagle3", RecipeEntry(train_eagle3, capture_eagle3, warm_options=eagle3_warm_options, online=OnlineAdapter)),
     ("dflash", RecipeEntry(train_block, capture_block, warm_options=block_warm_options)),
     ("dspark", RecipeEntry(train_block, capture_block, warm_options=block_warm_options)),
 ):
@@ -119,3 +126,27 @@ def recipe_for(cfg: TrainConfig) -> RecipeEntry:
             "one with selfspec.train.recipes.register_recipe)"
         )
     return entry.variant(cfg) if entry.variant is not None else entry
+
+
+def online_adapter(
+    head: torch.nn.Module, target: PreTrainedModel, options: OnlineOptions | None = None
+) -> OnlineAdapter:
+    """The online adapter the head's family declares (:attr:`RecipeEntry.online`), attached to ``head``.
+
+    Args:
+        head: a loaded head module (its ``config.head_type`` names the family).
+        target: the target it drafts for.
+        options: :class:`~selfspec.train.online.OnlineOptions` (None: the defaults).
+
+    Raises:
+        ValueError: the family declares no online adapter (the message names those that do, and ``selfspec adapt``).
+    """
+    family = str(head.config.head_type)
+    entry = RECIPES.get(family)
+    if entry is None or entry.online is None:
+        online = sorted(name for name, e in RECIPES.items() if e.online is not None)
+        raise ValueError(
+            f"online adaptation trains {', '.join(online)} heads; these are {family} heads: adapt them offline with "
+            "selfspec adapt, or load without adapt="
+        )
+    return entry.online(head, target, options)

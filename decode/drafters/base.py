@@ -180,6 +180,11 @@ class Drafter(ABC):
         """
         raise ValueError(f"the {self.info().name} drafter has no drafting cost to measure")
 
+    def trained_head(self) -> torch.nn.Module | None:
+        """The head module this drafter drafts with, which adaptation may train in place (its weights copied in
+        between requests); None (the default) for a drafter without trained weights (prompt lookup, no drafts)."""
+        return None
+
     def fork(self) -> Drafter:
         """A drafter for one more sequence of a batch: weights and settings shared, per-sequence state set
         anew by :meth:`begin`. Default: a shallow copy; drafters holding state across :meth:`begin` override."""

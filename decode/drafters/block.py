@@ -96,6 +96,10 @@ class BlockDrafter(Drafter):
             tree=TreeShape(self.length, nodes - 1, nodes, self.top_k, self.branch_depth if self.top_k > 1 else 0),
         )
 
+    def trained_head(self) -> torch.nn.Module:
+        """The block head module."""
+        return self.head
+
     def at_depth(self, depth: int, target: PreTrainedModel) -> BlockDrafter:
         """A chain drafter of this head that keeps ``depth`` drafts of its block (one forward over the block
         whatever it keeps). Raises ValueError beyond the head's block."""

@@ -121,6 +121,10 @@ class EagleDrafter(Drafter):
             tree=TreeShape(self.depth, self.total_tokens, nodes, self.top_k),
         )
 
+    def trained_head(self) -> torch.nn.Module:
+        """The EAGLE head module (what :mod:`selfspec.train.online` adapts)."""
+        return self.head
+
     def at_depth(self, depth: int, target: PreTrainedModel) -> EagleDrafter:
         """An EAGLE drafter of this head, ``top_k`` and ``total_tokens`` that drafts ``depth`` levels."""
         return EagleDrafter(self.head, target, depth, self.top_k, self.total_tokens)

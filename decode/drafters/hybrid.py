@@ -215,6 +215,10 @@ class HybridDrafter(Drafter):
             head=head.head,
         )
 
+    def trained_head(self) -> torch.nn.Module | None:
+        """The head drafter's head module."""
+        return self.head.trained_head()
+
     def fork(self) -> HybridDrafter:
         """A hybrid for another sequence (a batch row): its own head fork and statistics."""
         return HybridDrafter(self.head.fork(), self.verify_cost_ms, self.lookup, self.suffix_index)

@@ -31,6 +31,10 @@ class MedusaDrafter(Drafter):
     def info(self) -> DrafterInfo:
         return DrafterInfo(name="medusa", max_depth=self._depths, vocab_size=self.heads.config.vocab_size, head=True)
 
+    def trained_head(self) -> torch.nn.Module:
+        """The Medusa heads module."""
+        return self.heads
+
     def begin(self, prompt_ids: torch.Tensor, hidden: torch.Tensor) -> None:
         self._hidden = hidden[-1]
 

@@ -12,6 +12,7 @@ import torch
 
 import selfspec
 from selfspec.train.online import OnlineAdapter, OnlineOptions
+from selfspec.train.recipes import online_adapter
 from tests.helpers.archs import tiny_llama
 from tests.helpers.heads import make_eagle3
 
@@ -135,5 +136,9 @@ def test_bad_options_and_families_are_refused(target):
 
     with pytest.raises(ValueError, match="cpu_share"):
         OnlineOptions(cpu_share=1.5)
+    with pytest.raises(ValueError, match="trains eagle3 heads; these are eagle heads: adapt them offline"):
+        online_adapter(make_eagle(target), target)
     with pytest.raises(ValueError, match="adapt them offline with selfspec adapt"):
         OnlineAdapter(make_eagle(target), target)
+    with pytest.raises(ValueError, match="adapt= trains a drafter's head; this model drafts with prompt_lookup"):
+        selfspec.load(target, prompt_lookup=True, tune="off", adapt=True)
