@@ -23,9 +23,12 @@ length and source reached depth d; the two treated as independent) over the cost
 (the verification cost measured here, e.g. :meth:`~selfspec.decode.tuning.costs.CostProfile.verify_cost_ms`),
 and the best ratio is drafted. Nodes both sources propose are counted once.
 
-With a :class:`~selfspec.decode.drafters.suffix_index.SuffixIndex` of training answers, the chain of a step comes
-from the context or from the index, whichever matched the longer n-gram (the context on a tie), and the
-acceptance of index chains is counted apart from the context's (keyed by ``-n``).
+With a second n-gram source (a :class:`~selfspec.decode.drafters.suffix_index.SuffixIndex` of training answers, or
+the served history), the chain of a step comes from the context or from that source: the one whose chains of the
+matched size have had their first token accepted more often in this decode, the longer match while neither has been
+tried (the context on a tie). The acceptance of the second source's chains is counted apart from the context's
+(keyed by ``-n``), so a source whose long matches lead astray (a worked solution of another question) stops
+replacing the request's own n-grams.
 """
 
 from __future__ import annotations
@@ -262,6 +265,15 @@ class HybridDrafter(Drafter):
                     best, best_rate = (head_on, length), rate
         return best
 
+    def _index_wins(self, ngram: int, n: int) -> bool:
+        """Whether the index's chain (a match of ``n`` tokens) replaces the context's (``ngram`` tokens; 0: none):
+        the one whose first token this decode has accepted more often at that match size wins, the longer match on
+        a tie (both unseen), the context on an equal length."""
+        if ngram == 0:
+            return True
+        ours, theirs = self.acceptance.chain_rate(ngram, 1), self.acceptance.chain_rate(-n, 1)
+        return theirs > ours if theirs != ours else n > ngram
+
     @torch.inference_mode()
     def propose(
         self, context: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None, limit: DraftLimit
@@ -273,7 +285,7 @@ class HybridDrafter(Drafter):
         chain, ngram = self.lookup.chain(ctx, room)
         if self.suffix_index is not None and room:
             found, n = self.suffix_index.lookup(ctx, min(self.lookup.num_tokens, room))
-            if n > ngram:  # the longer match wins, the context on a tie; -n keeps the index's acceptance apart
+            if found and self._index_wins(ngram if chain else 0, n):
                 chain, ngram = found, -n
         head_on = True
         if chain and self._head_shape is not None:

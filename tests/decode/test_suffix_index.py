@@ -186,6 +186,22 @@ def test_the_index_chain_is_drafted_when_the_context_has_no_match():
     assert h.fork().suffix_index is index
 
 
+def test_the_source_accepted_more_often_wins_over_the_longer_match():
+    """Once this decode has seen the index's 4-gram chains refused and the context's 3-gram chains accepted, the
+    context's chain is drafted although the index matches one token more; before that, the longer match."""
+    index = SuffixIndex([[5, 6, 7, 60], [8, 5, 6, 7, 70]], min_ngram=2, max_ngram=6)
+    h = HybridDrafter(Rigged(), cost(0.05).verify_cost_ms, PromptLookupDrafter(num_tokens=4), suffix_index=index)
+    h.begin(torch.tensor([5]), torch.zeros(1, 4))
+    ctx = torch.tensor([5, 6, 7, 9, 8, 5, 6, 7])  # context: "5 6 7" -> 9; index: "8 5 6 7" -> 70
+    h.propose(ctx, None, None, NO_LIMIT)
+    assert h._last[3] == -4
+    for _ in range(3):
+        h.acceptance.record_chain(-4, 1, 0)
+        h.acceptance.record_chain(3, 1, 1)
+    h.propose(ctx, None, None, NO_LIMIT)
+    assert h._last[3] == 3 and h._last[0].tokens.tolist()[5:6] == [9]
+
+
 def random_prompt(length: int, seed: int) -> torch.Tensor:
     return torch.randint(3, V, (length,), generator=torch.Generator().manual_seed(seed))
 
