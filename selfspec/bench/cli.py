@@ -178,7 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--stream-methods",
         nargs="*",
         default=["no_draft", "head", "online", "hybrid_history"],
-        help="--stream: which of no_draft (always run), head, online, hybrid_history",
+        help="--stream: which of no_draft (always run), head, online, hybrid, hybrid_history",
+    )
+    p.add_argument(
+        "--online-share",
+        type=float,
+        default=0.3,
+        help="--stream: the online head's training share of the CPU seconds (OnlineOptions.cpu_share)",
     )
     p.add_argument("--out", default="runs/bench", help="directory for report.json, report.md and PNG plots")
     return p
@@ -237,11 +243,15 @@ def _stream_main(parser, args, heads, prompts, target, tokenizer) -> int:
     from selfspec.bench.stream import build_stream_models, run_stream, stream_markdown, write_stream
     from selfspec.train.online import OnlineOptions
 
-    if not heads or args.temperature or args.window < 1:
-        parser.error("--stream needs --heads (the first is streamed), greedy decoding and --window >= 1")
+    if not heads or args.temperature or args.window < 1 or not 0.0 < args.online_share < 1.0:
+        parser.error(
+            "--stream needs --heads (the first is streamed), greedy decoding, --window >= 1, --online-share in (0, 1)"
+        )
     methods = ["no_draft", *(m for m in args.stream_methods if m != "no_draft")]
     try:
-        models = build_stream_models(target, tokenizer, next(iter(heads.values())), methods, OnlineOptions())
+        models = build_stream_models(
+            target, tokenizer, next(iter(heads.values())), methods, OnlineOptions(cpu_share=args.online_share)
+        )
     except ValueError as err:
         parser.error(str(err))
     report = run_stream(models, prompts, args.window, args.max_new_tokens)

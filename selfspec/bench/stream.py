@@ -9,6 +9,7 @@ gain of speculation alone, the baseline in the same process) are taken over that
 * ``head``: the frozen head, its tree sized to this machine;
 * ``online``: the same head adapting to the stream (:mod:`selfspec.train.online`); its speed counts decoding only,
   and the adaptation's CPU seconds per window are reported beside it;
+* ``hybrid``: the frozen head merged with prompt lookup (what the served history adds to);
 * ``hybrid_history``: the frozen head merged with prompt lookup and the outputs served so far
   (:mod:`selfspec.decode.drafters.served_history`).
 
@@ -32,7 +33,7 @@ from selfspec.train.online import OnlineOptions
 
 logger = logging.getLogger(__name__)
 
-STREAM_METHODS = ("no_draft", "head", "online", "hybrid_history")
+STREAM_METHODS = ("no_draft", "head", "online", "hybrid", "hybrid_history")
 
 
 @dataclasses.dataclass
@@ -68,6 +69,8 @@ def build_stream_models(
             models[name] = head
         elif name == "online":
             models[name] = load(target, heads, tokenizer=tokenizer, adapt=online)
+        elif name == "hybrid":
+            models[name] = load(target, heads, tokenizer=tokenizer, hybrid=True)
         else:
             models[name] = load(target, heads, tokenizer=tokenizer, hybrid=True, history=True)
     return models
