@@ -145,12 +145,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--engine",
-        choices=("selfspec", "llamacpp"),
+        choices=("selfspec", "llamacpp", "vllm"),
         default="selfspec",
         help="selfspec (default): its own decoder against transformers generate and its no-draft decoding; "
         "llamacpp: plain llama.cpp against each --heads (EAGLE-3, DFlash or DSpark, exported to GGUF) and "
         "llama.cpp's n-gram drafts, with settings swept once per machine (needs `python -m selfspec.llamacpp` and "
-        "selfspec[llamacpp])",
+        "selfspec[llamacpp]); vllm: plain vLLM (CPU build) against each --heads (EAGLE-3, EAGLE-3.1 or DFlash, "
+        "exported to the speculators layout), with vLLM's own acceptance counters (needs `python -m "
+        "selfspec.engine_envs vllm`)",
+    )
+    p.add_argument(
+        "--spec-tokens",
+        type=int,
+        default=None,
+        help="--engine vllm: num_speculative_tokens for every head (default: each export's own)",
     )
     p.add_argument(
         "--ngram",
@@ -214,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _batch_main(parser, args, heads, methods, prompts, settings, target, tokenizer)
     if args.engine == "llamacpp":
         return _llamacpp_main(parser, args, heads, prompts, settings, target, tokenizer)
+    if args.engine == "vllm":
+        return _vllm_main(parser, args, heads, prompts, settings, target, tokenizer)
     draft = load_target(args.draft_model, dtype=args.dtype, device=args.device)[0] if args.draft_model else None
     try:
         eagle_options = {"depth": args.eagle_depth, "top_k": args.eagle_top_k, "total_tokens": args.eagle_total_tokens}
@@ -291,6 +301,38 @@ def _llamacpp_main(parser, args, heads, prompts, settings, target, tokenizer) ->
         )
     except (ValueError, ExportError) as err:
         parser.error(str(err))
+    paths = write_report(report, args.out)
+    print(summary_text(report))
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def _vllm_main(parser, args, heads, prompts, settings, target, tokenizer) -> int:
+    """``--engine vllm``: :func:`selfspec.bench.vllm.run_vllm_bench` in the cached vLLM venv."""
+    from selfspec.bench.vllm import require_env, run_vllm_bench
+
+    if args.methods:
+        parser.error("--methods names selfspec methods; with --engine vllm use --heads")
+    try:
+        require_env()
+    except RuntimeError as err:
+        parser.error(str(err))
+    try:
+        report = run_vllm_bench(
+            target,
+            tokenizer,
+            prompts,
+            settings,
+            target_dir=resolve_target(args.target),
+            heads=heads,
+            num_speculative_tokens=args.spec_tokens,
+            threads=args.threads,
+        )
+    except (ValueError, ExportError) as err:
+        parser.error(str(err))
+    except RuntimeError as err:  # vLLM failed to load or decode: its message and log
+        print(f"selfspec bench: {err}", file=sys.stderr)
+        return 1
     paths = write_report(report, args.out)
     print(summary_text(report))
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
