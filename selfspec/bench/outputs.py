@@ -67,7 +67,7 @@ def markdown_report(report: BenchReport) -> str:
     llama.cpp engine, the settings chosen, the sweep and the cost decomposition."""
     s = report.settings
     mode = "greedy" if not s.do_sample else f"sampling T={s.temperature} top_p={s.top_p}"
-    engine = {"llamacpp": "llama.cpp", "vllm": "vLLM"}.get(s.engine, s.engine)
+    engine = {"llamacpp": "llama.cpp", "vllm": "vLLM", "openvino": "OpenVINO GenAI"}.get(s.engine, s.engine)
     lines = [
         f"# {engine} bench",
         "",

@@ -44,10 +44,10 @@ class TreeBudgetRecord:
 
 @dataclass(frozen=True)
 class MethodRecord:
-    """What a method is. ``kind``: ``"hf"`` (``transformers``), ``"selfspec"``, ``"llamacpp"``, ``"vllm"`` or
-    ``"custom"``."""
+    """What a method is. ``kind``: ``"hf"`` (``transformers``), ``"selfspec"``, ``"llamacpp"``, ``"vllm"``,
+    ``"openvino"`` or ``"custom"``."""
 
-    kind: Literal["hf", "selfspec", "llamacpp", "vllm", "custom"]
+    kind: Literal["hf", "selfspec", "llamacpp", "vllm", "openvino", "custom"]
     description: str
     tree_budget: TreeBudgetRecord | None
 
@@ -69,7 +69,7 @@ class SettingsRecord:
         engine_reference: the engine's own decoding with no drafts (``no_draft``: selfspec's loop and
             kernels, one token per step; plain llama.cpp in the llama.cpp engine): ``engine_speedup`` is
             against it, the gain of speculation alone. None only in reports of schema 2, read back upgraded.
-        engine: ``"selfspec"``, ``"llamacpp"`` or ``"vllm"``: which engine decoded the methods.
+        engine: ``"selfspec"``, ``"llamacpp"``, ``"vllm"`` or ``"openvino"``: which engine decoded the methods.
         timing: what ``tokens_per_s`` divides by (the whole call's wall time, or the engine's decode timer).
         prompts_source: prompt file or ``"sharegpt-heldout"``.
         tree_nodes: tree size asked for Medusa heads (None: default); draft_model: its name, if any.
@@ -91,7 +91,7 @@ class SettingsRecord:
     eos_token_ids: list[int]
     reference: str
     engine_reference: str | None
-    engine: Literal["selfspec", "llamacpp", "vllm"]
+    engine: Literal["selfspec", "llamacpp", "vllm", "openvino"]
     timing: str
     prompts_source: str
     tree_nodes: int | None
