@@ -17,6 +17,14 @@ recipes are :data:`ENGINE_ENVS`:
   ``torchcodec``, compiled against CUDA torch, that break ``import vllm`` against the CPU torch, and ``triton``
   (1 GB, for ``xgrammar``), which vLLM's CPU platform does not use (it looks for ``triton-cpu`` and runs its V1 model
   runner without it): the ``after`` step removes all four. About 1.5 GB; measured 75 s to build on 2 cores.
+* ``openvino``: OpenVINO GenAI ``openvino-genai==2026.4.1.0`` with its runtime and tokenizers, and optimum-intel's
+  exporter ``optimum-intel==2.2.0`` (``optimum==2.3.0``) without its declared dependencies: ``nncf`` (weight
+  compression, never used for the fp32 conversion) and ``torchvision`` (its vision models only) stay out. Its own
+  ``transformers==5.5.4`` (optimum-intel pins ``<5.6``) and ``huggingface-hub<1.22``, ``requests``, and ``diffusers``
+  and ``einops``, which ``--trust-remote-code`` needs because ``transformers`` checks every import of the EAGLE-3
+  draft's modeling file (optimum-intel's ``model_patcher.py``). Not ``--system-site-packages``: optimum-intel
+  imports this machine's ``datasets`` when it sees one, which needs a newer ``huggingface-hub``, so the venv has its
+  own CPU ``torch==2.13.0``. About 1.4 GB; measured 67 s to build on 2 cores.
 
 Nothing here falls back silently: a failed build raises with pip's last lines and the command to retry.
 """
@@ -93,6 +101,32 @@ register_env(
             ("{python}", "-m", "pip", "uninstall", "--yes", "--quiet", "triton"),
         ),
         minutes=2,
+    )
+)
+
+
+register_env(
+    EngineEnv(
+        name="openvino",
+        steps=(
+            ("torch==2.13.0",),
+            ("--no-deps", "optimum-intel==2.2.0", "optimum==2.3.0"),
+            (
+                "openvino-genai==2026.4.1.0",
+                "openvino==2026.4.1",
+                "openvino-tokenizers==2026.4.1.0",
+                "transformers==5.5.4",
+                "huggingface-hub>=1.0,<1.22",
+                "requests>=2.33,<3",
+                "diffusers==0.39.0",
+                "einops==0.8.2",
+            ),
+        ),
+        probe=(
+            "import openvino_genai, transformers, optimum.exporters.openvino; "
+            "assert transformers.__version__ == '5.5.4', transformers.__version__"
+        ),
+        minutes=1,
     )
 )
 
