@@ -35,6 +35,7 @@ from selfspec.card_text import (
 )
 from selfspec.export.gguf import export_gguf
 from selfspec.export.medusa_vllm import export_vllm_medusa
+from selfspec.export.openvino import export_openvino
 from selfspec.export.sglang import export_sglang
 from selfspec.export.sglang_block import export_sglang_block
 from selfspec.export.speculators import export_speculators
@@ -58,7 +59,7 @@ __all__ = [
 ]
 
 # The formats ``selfspec export`` writes; a family lists the ones it has a layout in (Family.exports).
-EXPORT_FORMATS = ("speculators", "sglang", "gguf")
+EXPORT_FORMATS = ("speculators", "sglang", "gguf", "openvino")
 
 # ``export(head, out_dir, *, target_name_or_path=...) -> written path``: one family's layout in one format.
 Exporter = Callable[..., Path]
@@ -212,7 +213,12 @@ for _record in (
         "eagle3",
         eagle_drafter,
         EAGLE_OPTIONS,
-        exports={"speculators": export_speculators, "sglang": export_sglang, "gguf": gguf_export},
+        exports={
+            "speculators": export_speculators,
+            "sglang": export_sglang,
+            "gguf": gguf_export,
+            "openvino": export_openvino,
+        },
         card=CardText("Li et al. 2025, EAGLE-3, https://arxiv.org/abs/2503.01840", eagle3_description, eagle3_engines),
         tree_tuning="acceptance_profile",
         llamacpp_spec_type="draft-eagle3",

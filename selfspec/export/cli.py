@@ -3,9 +3,10 @@
 
 Export formats (:data:`EXPORT_FORMATS`): ``speculators`` (EAGLE-3, what ``vllm serve`` loads), ``sglang`` (EAGLE-3 /
 EAGLE-1 for SGLang; Medusa in vLLM's ``MedusaModel`` layout), ``gguf`` (EAGLE-3 for llama.cpp, through its own
-converter; the target must be a local Hugging Face directory or an alias). Import formats: ``speculators``,
-``sglang``. The target (a directory, Hub id or the ``smollm2-135m-instruct`` alias) is loaded, without its
-tokenizer, to check the heads belong to it; it is written into the export's config.
+converter; the target must be a local Hugging Face directory or an alias), ``openvino`` (EAGLE-3 and its target as
+OpenVINO IR for OpenVINO GenAI, through optimum-intel's exporter in the ``openvino`` venv). Import formats:
+``speculators``, ``sglang``. The target (a directory, Hub id or the ``smollm2-135m-instruct`` alias) is loaded,
+without its tokenizer, to check the heads belong to it; it is written into the export's config.
 """
 
 from __future__ import annotations
@@ -37,15 +38,19 @@ def export_heads(head: Head, fmt: str, out_dir: str | Path, *, target_name_or_pa
     Hugging Face directory or an alias; llama.cpp's converter reads its tokenizer) and writes one ``.gguf`` file
     into ``out_dir``.
 
+    ``openvino`` runs :func:`selfspec.export.openvino.export_openvino` (the target's IR and the head's, converted in
+    the ``openvino`` venv and cached).
+
     Returns:
-        ``out_dir`` (``speculators``, ``sglang``), or the written ``.gguf`` file (``gguf``).
+        ``out_dir`` (``speculators``, ``sglang``, ``openvino``), or the written ``.gguf`` file (``gguf``).
 
     Raises:
         HeadFormatError: an unknown format (the message lists the formats), a module that is not a head of a
             registered family, or what the format's exporter raises.
         ExportError: the format has no layout for the head's family (the message names the families it holds and
             what to do with this head: :attr:`selfspec.families.Family.export_hint`).
-        RuntimeError: ``gguf``: llama.cpp's converter failed or cannot be built.
+        RuntimeError: ``gguf``: llama.cpp's converter failed or cannot be built; ``openvino``: its venv is missing
+            or optimum-intel's exporter failed.
     """
     if fmt not in EXPORT_FORMATS:
         raise HeadFormatError(f"unknown export format {fmt!r}; choose one of {list(EXPORT_FORMATS)}")
