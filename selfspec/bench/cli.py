@@ -145,14 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--engine",
-        choices=("selfspec", "llamacpp", "vllm"),
+        choices=("selfspec", "llamacpp", "vllm", "openvino"),
         default="selfspec",
         help="selfspec (default): its own decoder against transformers generate and its no-draft decoding; "
         "llamacpp: plain llama.cpp against each --heads (EAGLE-3, DFlash or DSpark, exported to GGUF) and "
         "llama.cpp's n-gram drafts, with settings swept once per machine (needs `python -m selfspec.llamacpp` and "
         "selfspec[llamacpp]); vllm: plain vLLM (CPU build) against each --heads (EAGLE-3, EAGLE-3.1 or DFlash, "
         "exported to the speculators layout), with vLLM's own acceptance counters (needs `python -m "
-        "selfspec.engine_envs vllm`)",
+        "selfspec.engine_envs vllm`); openvino: plain OpenVINO GenAI against each --heads (EAGLE-3, converted by "
+        "optimum-intel), draft length swept once per machine (needs `python -m selfspec.engine_envs openvino`)",
     )
     p.add_argument(
         "--spec-tokens",
@@ -173,7 +174,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="--engine llamacpp: the target's GGUF (default: the file the smollm2-135m-instruct alias is made from)",
     )
     p.add_argument(
-        "--fresh-sweep", action="store_true", help="--engine llamacpp: sweep the settings again, ignoring the cache"
+        "--fresh-sweep",
+        action="store_true",
+        help="--engine llamacpp / openvino: sweep the settings again, ignoring the cache",
+    )
+    p.add_argument(
+        "--assistant-tokens",
+        type=int,
+        default=None,
+        help="--engine openvino: num_assistant_tokens for every head instead of the swept draft length",
     )
     p.add_argument(
         "--stream",
@@ -224,6 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _llamacpp_main(parser, args, heads, prompts, settings, target, tokenizer)
     if args.engine == "vllm":
         return _vllm_main(parser, args, heads, prompts, settings, target, tokenizer)
+    if args.engine == "openvino":
+        return _openvino_main(parser, args, heads, prompts, settings, target, tokenizer)
     draft = load_target(args.draft_model, dtype=args.dtype, device=args.device)[0] if args.draft_model else None
     try:
         eagle_options = {"depth": args.eagle_depth, "top_k": args.eagle_top_k, "total_tokens": args.eagle_total_tokens}
@@ -336,6 +347,40 @@ def _vllm_main(parser, args, heads, prompts, settings, target, tokenizer) -> int
     paths = write_report(report, args.out)
     print(summary_text(report))
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def _openvino_main(parser, args, heads, prompts, settings, target, tokenizer) -> int:
+    """``--engine openvino``: :func:`selfspec.bench.openvino.run_openvino_bench` in the cached openvino venv."""
+    from selfspec.bench.openvino import run_openvino_bench, write_record
+    from selfspec.export.openvino import openvino_python
+
+    if args.methods:
+        parser.error("--methods names selfspec methods; with --engine openvino use --heads")
+    try:
+        openvino_python()
+    except RuntimeError as err:
+        parser.error(str(err))
+    given = {name: args.assistant_tokens for name in heads} if args.assistant_tokens else None
+    try:
+        report, record = run_openvino_bench(
+            target,
+            tokenizer,
+            prompts,
+            settings,
+            target_dir=Path(resolve_target(args.target)),
+            heads=heads,
+            given=given,
+            fresh_sweep=args.fresh_sweep,
+        )
+    except (ValueError, ExportError) as err:
+        parser.error(str(err))
+    except RuntimeError as err:  # a conversion or OpenVINO GenAI failed: its message and output
+        print(f"selfspec bench: {err}", file=sys.stderr)
+        return 1
+    paths = write_report(report, args.out)
+    print(summary_text(report))
+    print(f"wrote {', '.join(str(p) for p in paths.values())}, {write_record(record, args.out)}")
     return 0
 
 
