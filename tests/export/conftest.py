@@ -1,7 +1,7 @@
 """The export tests' tiny random Llama target (tests/helpers/archs.py; their heads: tests/helpers/heads.py) and one
-fixture per engine that judges the exports: the speculators package's venv, and the llama.cpp build with the SmolLM2
-target's GGUF. Engines are built once per machine by their own commands, never by the tests; a missing one skips
-its proofs (or fails them under ``SELFSPEC_REQUIRE_ENGINES=1``, tests/helpers/engines.py)."""
+fixture per engine that judges the exports: the speculators package's venv, vLLM's venv, and the llama.cpp build with
+the SmolLM2 target's GGUF. Engines are built once per machine by their own commands, never by the tests; a missing one
+skips its proofs (or fails them under ``SELFSPEC_REQUIRE_ENGINES=1``, tests/helpers/engines.py)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,15 @@ def spec_python() -> Path:
         engine_missing(
             f"the speculators environment cannot be built here ({err}); run python -m selfspec.engine_envs speculators"
         )
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The Python of vLLM's CPU build in its own venv (built once per machine, about 2 minutes)."""
+    try:
+        return build_env("vllm")
+    except (RuntimeError, OSError) as err:
+        engine_missing(f"the vllm environment cannot be built here ({err}); run python -m selfspec.engine_envs vllm")
 
 
 @pytest.fixture(scope="session")
