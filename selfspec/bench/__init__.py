@@ -29,7 +29,9 @@ Outputs (``--out DIR``): ``report.json`` (every per-prompt number; layout: the d
 
 ``--engine llamacpp`` runs the same prompts through llama.cpp instead (:mod:`selfspec.bench.llamacpp`): plain
 llama.cpp, each EAGLE-3 head exported to GGUF, and llama.cpp's n-gram drafters, with settings swept once per
-machine (:mod:`selfspec.bench.llamacpp_settings`), into the same report layout.
+machine (:mod:`selfspec.bench.llamacpp_settings`), into the same report layout. ``--engine vllm`` runs them through
+vLLM's CPU build in its own venv (:mod:`selfspec.bench.vllm`; its worker :mod:`selfspec.bench.vllm_worker`): plain vLLM
+and each head exported to the speculators layout, with vLLM's own acceptance counters.
 
 Files: ``methods.py`` (settings and methods), ``run.py`` (the measured run and its aggregates),
 ``report.py`` (the report's dataclasses and strict reading), ``outputs.py`` (``report.md``, the summary,
@@ -58,6 +60,7 @@ __all__ = [
     "read_report",
     "run_bench",
     "run_llamacpp_bench",
+    "run_vllm_bench",
     "summary_text",
     "write_report",
 ]
@@ -77,6 +80,7 @@ __getattr__, __dir__ = lazy_exports(
         "read_report": "selfspec.bench.report",
         "run_bench": "selfspec.bench.run",
         "run_llamacpp_bench": "selfspec.bench.llamacpp",
+        "run_vllm_bench": "selfspec.bench.vllm",
         "summary_text": "selfspec.bench.outputs",
         "write_report": "selfspec.bench.outputs",
     },
