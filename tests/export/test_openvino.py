@@ -80,8 +80,9 @@ def ov_python() -> Path:
 
 
 def teacher_forced_pattern(model, head, prompt: list[int], tokens: list[int], layers) -> list[int]:
-    """The tokens per step a one-token chain drafter yields with ``head`` fed the target's ``layers`` inputs: every
-    draft is scored on the target's own states (a one-token draft never sees its own outputs)."""
+    """The tokens per step a one-token chain drafter yields with ``head`` fed the target's ``layers`` inputs, up to
+    ``len(tokens)`` new tokens: every draft is scored on the target's own states (a one-token draft never sees its own
+    outputs)."""
     seq = torch.tensor(prompt + tokens).unsqueeze(0)
     with torch.inference_mode():
         states = model(input_ids=seq, output_hidden_states=True).hidden_states
@@ -90,7 +91,7 @@ def teacher_forced_pattern(model, head, prompt: list[int], tokens: list[int], la
         pred = head.draft_ids[head.draft_logits(out).argmax(-1)][0].tolist()
     steps, j, full = [], len(prompt), seq[0].tolist()
     while j + 1 < len(full):
-        hit = pred[j - 1] == full[j + 1]
+        hit = j + 2 < len(full) and pred[j - 1] == full[j + 1]  # with one token left nothing is drafted
         steps.append(2 if hit else 1)
         j += 2 if hit else 1
     return steps
