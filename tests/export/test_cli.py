@@ -72,7 +72,10 @@ def test_command_errors_name_the_fix(target, target_dir, tmp_path, capsys):
     make_eagle(target).save_pretrained(tmp_path / "heads")
     common = ["--out", str(tmp_path / "out"), "--target", str(target_dir)]
     assert main(["export", str(tmp_path / "heads"), "--format", "onnx", *common]) == 2
-    assert "unknown export format 'onnx'; choose one of ['speculators', 'sglang', 'gguf']" in capsys.readouterr().out
+    assert (
+        "unknown export format 'onnx'; choose one of ['speculators', 'sglang', 'gguf', 'openvino']"
+        in capsys.readouterr().out
+    )
     assert main(["export", str(tmp_path / "heads"), "--format", "speculators", *common]) == 2
     assert "holds EAGLE-3, DFlash and DSpark heads, not eagle; export with --format sglang" in capsys.readouterr().out
     assert main(["export", str(tmp_path / "heads"), "--format", "gguf", *common]) == 2  # refused before llama.cpp
