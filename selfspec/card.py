@@ -36,7 +36,8 @@ class BenchFigures:
     """What one ``selfspec bench`` report measured for these heads (read by :func:`selfspec.hub.bench_figures`).
 
     Attributes:
-        engine: ``"selfspec"`` or ``"llama.cpp"``: which engine decoded.
+        engine: which engine decoded (``"selfspec"``, ``"llama.cpp"``, ``"vLLM"``, ``"OpenVINO GenAI"``); ``speedup`` is
+            against that engine's own plain decoding.
         method: the heads' method name in the report.
         tau: mean accepted tokens per target forward, pooled over every step (None: not recorded).
         speedup: median over prompt turns of the per-turn speedup against ``reference`` (a ratio).
@@ -148,8 +149,8 @@ def head_card(
         config: the head's ``config.json`` (as ``save_pretrained`` wrote it; ``head_type`` names the family).
         repo_id: the Hub repo the heads go to (used in the load commands).
         base_model: the target's Hub id (``base_model`` in the metadata).
-        bench: measured figures to report (see :class:`BenchFigures`), one per bench report (selfspec's and
-            llama.cpp's); none: no "Measured" section.
+        bench: measured figures to report (see :class:`BenchFigures`), one per bench report (selfspec's, llama.cpp's,
+            vLLM's, OpenVINO GenAI's); none: no "Measured" section.
         target_note: a sentence on where the target the heads were trained on comes from (e.g. an alias's
             package), or None.
         adaptation: the heads' ``adaptation.json`` (``selfspec adapt`` or online adaptation), or None: the card then

@@ -149,6 +149,10 @@ def _target_note(config: dict) -> str | None:
     )
 
 
+ENGINE_NAMES = {"selfspec": "selfspec", "llamacpp": "llama.cpp", "vllm": "vLLM", "openvino": "OpenVINO GenAI"}
+"""How a card names each engine a bench report can come from (``report.settings.engine``)."""
+
+
 def bench_figures(
     report_path: str | Path, *, method: str | None = None, command: str | None = None, heads: str = "HEADS"
 ) -> BenchFigures:
@@ -174,10 +178,11 @@ def bench_figures(
     llama = report.llamacpp
     if llama is not None:  # the llama.cpp engine: the heads are the methods that draft with a head GGUF
         ours = [name for name, st in llama.chosen.items() if st.spec_type.startswith("draft-")]
-    else:
-        ours = [name for name, m in report.methods.items() if m.kind == "selfspec" and name != s.engine_reference]
+    else:  # the engine's own methods other than its references (vLLM, OpenVINO: the plain engine is both)
+        plain = {s.reference, s.engine_reference}
+        ours = [name for name, m in report.methods.items() if m.kind == s.engine and name not in plain]
     if method is None or method not in report.methods:
-        if method is not None and llama is None:
+        if method is not None and llama is None:  # llama.cpp names its head methods by the GGUF they ran
             raise HubError(f"{report_path} has no method {method!r}; it has {sorted(report.methods)}")
         if len(ours) != 1:
             raise HubError(
@@ -190,7 +195,7 @@ def bench_figures(
     prompts = Path(s.prompts_source).name  # a file of this machine: its name only on a public card
     recorded = bool(command)
     if not recorded:
-        engine_flag = " --engine llamacpp" if llama is not None else ""
+        engine_flag = f" --engine {s.engine}" if s.engine != "selfspec" else ""
         command = (
             f"selfspec bench{engine_flag} --target {s.target} --heads {method}={heads} --prompts {prompts} "
             f"--max-new-tokens {s.max_new_tokens} --temperature {s.temperature} --top-p {s.top_p} --dtype {s.dtype} "
@@ -200,7 +205,7 @@ def bench_figures(
             command += f" --max-prompt-tokens {s.max_prompt_tokens}"
     engine_ref = s.engine_reference if s.engine_reference != s.reference else None
     return BenchFigures(
-        engine="llama.cpp" if llama is not None else "selfspec",
+        engine=ENGINE_NAMES[s.engine],
         method=method,
         tau=agg.tau,
         speedup=agg.speedup,

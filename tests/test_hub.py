@@ -200,6 +200,39 @@ def test_the_card_gives_the_speculation_gain_and_the_llama_cpp_speed(target, hub
     assert "selfspec bench --engine llamacpp --target" in text
 
 
+def test_the_card_gives_each_engine_its_speed_against_its_own_plain_decoding(target, hub, tmp_path):
+    """A vLLM and an OpenVINO GenAI report (plain engine = reference = engine reference): each a section named after
+    its engine, the speedup against that engine's plain decoding, the command rebuilt with its --engine."""
+    from selfspec.bench.report import BenchReport, MethodRecord, read_report
+
+    old = read_report(REPORT)
+    ours = old.summary["eagle3"]
+    paths = []
+    for engine, speedup in (("vllm", 1.25), ("openvino", 1.11)):
+        summary = dataclasses.replace(ours, overall=dataclasses.replace(ours.overall, speedup=speedup))
+        rep = dataclasses.replace(
+            old,
+            settings=dataclasses.replace(old.settings, engine=engine, reference=engine, engine_reference=engine),
+            methods={
+                engine: MethodRecord(kind=engine, description=f"plain {engine}", tree_budget=None),
+                "e3": MethodRecord(kind=engine, description=f"{engine} with the head", tree_budget=None),
+            },
+            summary={engine: old.summary["baseline"], "e3": summary},
+            samples=[
+                dataclasses.replace(s, results={engine: s.results["baseline"], "e3": s.results["eagle3"]})
+                for s in old.samples
+            ],
+        )
+        paths.append(tmp_path / f"{engine}.json")
+        paths[-1].write_text(json.dumps(BenchReport.from_dict(rep.to_dict()).to_dict()))
+    make_head("eagle3", target).push_to_hub("alice/e3", token="hf_test", bench_report=paths)
+    text = ModelCard(hub.repos["alice/e3"].files["README.md"].decode()).text
+    assert f"| vLLM | e3 | {ours.overall.tau:.2f} | 1.25x | - |" in text
+    assert f"| OpenVINO GenAI | e3 | {ours.overall.tau:.2f} | 1.11x | - |" in text
+    assert "### vLLM" in text and "### OpenVINO GenAI" in text
+    assert "selfspec bench --engine vllm --target" in text and "selfspec bench --engine openvino --target" in text
+
+
 def test_pushed_files_name_the_data_and_target_never_a_local_path(target, hub, tmp_path, capsys):
     heads = make_head("eagle3", target).save_pretrained(tmp_path / "heads")
     record = {"format": "selfspec-training-record", "version": 1, "data": str(tmp_path / "private" / "chats.jsonl")}
