@@ -268,6 +268,8 @@ class Generation:
         wall_seconds: the whole process, model loading included (measured around it).
         draft_calls: drafting calls (``#calls(b,g,a)``'s g, printed at trace verbosity); None: not reported.
         draft_seconds: their total time (``dur(b,g,a)``'s g, llama.cpp's draft timer); None: not reported.
+        cycles: ``(accepted, drafted)`` of each verification cycle, in order (the tool's trace line ``accepted A/D
+            draft tokens``); empty without speculation.
     """
 
     text: str
@@ -280,6 +282,7 @@ class Generation:
     wall_seconds: float = 0.0
     draft_calls: int | None = None
     draft_seconds: float | None = None
+    cycles: tuple[tuple[int, int], ...] = ()
 
     @property
     def tokens_per_second(self) -> float:
@@ -304,6 +307,7 @@ _PROMPT_EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
 # common_speculative_print_stats, at trace verbosity (-lv 4): calls and durations of begin, draft (g), accept.
 _DRAFT_CALLS = re.compile(r"#calls\(b,g,a\) =\s*(\d+)\s+(\d+)\s+(\d+)")
 _DRAFT_DURATIONS = re.compile(r"dur\(b,g,a\) = ([\d.]+), ([\d.]+), ([\d.]+) ms")
+_CYCLE = re.compile(r"accepted (\d+)/(\d+) draft tokens")  # one per verification cycle, at debug verbosity
 _EVAL = re.compile(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs")
 
 
@@ -390,6 +394,7 @@ def speculative_simple(
         wall_seconds=wall,
         draft_calls=int(calls.group(2)) if calls else None,
         draft_seconds=float(durations.group(2)) / 1000.0 if durations else None,
+        cycles=tuple((int(a), int(d)) for a, d in _CYCLE.findall(err)),
     )
 
 

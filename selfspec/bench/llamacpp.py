@@ -127,11 +127,23 @@ class _Calls:
         )
 
 
+def depth_counts(cycles: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]] | None:
+    """``(accepted_by_depth, drafted_by_depth)`` of a run's cycles (:attr:`selfspec.llamacpp.Generation.cycles`, each
+    ``(accepted, drafted)``): per depth d, the cycles whose accepted prefix reached d + 1 and those that drafted a
+    token at d + 1 (lists as long as the longest draft); None when no cycle drafted."""
+    longest = max((d for _, d in cycles), default=0)
+    if longest == 0:
+        return None
+    accepted = [sum(1 for a, _ in cycles if a > d) for d in range(longest)]
+    return accepted, [sum(1 for _, n in cycles if n > d) for d in range(longest)]
+
+
 def _result(g: Generation, tokens: list[int], spec: bool, max_new_tokens: int, eos: set[int]) -> Result:
     """One llama.cpp call's record (speedups and the comparison filled later)."""
     new = min(g.new_tokens, max_new_tokens)  # llama-speculative-simple may decode one past -n
     steps = max(1, g.new_tokens - g.accepted) if spec else None
     draft_s = g.draft_seconds if spec else None
+    by_depth = depth_counts(g.cycles) if spec else None
     return Result(
         new_tokens=new,
         wall_s=g.wall_seconds,
@@ -143,8 +155,8 @@ def _result(g: Generation, tokens: list[int], spec: bool, max_new_tokens: int, e
         tau=g.tokens_per_step if spec else None,
         steps=steps,
         accepted_per_step=None,
-        accepted_by_depth=None,
-        drafted_by_depth=None,
+        accepted_by_depth=by_depth[0] if by_depth else None,
+        drafted_by_depth=by_depth[1] if by_depth else None,
         tree_nodes=(g.new_tokens - g.accepted + g.drafted) if spec else None,
         prefill_s=g.prefill_seconds,
         draft_s=draft_s,

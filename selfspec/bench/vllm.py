@@ -367,7 +367,7 @@ def run_vllm_bench(
     *,
     target_dir: str | Path,
     heads: Mapping[str, str | Path] | None = None,
-    num_speculative_tokens: int | None = None,
+    num_speculative_tokens: int | Mapping[str, int] | None = None,
     threads: int | None = None,
 ) -> BenchReport:
     """Run plain vLLM and each head in vLLM on every prompt turn, interleaved (the module docstring).
@@ -379,7 +379,8 @@ def run_vllm_bench(
         settings: generation settings and report metadata.
         target_dir: the target's local Hugging Face directory, which vLLM loads.
         heads: method name -> head directory (EAGLE-3, EAGLE-3.1 or DFlash heads of this target).
-        num_speculative_tokens: draft tokens per step for every head; None: each export's own.
+        num_speculative_tokens: draft tokens per step for every head, or head method name -> its own; None: each
+            export's own.
         threads: vLLM's OpenMP threads (None: vLLM's default, every core).
 
     Returns:
@@ -405,7 +406,12 @@ def run_vllm_bench(
         for name, path in heads.items():  # every head exported and checked before anything is measured
             out = Path(tmp) / name
             export_heads(load_heads(path, target), "speculators", out, target_name_or_path=str(target_dir))
-            specs[name] = speculative_config(out, num_speculative_tokens)
+            k = (
+                num_speculative_tokens.get(name)
+                if isinstance(num_speculative_tokens, Mapping)
+                else num_speculative_tokens
+            )
+            specs[name] = speculative_config(out, k)
         workers: dict[str, VllmWorker] = {}
         try:
             for name, spec in {PLAIN: None, **specs}.items():
