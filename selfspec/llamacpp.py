@@ -268,8 +268,9 @@ class Generation:
         wall_seconds: the whole process, model loading included (measured around it).
         draft_calls: drafting calls (``#calls(b,g,a)``'s g, printed at trace verbosity); None: not reported.
         draft_seconds: their total time (``dur(b,g,a)``'s g, llama.cpp's draft timer); None: not reported.
-        cycles: ``(accepted, drafted)`` of each verification cycle, in order (the tool's trace line ``accepted A/D
-            draft tokens``); empty without speculation.
+        draft_runs: drafts generated (``#gen drafts``, printed at trace verbosity); None: not reported.
+        accepted_by_position: ``[d]``: drafts whose token at position d + 1 was accepted, ``#acc rate/pos`` times the
+            drafting calls (the rates have three decimals: exact below 1000 calls); empty: not reported.
     """
 
     text: str
@@ -282,7 +283,8 @@ class Generation:
     wall_seconds: float = 0.0
     draft_calls: int | None = None
     draft_seconds: float | None = None
-    cycles: tuple[tuple[int, int], ...] = ()
+    draft_runs: int | None = None
+    accepted_by_position: tuple[int, ...] = ()
 
     @property
     def tokens_per_second(self) -> float:
@@ -307,7 +309,8 @@ _PROMPT_EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
 # common_speculative_print_stats, at trace verbosity (-lv 4): calls and durations of begin, draft (g), accept.
 _DRAFT_CALLS = re.compile(r"#calls\(b,g,a\) =\s*(\d+)\s+(\d+)\s+(\d+)")
 _DRAFT_DURATIONS = re.compile(r"dur\(b,g,a\) = ([\d.]+), ([\d.]+), ([\d.]+) ms")
-_CYCLE = re.compile(r"accepted (\d+)/(\d+) draft tokens")  # one per verification cycle, at debug verbosity
+_GEN_DRAFTS = re.compile(r"#gen drafts =\s*(\d+)")
+_RATE_PER_POSITION = re.compile(r"#acc rate/pos = \(([\d., ]*)\)")
 _EVAL = re.compile(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs")
 
 
@@ -382,6 +385,7 @@ def speculative_simple(
     n_drafted = re.search(r"n_drafted\s*=\s*(\d+)", err)
     n_accept = re.search(r"n_accept\s*=\s*(\d+)", err)
     calls, durations = _DRAFT_CALLS.search(err), _DRAFT_DURATIONS.search(err)
+    runs, rates = _GEN_DRAFTS.search(err), _RATE_PER_POSITION.search(err)
     # At trace verbosity the tool's trace lines go to stderr; stdout keeps the prompt and the generated text.
     return Generation(
         text=body[len(prompt) :].removesuffix("\n\n\n\n"),
@@ -394,7 +398,12 @@ def speculative_simple(
         wall_seconds=wall,
         draft_calls=int(calls.group(2)) if calls else None,
         draft_seconds=float(durations.group(2)) / 1000.0 if durations else None,
-        cycles=tuple((int(a), int(d)) for a, d in _CYCLE.findall(err)),
+        draft_runs=int(runs.group(1)) if runs else None,
+        accepted_by_position=tuple(
+            round(float(r) * int(calls.group(2))) for r in rates.group(1).split(",") if r.strip()
+        )
+        if rates and calls
+        else (),
     )
 
 

@@ -26,7 +26,7 @@ from selfspec.bench.report import (
     SettingsRecord,
 )
 from selfspec.bench.vllm import SpecStats, vllm_result
-from selfspec.llamacpp import LlamaCpp, speculative_simple
+from selfspec.llamacpp import Generation, LlamaCpp, speculative_simple
 
 
 def _result(tokens: int = 8, by_depth: tuple[list[int], list[int]] | None = None, **kw) -> Result:
@@ -62,20 +62,19 @@ def _report(engine: str, reference: str, results: dict[str, list[Result]]) -> Be
     )  # fmt: skip
 
 
-def _fake_speculative_simple(tmp_path: Path) -> LlamaCpp:
-    """A ``llama-speculative-simple`` that echoes the prompt, writes ``hi`` and prints four cycles' trace lines."""
+def _fake_speculative_simple(tmp_path: Path, drafted: int) -> LlamaCpp:
+    """A ``llama-speculative-simple`` that echoes the prompt, writes ``hi`` and prints llama.cpp's statistics of 8
+    drafting calls, 3 drafts (``drafted`` tokens), per position 3 and 2 accepted (its own line, at ``-lv 4``)."""
     tool = tmp_path / "bin" / "llama-speculative-simple"
-    tool.parent.mkdir(parents=True)
+    tool.parent.mkdir(parents=True, exist_ok=True)
     trace = [
-        "0.01.000.000 D accepted 2/3 draft tokens, the last target token is: (11)",
-        "0.01.000.000 D accepted 0/3 draft tokens, the last target token is: (12)",
-        "0.01.000.000 D partial acceptance: 1 < 3, restoring checkpoint",
-        "0.01.000.000 D accepted 3/3 draft tokens, the last target token is: (13)",
-        "0.01.000.000 D accepted 1/1 draft tokens, the last target token is: (14)",
-        "encoded    5 tokens in    0.010 seconds",
-        "decoded   10 tokens in    0.100 seconds",
-        "n_drafted = 10",
-        "n_accept  = 6",
+        "0.03.147.870 I encoded    5 tokens in    0.010 seconds",
+        "0.03.147.870 I decoded   10 tokens in    0.100 seconds",
+        f"0.03.147.871 I n_drafted = {drafted}",
+        "0.03.147.871 I n_accept  = 5",
+        "0.03.147.915 I spec common_specu: statistics     draft-eagle3: #calls(b,g,a) =    1      8      8, #gen "
+        f"drafts =      3, #acc drafts =     3, #gen tokens =      {drafted}, #acc tokens =     5, #mean acc len = "
+        "1.62, #acc rate/pos = (0.375, 0.250), dur(b,g,a) = 0.000, 0.007, 0.002 ms",
     ]
     tool.write_text(
         f"#!{sys.executable}\nimport sys\nprompt = sys.argv[sys.argv.index('-p') + 1]\n"
@@ -85,12 +84,14 @@ def _fake_speculative_simple(tmp_path: Path) -> LlamaCpp:
     return LlamaCpp(tmp_path)
 
 
-def test_llama_cpp_s_cycles_are_read_into_counts_per_position(tmp_path):
-    g = speculative_simple(_fake_speculative_simple(tmp_path), tmp_path / "t.gguf", "Q:", spec_type="draft-eagle3")
-    assert (g.text, g.drafted, g.accepted) == ("hi", 10, 6)
-    assert g.cycles == ((2, 3), (0, 3), (3, 3), (1, 1))
-    assert depth_counts(g.cycles) == ([3, 2, 1], [4, 3, 3])
-    assert depth_counts([(0, 0)]) is None and depth_counts([]) is None
+def test_llama_cpp_s_statistics_are_read_into_counts_per_position(tmp_path):
+    g = speculative_simple(_fake_speculative_simple(tmp_path, 6), tmp_path / "t.gguf", "Q:", spec_type="draft-eagle3")
+    assert (g.text, g.drafted, g.accepted, g.draft_calls) == ("hi", 6, 5, 8)
+    assert (g.draft_runs, g.accepted_by_position) == (3, (3, 2))
+    assert depth_counts(g) == ([3, 2], [3, 3])  # every draft had both positions: 3 drafts x 2 = 6 tokens
+    short = speculative_simple(_fake_speculative_simple(tmp_path, 5), tmp_path / "t.gguf", "Q:", spec_type="x")
+    assert depth_counts(short) is None  # a draft cut short: the statistics do not say which positions it had
+    assert depth_counts(dataclasses.replace(g, draft_runs=0)) is None
 
 
 def _engine_reports() -> dict[str, BenchReport]:
@@ -107,7 +108,8 @@ def _engine_reports() -> dict[str, BenchReport]:
     reply = {"tokens": [5, 6, 7, 8, 2], "wall_s": 0.5, "batch_sizes": [1, 3, 1], "accepted": 2, "drafted": 4}
     ov = dataclasses.replace(result_of(reply, 2, 8, {2}), **exact)  # OpenVINO's per-iteration counts
     ov = _report("openvino", "openvino", {"openvino": [_result()], "chain2": [ov]})
-    counts = depth_counts([(2, 2), (1, 2), (2, 2), (0, 2), (2, 2), (1, 2), (2, 2), (2, 2), (2, 2), (1, 2)])
+    stats_line = Generation("hi", 5, 26, 1.0, 20, 15, draft_calls=10, draft_runs=10, accepted_by_position=(9, 6))
+    counts = depth_counts(stats_line)  # llama.cpp's statistics: 10 drafts of 2, per position 9 and 6 accepted
     tie = dict(matches_reference=False, near_tie=True, first_diff=3, tau=2.5, steps=10)
     llama = _report("llamacpp", "llamacpp", {"llamacpp": [_result()], "chain2": [_result(by_depth=counts, **tie)]})
     return {"selfspec": ours, "vllm": vllm, "openvino": ov, "llamacpp": llama}

@@ -127,15 +127,16 @@ class _Calls:
         )
 
 
-def depth_counts(cycles: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]] | None:
-    """``(accepted_by_depth, drafted_by_depth)`` of a run's cycles (:attr:`selfspec.llamacpp.Generation.cycles`, each
-    ``(accepted, drafted)``): per depth d, the cycles whose accepted prefix reached d + 1 and those that drafted a
-    token at d + 1 (lists as long as the longest draft); None when no cycle drafted."""
-    longest = max((d for _, d in cycles), default=0)
-    if longest == 0:
+def depth_counts(g: Generation) -> tuple[list[int], list[int]] | None:
+    """``(accepted_by_depth, drafted_by_depth)`` of a speculative run from llama.cpp's statistics line: per position
+    d, the drafts whose token at d + 1 was accepted (:attr:`selfspec.llamacpp.Generation.accepted_by_position`) and
+    the drafts that reached d + 1, which these statistics give only when every draft had every position (drafted
+    tokens = drafts x positions: a chain of fixed length, ``--spec-draft-p-min 0``); None otherwise or when nothing
+    was drafted."""
+    positions, runs = len(g.accepted_by_position), g.draft_runs
+    if not positions or not runs or g.drafted != runs * positions:
         return None
-    accepted = [sum(1 for a, _ in cycles if a > d) for d in range(longest)]
-    return accepted, [sum(1 for _, n in cycles if n > d) for d in range(longest)]
+    return list(g.accepted_by_position), [runs] * positions
 
 
 def _result(g: Generation, tokens: list[int], spec: bool, max_new_tokens: int, eos: set[int]) -> Result:
@@ -143,7 +144,7 @@ def _result(g: Generation, tokens: list[int], spec: bool, max_new_tokens: int, e
     new = min(g.new_tokens, max_new_tokens)  # llama-speculative-simple may decode one past -n
     steps = max(1, g.new_tokens - g.accepted) if spec else None
     draft_s = g.draft_seconds if spec else None
-    by_depth = depth_counts(g.cycles) if spec else None
+    by_depth = depth_counts(g) if spec else None
     return Result(
         new_tokens=new,
         wall_s=g.wall_seconds,
