@@ -54,6 +54,8 @@ class EngineEnv:
         after: shell-free commands run after the pip steps, as argument lists whose ``{python}`` is replaced by the
             venv's interpreter (e.g. removing wheels a dependency pulled in that break the import).
         minutes: a rough build time on 2 cores with an empty pip cache, for the message users see.
+        scripts: the selfspec files (paths from the repository root) that run under this venv's own Python and are
+            never imported by selfspec: their third-party imports are this venv's, not selfspec's dependencies.
     """
 
     name: str
@@ -62,6 +64,7 @@ class EngineEnv:
     system_site_packages: bool = False
     after: tuple[tuple[str, ...], ...] = ()
     minutes: int = 2
+    scripts: tuple[str, ...] = ()
 
 
 ENGINE_ENVS: dict[str, EngineEnv] = {}
@@ -101,6 +104,7 @@ register_env(
             ("{python}", "-m", "pip", "uninstall", "--yes", "--quiet", "triton"),
         ),
         minutes=2,
+        scripts=("selfspec/bench/vllm_worker.py",),
     )
 )
 
@@ -127,6 +131,7 @@ register_env(
             "assert transformers.__version__ == '5.5.4', transformers.__version__"
         ),
         minutes=1,
+        scripts=("selfspec/bench/openvino_worker.py", "selfspec/export/openvino_ir.py"),
     )
 )
 
