@@ -253,9 +253,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(err))
     logger.info("bench: %d questions, methods %s", len(prompts), ", ".join(bench_methods))
     report = run_bench(target, tokenizer, bench_methods, prompts, settings)
-    paths = write_report(report, args.out)
+    return _report_out(report, args.out)
+
+
+def _report_out(report, out: str, *extra: Path) -> int:
+    """Write the report's files into ``out``, print its summary and what was written (``extra``: files an engine
+    wrote beside it); the exit status 0."""
+    paths = [*write_report(report, out).values(), *extra]
     print(summary_text(report))
-    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 
 
@@ -312,10 +318,7 @@ def _llamacpp_main(parser, args, heads, prompts, settings, target, tokenizer) ->
         )
     except (ValueError, ExportError) as err:
         parser.error(str(err))
-    paths = write_report(report, args.out)
-    print(summary_text(report))
-    print(f"wrote {', '.join(str(p) for p in paths.values())}")
-    return 0
+    return _report_out(report, args.out)
 
 
 def _vllm_main(parser, args, heads, prompts, settings, target, tokenizer) -> int:
@@ -344,10 +347,7 @@ def _vllm_main(parser, args, heads, prompts, settings, target, tokenizer) -> int
     except RuntimeError as err:  # vLLM failed to load or decode: its message and log
         print(f"selfspec bench: {err}", file=sys.stderr)
         return 1
-    paths = write_report(report, args.out)
-    print(summary_text(report))
-    print(f"wrote {', '.join(str(p) for p in paths.values())}")
-    return 0
+    return _report_out(report, args.out)
 
 
 def _openvino_main(parser, args, heads, prompts, settings, target, tokenizer) -> int:
@@ -378,10 +378,7 @@ def _openvino_main(parser, args, heads, prompts, settings, target, tokenizer) ->
     except RuntimeError as err:  # a conversion or OpenVINO GenAI failed: its message and output
         print(f"selfspec bench: {err}", file=sys.stderr)
         return 1
-    paths = write_report(report, args.out)
-    print(summary_text(report))
-    print(f"wrote {', '.join(str(p) for p in paths.values())}, {write_record(record, args.out)}")
-    return 0
+    return _report_out(report, args.out, write_record(record, args.out))
 
 
 def _batch_main(parser, args, heads, methods, prompts, settings, target, tokenizer) -> int:
