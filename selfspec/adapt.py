@@ -38,6 +38,7 @@ from typing import Any
 
 from selfspec.base.files import write_json
 from selfspec.base.target import load_target
+from selfspec.decode.drafters.base import context_length
 from selfspec.heads import load_heads
 from selfspec.heads.hub import resolve_head_dir
 from selfspec.heads.io import ADAPTATION_NAME as ADAPTATION_FILE
@@ -162,7 +163,7 @@ def adapt(
         load_heads(head_dir, model)  # the fingerprint, before any work
     except HeadFormatError as err:
         raise HeadFormatError(f"{err} (pass --target for the target these heads were trained on)") from err
-    context = getattr(model.config, "max_position_embeddings", None)
+    context = context_length(model)
     longest = _check_lengths(conversations, tokenizer, context, str(prompts))
     del model
     out_dir = Path(out)

@@ -41,6 +41,7 @@ from selfspec.bench.driver import settings_record as base_settings_record
 from selfspec.bench.llamacpp import is_near_tie
 from selfspec.bench.methods import BenchSettings
 from selfspec.bench.report import BenchReport, MethodRecord, Mismatch, Result, Sample, SettingsRecord
+from selfspec.decode.drafters.base import context_length
 from selfspec.engine_envs import env_python, env_works
 from selfspec.export.cli import export_heads
 from selfspec.export.common import ExportError
@@ -398,7 +399,7 @@ def run_vllm_bench(
     if PLAIN in heads:
         raise ValueError(f"head method name {PLAIN!r} is taken; pass it as NAME=DIR with another name")
     limit = prompt_limit(target, settings)
-    context = getattr(target.config, "max_position_embeddings", None) or (limit or 2048) + settings.max_new_tokens
+    context = context_length(target) or (limit or 2048) + settings.max_new_tokens
     max_model_len = min(context, (limit or context) + settings.max_new_tokens + 64)
     env = worker_env(threads)
     with tempfile.TemporaryDirectory(prefix="selfspec-vllm-") as tmp:
