@@ -35,6 +35,7 @@ import torch
 from selfspec.base.files import write_json
 from selfspec.bench import openvino_settings as tuning
 from selfspec.bench.driver import BenchEngine, Outcome, Turn, compare_to_reference, run_engine, settings_record
+from selfspec.bench.engine_worker import EngineWorker
 from selfspec.bench.llamacpp import TIE_MARGIN, is_near_tie
 from selfspec.bench.methods import BenchSettings
 from selfspec.bench.report import BenchReport, MethodRecord, Mismatch, Result, Sample, SettingsRecord
@@ -115,48 +116,28 @@ def result_of(reply: dict, k: int | None, max_new_tokens: int, eos: set[int]) ->
     )
 
 
-class Worker:
-    """One OpenVINO GenAI pipeline in a process of the ``openvino`` venv (:mod:`selfspec.bench.openvino_worker`).
+class Worker(EngineWorker):
+    """One OpenVINO GenAI pipeline in a process of the ``openvino`` venv (:mod:`selfspec.bench.openvino_worker`), an
+    :class:`~selfspec.bench.engine_worker.EngineWorker` stopped between its requests.
 
     Args:
         python: the venv's interpreter. target: the target's IR. draft: the head's IR (None: plain).
         properties: compile properties of both models.
+        log: the file the worker's stderr goes to (its end is quoted in errors).
 
     Raises:
         RuntimeError: the pipeline could not be built (with the end of the worker's stderr).
     """
 
-    def __init__(self, python: Path, target: Path, draft: Path | None, properties: dict[str, str]) -> None:
-        self.log = tempfile.TemporaryFile(mode="w+")
+    def __init__(self, python: Path, target: Path, draft: Path | None, properties: dict[str, str], log: Path) -> None:
         cmd = [str(python), "-P", str(WORKER), str(target), str(draft or "-"), json.dumps(properties)]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1"}
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
-        )
-        self.ready = self._read(f"building the OpenVINO GenAI pipeline ({target}, draft {draft})")
-
-    def _read(self, what: str) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait()
-            self.log.seek(0)
-            raise RuntimeError(f"{what} failed (exit {self.proc.returncode}):\n{self.log.read()[-3000:]}")
-        return json.loads(line)
+        super().__init__(cmd, env, log, f"building the OpenVINO GenAI pipeline ({target}, draft {draft})")
 
     def generate(self, ids: list[int], max_new_tokens: int, k: int | None, stop_ids: Sequence[int]) -> dict:
         """One greedy generate call: the worker's reply (:mod:`selfspec.bench.openvino_worker`)."""
         request = {"ids": ids, "max_new_tokens": max_new_tokens, "num_assistant_tokens": k, "stop_ids": list(stop_ids)}
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        return self._read("an OpenVINO GenAI generate call")
-
-    def close(self) -> None:
-        """End the worker (an empty line), waiting for it."""
-        if self.proc.poll() is None:
-            self.proc.stdin.write("\n")
-            self.proc.stdin.flush()
-            self.proc.wait(timeout=60)
-        self.log.close()
+        return self.request(request, "an OpenVINO GenAI generate call")
 
 
 class OpenVINOEngine(BenchEngine):
@@ -276,10 +257,11 @@ def run_openvino_bench(
         capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     workers: dict[str, Worker] = {}
+    logs = tempfile.TemporaryDirectory(prefix="selfspec-openvino-")
     try:
-        workers[PLAIN] = Worker(python, target_ir, None, FP32_PROPERTIES)
+        workers[PLAIN] = Worker(python, target_ir, None, FP32_PROPERTIES, Path(logs.name) / f"{PLAIN}.log")
         for name, m in models.items():
-            workers[name] = Worker(python, m.target, m.draft, m.properties)
+            workers[name] = Worker(python, m.target, m.draft, m.properties, Path(logs.name) / f"{name}.log")
         eos = sorted(settings.stop_ids(target, tokenizer))
         if given is not None and set(given) >= set(heads):
             choice, chosen_by = tuning.DraftLengthChoice(tuning.SWEEP_VERSION, "given", dict(given), {}), "given"
@@ -300,6 +282,7 @@ def run_openvino_bench(
     finally:
         for worker in workers.values():
             worker.close()
+        logs.cleanup()
     record = {
         "openvino_genai": version,
         "target_ir": str(target_ir),

@@ -28,16 +28,16 @@ import dataclasses
 import json
 import logging
 import os
-import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from selfspec.bench.driver import BenchEngine, Outcome, Turn, compare_to_reference, prompt_limit, run_engine
 from selfspec.bench.driver import settings_record as base_settings_record
+from selfspec.bench.engine_worker import EngineWorker
 from selfspec.bench.llamacpp import is_near_tie
 from selfspec.bench.methods import BenchSettings
 from selfspec.bench.report import BenchReport, MethodRecord, Mismatch, Result, Sample, SettingsRecord
@@ -196,8 +196,9 @@ def vllm_result(reply: Mapping[str, Any], stats: SpecStats | None) -> Result:
     )
 
 
-class VllmWorker:
-    """One :mod:`selfspec.bench.vllm_worker` process: its ``vllm.LLM`` loaded once, a request per call.
+class VllmWorker(EngineWorker):
+    """One :mod:`selfspec.bench.vllm_worker` process (an :class:`~selfspec.bench.engine_worker.EngineWorker`, stopped
+    between its requests): its ``vllm.LLM`` loaded once, a request per call.
 
     Args:
         python: the vLLM venv's interpreter.
@@ -210,51 +211,19 @@ class VllmWorker:
     """
 
     def __init__(self, python: Path, kwargs: Mapping[str, Any], log: Path, env: Mapping[str, str]) -> None:
-        self.log = log
         self.counters: dict[str, Any] = {}
-        with open(log, "w") as sink:  # the child keeps its own descriptor
-            # -I: the worker's folder (with this module, named vllm) must not shadow the vllm package
-            self.proc = subprocess.Popen(
-                [str(python), "-I", str(WORKER), json.dumps({"llm": dict(kwargs)})],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=sink,
-                text=True,
-                env=dict(env),
-            )
-        ready = self._read()
-        self.version, self.load_s = ready["vllm"], ready["load_s"]
-
-    def _read(self) -> dict[str, Any]:
-        stdout: IO[str] = self.proc.stdout  # type: ignore[assignment]
-        line = stdout.readline()
-        reply = json.loads(line) if line.strip() else {"error": f"the worker exited ({self.proc.poll()})"}
-        if "error" in reply:
-            self.close()
-            tail = self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
-            raise RuntimeError(f"vLLM failed: {reply['error']}\n--- end of its log ({self.log}) ---\n{tail}")
-        return reply
+        # -I: the worker's folder (with this module, named vllm) must not shadow the vllm package
+        cmd = [str(python), "-I", str(WORKER), json.dumps({"llm": dict(kwargs)})]
+        super().__init__(cmd, env, log, "vLLM")
+        self.version, self.load_s = self.ready["vllm"], self.ready["load_s"]
 
     def generate(self, request: Mapping[str, Any]) -> tuple[dict[str, Any], SpecStats | None]:
         """One ``LLM.generate`` (the worker's request fields); returns its reply and the call's
         :class:`SpecStats`."""
-        stdin: IO[str] = self.proc.stdin  # type: ignore[assignment]
-        stdin.write(json.dumps(dict(request)) + "\n")
-        stdin.flush()
-        reply = self._read()
+        reply = self.request(request, "vLLM")
         stats = spec_stats(self.counters, reply["counters"])
         self.counters = reply["counters"]
         return reply, stats
-
-    def close(self) -> None:
-        """End the worker: close its stdin (it exits), killed after 30 s."""
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def _render(tokenizer: Any, messages: Sequence[Message]) -> tuple[torch.Tensor, None]:

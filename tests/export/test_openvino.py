@@ -98,7 +98,7 @@ def teacher_forced_pattern(model, head, prompt: list[int], tokens: list[int], la
 
 
 @pytest.mark.slow
-def test_openvino_genai_runs_our_eagle3_head_exactly(ov_python, smollm2):
+def test_openvino_genai_runs_our_eagle3_head_exactly(ov_python, smollm2, tmp_path):
     from selfspec.base.target import resolve_target
     from selfspec.bench.openvino import Worker
     from selfspec.export.openvino import prepare_openvino
@@ -114,8 +114,8 @@ def test_openvino_genai_runs_our_eagle3_head_exactly(ov_python, smollm2):
     models = prepare_openvino(head, resolve_target("smollm2-135m-instruct"))
     assert models.layer_ids == [i - 1 for i in head.target_layers]
     eos = [tokenizer.eos_token_id]
-    plain = Worker(ov_python, models.target, None, FP32_PROPERTIES)
-    spec = Worker(ov_python, models.target, models.draft, models.properties)
+    plain = Worker(ov_python, models.target, None, FP32_PROPERTIES, tmp_path / "plain.log")
+    spec = Worker(ov_python, models.target, models.draft, models.properties, tmp_path / "spec.log")
     try:
         accepted = 0
         for ids in prompts:
