@@ -268,9 +268,8 @@ class Generation:
         wall_seconds: the whole process, model loading included (measured around it).
         draft_calls: drafting calls (``#calls(b,g,a)``'s g, printed at trace verbosity); None: not reported.
         draft_seconds: their total time (``dur(b,g,a)``'s g, llama.cpp's draft timer); None: not reported.
-        draft_runs: drafts generated (``#gen drafts``, printed at trace verbosity); None: not reported.
-        accepted_by_position: ``[d]``: drafts whose token at position d + 1 was accepted, ``#acc rate/pos`` times the
-            drafting calls (the rates have three decimals: exact below 1000 calls); empty: not reported.
+        draft_steps: per verification that had a draft, ``(accepted, drafted)`` tokens, in order, from the tool's
+            per-step lines (``accepted A/D draft tokens``, printed at debug verbosity, ``-lv 5``); empty: none.
     """
 
     text: str
@@ -283,8 +282,7 @@ class Generation:
     wall_seconds: float = 0.0
     draft_calls: int | None = None
     draft_seconds: float | None = None
-    draft_runs: int | None = None
-    accepted_by_position: tuple[int, ...] = ()
+    draft_steps: tuple[tuple[int, int], ...] = ()
 
     @property
     def tokens_per_second(self) -> float:
@@ -309,8 +307,8 @@ _PROMPT_EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
 # common_speculative_print_stats, at trace verbosity (-lv 4): calls and durations of begin, draft (g), accept.
 _DRAFT_CALLS = re.compile(r"#calls\(b,g,a\) =\s*(\d+)\s+(\d+)\s+(\d+)")
 _DRAFT_DURATIONS = re.compile(r"dur\(b,g,a\) = ([\d.]+), ([\d.]+), ([\d.]+) ms")
-_GEN_DRAFTS = re.compile(r"#gen drafts =\s*(\d+)")
-_RATE_PER_POSITION = re.compile(r"#acc rate/pos = \(([\d., ]*)\)")
+# examples/speculative-simple, at debug verbosity (-lv 5): one line per verification step.
+_DRAFT_STEP = re.compile(r"accepted (\d+)/(\d+) draft tokens, the last target token")
 _EVAL = re.compile(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs")
 
 
@@ -348,8 +346,9 @@ def speculative_simple(
 ) -> Generation:
     """Greedy speculative generation with ``llama-speculative-simple`` (``examples/speculative-simple`` of
     llama.cpp): ``-m MODEL -p PROMPT -n N --temp 0 -t/-tb THREADS -c CTX --spec-type TYPE [-md DRAFT]
-    [--spec-draft-n-max K] -lv 4``. The tool needs a speculation type (``none`` fails to initialise); plain
-    decoding is :func:`completion`. Trace verbosity (``-lv 4``) makes it print its draft timer and call counts.
+    [--spec-draft-n-max K] -lv 5``. The tool needs a speculation type (``none`` fails to initialise); plain
+    decoding is :func:`completion`. Debug verbosity (``-lv 5``) makes it print its draft timer and call counts
+    and a line per verification step (accepted / drafted), read into :attr:`Generation.draft_steps`.
 
     Args:
         build: the llama.cpp build.
@@ -373,7 +372,7 @@ def speculative_simple(
         cmd += ["-md", str(draft)]
     if draft_max is not None:
         cmd += ["--spec-draft-n-max", str(draft_max)]
-    done, wall = _run_tool([*cmd, "-lv", "4", *extra], timeout)
+    done, wall = _run_tool([*cmd, "-lv", "5", *extra], timeout)
     out, err = done.stdout, done.stderr
     decoded, encoded = _DECODED.search(err), _ENCODED.search(err)
     if decoded is None or encoded is None:
@@ -385,25 +384,27 @@ def speculative_simple(
     n_drafted = re.search(r"n_drafted\s*=\s*(\d+)", err)
     n_accept = re.search(r"n_accept\s*=\s*(\d+)", err)
     calls, durations = _DRAFT_CALLS.search(err), _DRAFT_DURATIONS.search(err)
-    runs, rates = _GEN_DRAFTS.search(err), _RATE_PER_POSITION.search(err)
-    # At trace verbosity the tool's trace lines go to stderr; stdout keeps the prompt and the generated text.
+    steps = tuple((int(a), int(d)) for a, d in _DRAFT_STEP.findall(err) if int(d) > 0)
+    drafted, accepted = int(n_drafted.group(1)) if n_drafted else 0, int(n_accept.group(1)) if n_accept else 0
+    if (sum(d for _, d in steps), sum(a for a, _ in steps)) != (drafted, accepted):
+        raise RuntimeError(
+            f"llama-speculative-simple's per-step lines add up to {sum(d for _, d in steps)} drafted and "
+            f"{sum(a for a, _ in steps)} accepted tokens, its totals say {drafted} and {accepted}: its log format is "
+            "not the one this reader knows (examples/speculative-simple, -lv 5)"
+        )
+    # Above info verbosity the tool's log lines go to stderr; stdout keeps the prompt and the generated text.
     return Generation(
         text=body[len(prompt) :].removesuffix("\n\n\n\n"),
         prompt_tokens=int(encoded.group(1)),
         new_tokens=int(decoded.group(1)),
         decode_seconds=float(decoded.group(2)),
-        drafted=int(n_drafted.group(1)) if n_drafted else 0,
-        accepted=int(n_accept.group(1)) if n_accept else 0,
+        drafted=drafted,
+        accepted=accepted,
         prefill_seconds=float(encoded.group(2)),
         wall_seconds=wall,
         draft_calls=int(calls.group(2)) if calls else None,
         draft_seconds=float(durations.group(2)) / 1000.0 if durations else None,
-        draft_runs=int(runs.group(1)) if runs else None,
-        accepted_by_position=tuple(
-            round(float(r) * int(calls.group(2))) for r in rates.group(1).split(",") if r.strip()
-        )
-        if rates and calls
-        else (),
+        draft_steps=steps,
     )
 
 

@@ -62,20 +62,23 @@ def _report(engine: str, reference: str, results: dict[str, list[Result]]) -> Be
     )  # fmt: skip
 
 
-def _fake_speculative_simple(tmp_path: Path, drafted: int) -> LlamaCpp:
-    """A ``llama-speculative-simple`` that echoes the prompt, writes ``hi`` and prints llama.cpp's statistics of 8
-    drafting calls, 3 drafts (``drafted`` tokens), per position 3 and 2 accepted (its own line, at ``-lv 4``)."""
+def _fake_speculative_simple(tmp_path: Path, steps: list[tuple[int, int]], drafted: int | None = None) -> LlamaCpp:
+    """A ``llama-speculative-simple`` that echoes the prompt, writes ``hi`` and prints, as llama.cpp does at
+    ``-lv 5``, one line per verification step (``steps``: accepted, drafted) and its totals (``drafted``: another
+    total than the steps' own, to break the format)."""
     tool = tmp_path / "bin" / "llama-speculative-simple"
     tool.parent.mkdir(parents=True, exist_ok=True)
+    total = sum(d for _, d in steps) if drafted is None else drafted
     trace = [
         "0.03.147.870 I encoded    5 tokens in    0.010 seconds",
+        *(f"0.03.147.{i:03d} D accepted {a}/{d} draft tokens, the last target token is: (42)" for i, (a, d) in
+          enumerate(steps)),
         "0.03.147.870 I decoded   10 tokens in    0.100 seconds",
-        f"0.03.147.871 I n_drafted = {drafted}",
-        "0.03.147.871 I n_accept  = 5",
+        f"0.03.147.871 I n_drafted = {total}",
+        f"0.03.147.871 I n_accept  = {sum(a for a, _ in steps)}",
         "0.03.147.915 I spec common_specu: statistics     draft-eagle3: #calls(b,g,a) =    1      8      8, #gen "
-        f"drafts =      3, #acc drafts =     3, #gen tokens =      {drafted}, #acc tokens =     5, #mean acc len = "
-        "1.62, #acc rate/pos = (0.375, 0.250), dur(b,g,a) = 0.000, 0.007, 0.002 ms",
-    ]
+        "drafts =      3, dur(b,g,a) = 0.000, 0.007, 0.002 ms",
+    ]  # fmt: skip
     tool.write_text(
         f"#!{sys.executable}\nimport sys\nprompt = sys.argv[sys.argv.index('-p') + 1]\n"
         f"sys.stdout.write('\\n\\n' + prompt + 'hi\\n\\n\\n\\n')\nsys.stderr.write({chr(10).join(trace)!r})\n"
@@ -84,14 +87,16 @@ def _fake_speculative_simple(tmp_path: Path, drafted: int) -> LlamaCpp:
     return LlamaCpp(tmp_path)
 
 
-def test_llama_cpp_s_statistics_are_read_into_counts_per_position(tmp_path):
-    g = speculative_simple(_fake_speculative_simple(tmp_path, 6), tmp_path / "t.gguf", "Q:", spec_type="draft-eagle3")
-    assert (g.text, g.drafted, g.accepted, g.draft_calls) == ("hi", 6, 5, 8)
-    assert (g.draft_runs, g.accepted_by_position) == (3, (3, 2))
-    assert depth_counts(g) == ([3, 2], [3, 3])  # every draft had both positions: 3 drafts x 2 = 6 tokens
-    short = speculative_simple(_fake_speculative_simple(tmp_path, 5), tmp_path / "t.gguf", "Q:", spec_type="x")
-    assert depth_counts(short) is None  # a draft cut short: the statistics do not say which positions it had
-    assert depth_counts(dataclasses.replace(g, draft_runs=0)) is None
+def test_llama_cpp_s_per_step_lines_are_read_into_counts_per_position(tmp_path):
+    steps = [(2, 3), (0, 3), (1, 2), (0, 0), (3, 3)]  # a cut draft (2 tokens) and a step without a draft among them
+    g = speculative_simple(_fake_speculative_simple(tmp_path, steps), tmp_path / "t.gguf", "Q:", spec_type="x")
+    assert (g.text, g.drafted, g.accepted, g.draft_calls) == ("hi", 11, 6, 8)
+    assert g.draft_steps == ((2, 3), (0, 3), (1, 2), (3, 3))
+    assert depth_counts(g) == ([3, 2, 1], [4, 4, 3])  # position 3: the cut draft never had it
+    assert depth_counts(dataclasses.replace(g, draft_steps=())) is None
+    broken = _fake_speculative_simple(tmp_path, steps, drafted=12)
+    with pytest.raises(RuntimeError, match="add up to 11 drafted and 6 accepted tokens, its totals say 12 and 6"):
+        speculative_simple(broken, tmp_path / "t.gguf", "Q:", spec_type="x")
 
 
 def _engine_reports() -> dict[str, BenchReport]:
@@ -108,8 +113,8 @@ def _engine_reports() -> dict[str, BenchReport]:
     reply = {"tokens": [5, 6, 7, 8, 2], "wall_s": 0.5, "batch_sizes": [1, 3, 1], "accepted": 2, "drafted": 4}
     ov = dataclasses.replace(result_of(reply, 2, 8, {2}), **exact)  # OpenVINO's per-iteration counts
     ov = _report("openvino", "openvino", {"openvino": [_result()], "chain2": [ov]})
-    stats_line = Generation("hi", 5, 26, 1.0, 20, 15, draft_calls=10, draft_runs=10, accepted_by_position=(9, 6))
-    counts = depth_counts(stats_line)  # llama.cpp's statistics: 10 drafts of 2, per position 9 and 6 accepted
+    per_step = ((2, 2),) * 6 + ((1, 2),) * 3 + ((0, 2),)  # llama.cpp's per-step lines: 10 drafts of 2
+    counts = depth_counts(Generation("hi", 5, 26, 1.0, 20, 15, draft_calls=10, draft_steps=per_step))
     tie = dict(matches_reference=False, near_tie=True, first_diff=3, tau=2.5, steps=10)
     llama = _report("llamacpp", "llamacpp", {"llamacpp": [_result()], "chain2": [_result(by_depth=counts, **tie)]})
     return {"selfspec": ours, "vllm": vllm, "openvino": ov, "llamacpp": llama}

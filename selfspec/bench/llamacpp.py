@@ -128,15 +128,16 @@ class _Calls:
 
 
 def depth_counts(g: Generation) -> tuple[list[int], list[int]] | None:
-    """``(accepted_by_depth, drafted_by_depth)`` of a speculative run from llama.cpp's statistics line: per position
-    d, the drafts whose token at d + 1 was accepted (:attr:`selfspec.llamacpp.Generation.accepted_by_position`) and
-    the drafts that reached d + 1, which these statistics give only when every draft had every position (drafted
-    tokens = drafts x positions: a chain of fixed length, ``--spec-draft-p-min 0``); None otherwise or when nothing
-    was drafted."""
-    positions, runs = len(g.accepted_by_position), g.draft_runs
-    if not positions or not runs or g.drafted != runs * positions:
+    """``(accepted_by_depth, drafted_by_depth)`` of a speculative run from llama.cpp's per-step lines
+    (:attr:`selfspec.llamacpp.Generation.draft_steps`): per position d, the steps whose accepted prefix reached
+    d + 1 (accepted > d) and the steps whose draft had a token there (drafted > d), for drafts of any length (a
+    confidence cut shortens some); None when nothing was drafted."""
+    if not g.draft_steps:
         return None
-    return list(g.accepted_by_position), [runs] * positions
+    width = max(d for _, d in g.draft_steps)
+    accepted = [sum(a > i for a, _ in g.draft_steps) for i in range(width)]
+    drafted = [sum(d > i for _, d in g.draft_steps) for i in range(width)]
+    return accepted, drafted
 
 
 def _result(g: Generation, tokens: list[int], spec: bool, max_new_tokens: int, eos: set[int]) -> Result:
