@@ -315,7 +315,10 @@ _EVAL = re.compile(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs")
 def _run_tool(cmd: list[str], timeout: float) -> tuple[subprocess.CompletedProcess, float]:
     """Run a tool; ``(the finished process, wall seconds)``. RuntimeError (with the end of its output) on failure."""
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    # errors="replace": at debug verbosity the tools print single tokens' pieces, which may be part of a character
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, errors="replace", timeout=timeout, stdin=subprocess.DEVNULL
+    )
     wall = time.perf_counter() - t0
     if done.returncode != 0:
         shown = " ".join(a if len(a) < 80 else a[:77] + "..." for a in cmd)

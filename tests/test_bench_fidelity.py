@@ -64,7 +64,7 @@ def _report(engine: str, reference: str, results: dict[str, list[Result]]) -> Be
 
 def _fake_speculative_simple(tmp_path: Path, steps: list[tuple[int, int]], drafted: int | None = None) -> LlamaCpp:
     """A ``llama-speculative-simple`` that echoes the prompt, writes ``hi`` and prints, as llama.cpp does at
-    ``-lv 5``, one line per verification step (``steps``: accepted, drafted) and its totals (``drafted``: another
+    ``-lv 5``, a token piece that is not whole UTF-8, one line per verification step (``steps``: accepted, drafted) and its totals (``drafted``: another
     total than the steps' own, to break the format)."""
     tool = tmp_path / "bin" / "llama-speculative-simple"
     tool.parent.mkdir(parents=True, exist_ok=True)
@@ -82,7 +82,8 @@ def _fake_speculative_simple(tmp_path: Path, steps: list[tuple[int, int]], draft
     tool.write_text(
         f"#!{sys.executable}\nimport sys\nprompt = sys.argv[sys.argv.index('-p') + 1]\n"
         f"sys.stdout.write('\\n\\n' + prompt + 'hi\\n\\n\\n\\n')\nsys.stderr.write({chr(10).join(trace)!r})\n"
-    )
+        "sys.stderr.flush()\nsys.stderr.buffer.write(b' - draft candidate: half a character \\xe2\\x80\\n')\n"
+    )  # the debug lines print single tokens' pieces: not always whole UTF-8 characters
     os.chmod(tool, 0o755)
     return LlamaCpp(tmp_path)
 
