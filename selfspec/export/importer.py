@@ -95,7 +95,8 @@ def _embed_consumed(state: dict[str, torch.Tensor], target: PreTrainedModel, whe
     if emb is None:
         return
     own = target.get_input_embeddings().weight.detach()
-    if emb.shape != own.shape or not torch.equal(emb.to(own.dtype), own):
+    # a checkpoint saved in a lower precision (speculators' trainer saves bf16) holds the target's embedding rounded
+    if emb.shape != own.shape or not torch.equal(emb, own.to(emb.dtype)):
         raise HeadFormatError(
             f"{where}: embed_tokens.weight is not the target's embedding (selfspec heads use the target's); "
             "pass the target the head was trained on"

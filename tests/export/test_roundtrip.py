@@ -99,6 +99,23 @@ def test_speculators_layout_and_roundtrip(target, tmp_path):
     assert (draft_logits(back, 3 * D) - draft_logits(head, 3 * D)).abs().max().item() == 0.0
 
 
+def test_speculators_bf16_checkpoint_imports(target, tmp_path):
+    """speculators' trainer saves bf16 checkpoints: the target's embedding rounded to bf16 is the target's; another
+    embedding is still refused."""
+    from safetensors.torch import load_file, save_file
+
+    out = export_heads(make_eagle3(target), "speculators", tmp_path / "sp", target_name_or_path="tiny-dir")
+    state = {
+        k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(out / "model.safetensors").items()
+    }
+    save_file(state, out / "model.safetensors")
+    assert read_foreign_head(out, "speculators", target) is not None
+    state["embed_tokens.weight"] = state["embed_tokens.weight"] + 1
+    save_file(state, out / "model.safetensors")
+    with pytest.raises(HeadFormatError, match="embed_tokens.weight is not the target's"):
+        read_foreign_head(out, "speculators", target)
+
+
 def test_full_vocabulary_eagle3_roundtrip(target, tmp_path):
     head = make_eagle3(target, draft=V)
     out = export_heads(head, "speculators", tmp_path / "sp", target_name_or_path="t")
