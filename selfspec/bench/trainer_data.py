@@ -20,6 +20,13 @@ Each trainer gets exactly these tokens, masks and states, in its own layout, and
   The store holds ``f = norm(h)``, not ``h``; :func:`prenorm_states` writes ``f / w`` (``w`` the norm's weight), whose
   RMSNorm is ``f`` again up to float rounding (the norm is scale invariant), so the trainer's targets are selfspec's.
 
+The masks mean the same thing in all three (True at assistant tokens); which pair each trainer scores differs. For
+pair t (input ``g_t`` and ``x_{t+1}``, target the distribution of ``x_{t+2}``) selfspec scores ``m_{t+2}`` (the
+predicted token is an answer token, :mod:`selfspec.train.eagle_data`), speculators ``m_{t+1}``
+(``speculators/models/eagle3/data.py: shift_batch``), SpecForge ``m_t`` (``specforge/algorithms/eagle3/model.py``, the
+mask unshifted at step 0): the same answers, their first one or two predictions and the one or two after each answer's
+end counted differently.
+
 Trained tokens are counted as selfspec counts them (:class:`~selfspec.train.eagle3.Eagle3Recipe`: ``valid`` pairs):
 a sequence of T tokens trains ``T - 1`` pairs (every trainer drops one position in its shift), summed over every
 sequence of every step, epochs included. :func:`specforge_plan` and :func:`plan_from_batches` turn a token budget
