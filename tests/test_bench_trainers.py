@@ -23,7 +23,7 @@ from selfspec.bench.trainer_data import (
     write_speculators,
 )
 from selfspec.bench.trainer_patches import PATCHES, Patch, apply_patches
-from selfspec.bench.trainers import markdown
+from selfspec.bench.trainers import eagle31, markdown
 from selfspec.engine_envs import ENGINE_ENVS
 from selfspec.train.eagle_data import PairStore
 from selfspec.train.features import hidden_features
@@ -171,8 +171,11 @@ def test_markdown_table():
     report = {
         "run": "runs/e3",
         "budget": 1000,
-        "bench_engines": ["selfspec"],
-        "bench": {"selfspec": {"selfspec": 1.5, "specforge": None}},
+        "bench_engines": ["selfspec", "llamacpp"],
+        "bench": {
+            "selfspec": {"selfspec": 1.5, "specforge": None},
+            "llamacpp": {"selfspec": 1.25, "specforge": "EAGLE-3.1 head: this engine's export refuses it"},
+        },
         "trainers": {
             "selfspec": {"trained_tokens": 1001, "steps": 3, "heldout": held, "cpu_minutes": 1.25, "wall_s": 40},
             "specforge": {
@@ -186,6 +189,13 @@ def test_markdown_table():
         },
     }
     text = markdown(report)
-    assert "| selfspec | 1,001 | 3 | 0.4000 | 0.2000 | 0.1000 | 1.6000 | 1.7000 | 1.2 | 40 | 1.500 |" in text
-    assert "| specforge | 1,003 | 4 |" in text and "core/loss.py" in text
+    assert "| selfspec | 1,001 | 3 | 0.4000 | 0.2000 | 0.1000 | 1.6000 | 1.7000 | 1.2 | 40 | 1.500 | 1.250 |" in text
+    assert "| specforge | 1,003 | 4 |" in text and text.count("| - |") == 1 and "core/loss.py" in text
+    assert "bench (llamacpp), specforge: EAGLE-3.1 head" in text
     json.dumps(report)
+
+
+def test_eagle31_heads_are_recognised(tmp_path):
+    for flags, want in (({"fc_norm": False, "norm_output": True}, True), ({"fc_norm": False}, False)):
+        (tmp_path / "config.json").write_text(json.dumps({"selfspec": {"head_type": "eagle3", **flags}}))
+        assert eagle31(str(tmp_path)) is want
