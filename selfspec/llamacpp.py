@@ -304,21 +304,19 @@ class Generation:
 _DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 _ENCODED = re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 _PROMPT_EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
-# common_speculative_print_stats, at trace verbosity (-lv 4): calls and durations of begin, draft (g), accept.
+# common_speculative_print_stats (-lv 4 and up): calls and durations of begin, draft (g), accept; then
+# examples/speculative-simple's line per verification step (debug verbosity, -lv 5).
 _DRAFT_CALLS = re.compile(r"#calls\(b,g,a\) =\s*(\d+)\s+(\d+)\s+(\d+)")
 _DRAFT_DURATIONS = re.compile(r"dur\(b,g,a\) = ([\d.]+), ([\d.]+), ([\d.]+) ms")
-# examples/speculative-simple, at debug verbosity (-lv 5): one line per verification step.
 _DRAFT_STEP = re.compile(r"accepted (\d+)/(\d+) draft tokens, the last target token")
 _EVAL = re.compile(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs")
 
 
 def _run_tool(cmd: list[str], timeout: float) -> tuple[subprocess.CompletedProcess, float]:
-    """Run a tool; ``(the finished process, wall seconds)``. RuntimeError (with the end of its output) on failure."""
+    """Run a tool; ``(the finished process, wall seconds)``. RuntimeError (with the end of its output) on failure.
+    Its output is text (``errors="replace"``: at debug verbosity it prints single tokens' pieces)."""
     t0 = time.perf_counter()
-    # errors="replace": at debug verbosity the tools print single tokens' pieces, which may be part of a character
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, errors="replace", timeout=timeout, stdin=subprocess.DEVNULL
-    )
+    done = subprocess.run(cmd, capture_output=True, errors="replace", timeout=timeout, stdin=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
     if done.returncode != 0:
         shown = " ".join(a if len(a) < 80 else a[:77] + "..." for a in cmd)
@@ -350,8 +348,7 @@ def speculative_simple(
     """Greedy speculative generation with ``llama-speculative-simple`` (``examples/speculative-simple`` of
     llama.cpp): ``-m MODEL -p PROMPT -n N --temp 0 -t/-tb THREADS -c CTX --spec-type TYPE [-md DRAFT]
     [--spec-draft-n-max K] -lv 5``. The tool needs a speculation type (``none`` fails to initialise); plain
-    decoding is :func:`completion`. Debug verbosity (``-lv 5``) makes it print its draft timer and call counts
-    and a line per verification step (accepted / drafted), read into :attr:`Generation.draft_steps`.
+    decoding is :func:`completion`. At ``-lv 5`` it prints its draft timer, call counts and each step's counts.
 
     Args:
         build: the llama.cpp build.
