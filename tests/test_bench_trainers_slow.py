@@ -13,6 +13,7 @@ import pytest
 
 from selfspec.bench.trainers import main
 from selfspec.engine_envs import env_works
+from tests.helpers.engines import engine_missing
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.slow
 def test_three_trainers_at_equal_tokens(smollm2, tmp_path):
     for name in ("specforge", "speculators"):
         if not env_works(name):
-            pytest.skip(f"the {name} venv is not built: python -m selfspec.engine_envs {name}")
+            engine_missing(f"the {name} venv is not built: python -m selfspec.engine_envs {name}")
     run = tmp_path / "run"
     options = [
         "head=eagle3",
