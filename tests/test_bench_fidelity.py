@@ -64,8 +64,8 @@ def _report(engine: str, reference: str, results: dict[str, list[Result]]) -> Be
 
 def _fake_speculative_simple(tmp_path: Path, steps: list[tuple[int, int]], drafted: int | None = None) -> LlamaCpp:
     """A ``llama-speculative-simple`` that echoes the prompt, writes ``hi`` and prints, as llama.cpp does at
-    ``-lv 5``, a token piece that is not whole UTF-8, one line per verification step (``steps``: accepted, drafted) and its totals (``drafted``: another
-    total than the steps' own, to break the format)."""
+    ``-lv 5``, a token piece that is not whole UTF-8, one line per verification step (``steps``: accepted,
+    drafted) and its totals (``drafted``: another total than the steps' own, to break the format)."""
     tool = tmp_path / "bin" / "llama-speculative-simple"
     tool.parent.mkdir(parents=True, exist_ok=True)
     total = sum(d for _, d in steps) if drafted is None else drafted
