@@ -23,7 +23,7 @@ from selfspec.bench.trainer_data import (
     write_speculators,
 )
 from selfspec.bench.trainer_patches import PATCHES, Patch, apply_patches
-from selfspec.bench.trainers import eagle31, markdown
+from selfspec.bench.trainers import eagle31, kept_trainers, markdown
 from selfspec.engine_envs import ENGINE_ENVS
 from selfspec.train.eagle_data import PairStore
 from selfspec.train.features import hidden_features
@@ -199,3 +199,22 @@ def test_eagle31_heads_are_recognised(tmp_path):
     for flags, want in (({"fc_norm": False, "norm_output": True}, True), ({"fc_norm": False}, False)):
         (tmp_path / "config.json").write_text(json.dumps({"selfspec": {"head_type": "eagle3", **flags}}))
         assert eagle31(str(tmp_path)) is want
+
+
+def test_a_comparison_goes_on_trainer_by_trainer_with_the_same_settings(tmp_path):
+    heads = tmp_path / "speculators" / "heads"
+    heads.mkdir(parents=True)
+    (heads / "config.json").write_text("{}")
+    record = {"head_dir": str(heads), "trained_tokens": 1003}
+    gone = {"head_dir": str(tmp_path / "specforge" / "heads"), "trained_tokens": 1001}  # its head was deleted
+    earlier = {
+        "run": "runs/e3",
+        "budget": 1000,
+        "ttt_steps": None,
+        "trainers": {"speculators": record, "specforge": gone},
+    }
+    (tmp_path / "trainers.json").write_text(json.dumps(earlier))
+    assert kept_trainers(tmp_path, "runs/e3", 1000, None) == {"speculators": record}
+    assert kept_trainers(tmp_path, "runs/e3", 2000, None) == {}  # another budget: nothing kept
+    assert kept_trainers(tmp_path, "runs/e3", 1000, 2) == {}  # another TTT length
+    assert kept_trainers(tmp_path / "empty", "runs/e3", 1000, None) == {}

@@ -309,6 +309,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def kept_trainers(out: Path, run: str, budget: int, ttt_steps: int | None) -> dict[str, Any]:
+    """The trainers an earlier comparison in ``out`` finished for the same ``run``, ``budget`` and ``ttt_steps`` (its
+    ``trainers.json``), whose heads are still there: a comparison too long for one sitting goes on trainer by trainer
+    (``--trainers speculators`` one day, ``--trainers specforge`` the next) into one table. Empty when there is none or
+    it was made with other settings."""
+    path = out / "trainers.json"
+    if not path.is_file():
+        return {}
+    earlier = json.loads(path.read_text())
+    if (earlier.get("run"), earlier.get("budget"), earlier.get("ttt_steps")) != (run, budget, ttt_steps):
+        return {}
+    return {n: r for n, r in earlier.get("trainers", {}).items() if (Path(r["head_dir"]) / "config.json").is_file()}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison; returns 0, or 2 on bad input (the reason printed)."""
     args = build_parser().parse_args(argv)
@@ -339,12 +353,15 @@ def main(argv: list[str] | None = None) -> int:
         "budget": budget,
         "threads": args.threads,
         "ttt_steps": args.ttt_steps,
-        "trainers": {},
+        "trainers": kept_trainers(out, str(run_dir), budget, args.ttt_steps),
         "bench": {},
         "bench_engines": [],
     }
     for name in args.trainers:
         work = out / name
+        if name in report["trainers"]:
+            logger.info("trainer %s: kept from %s (same run, budget and TTT steps)", name, out / "trainers.json")
+            continue
         logger.info("trainer %s: %d tokens", name, budget)
         if name == "selfspec" and budget == int(summary["trained_tokens"]) and not args.rerun_selfspec:
             record = {
