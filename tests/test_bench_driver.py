@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import pytest
 import torch
 
 from selfspec.bench.driver import BenchEngine, Outcome, Turn, run_engine, settings_record
@@ -18,12 +19,7 @@ TOKENS_PER_S = {"plain": 10.0, "loop": 20.0, "fast": 40.0, "off": 5.0}
 
 
 def result(tokens: list[int], tokens_per_s: float) -> Result:
-    return Result(
-        new_tokens=len(tokens), wall_s=len(tokens) / tokens_per_s, tokens_per_s=tokens_per_s, speedup=None,
-        engine_speedup=None, peak_memory_mb=0.0, finish_reason="length", tau=None, steps=None,
-        accepted_per_step=None, accepted_by_depth=None, drafted_by_depth=None, tree_nodes=None, prefill_s=None,
-        draft_s=None, verify_s=None, matches_reference=None, first_diff=None, near_tie=None, tokens=tokens,
-    )  # fmt: skip
+    return Result.of_call(tokens, len(tokens) / tokens_per_s, "length")
 
 
 class ToyEngine(BenchEngine):
@@ -81,3 +77,19 @@ def test_any_engine_gets_the_whole_bench_from_the_driver():
     ]
     assert list(report.methods) == engine.names and report.llamacpp is None
     assert BenchReport.from_dict(report.to_dict()) == report
+
+
+def test_an_engine_call_s_result_leaves_the_driver_s_fields_unset():
+    r = Result.of_call([5, 6, 7, 8], 2.0, "length", tau=1.5, steps=2, accepted_by_depth=[1])
+    assert (r.new_tokens, r.tokens_per_s, r.peak_memory_mb, r.tokens, r.tau, r.steps) == (
+        4,
+        2.0,
+        0.0,
+        [5, 6, 7, 8],
+        1.5,
+        2,
+    )
+    assert (r.speedup, r.engine_speedup, r.matches_reference, r.first_diff, r.near_tie, r.draft_s) == (None,) * 6
+    assert Result.of_call([], 0.0, "stop").tokens_per_s == 0.0
+    with pytest.raises(TypeError, match="no fields \\['acceptance'\\]"):
+        Result.of_call([1], 1.0, "stop", acceptance=0.5)

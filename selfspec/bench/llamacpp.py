@@ -146,27 +146,20 @@ def _result(g: Generation, tokens: list[int], spec: bool, max_new_tokens: int, e
     steps = max(1, g.new_tokens - g.accepted) if spec else None
     draft_s = g.draft_seconds if spec else None
     by_depth = depth_counts(g) if spec else None
-    return Result(
+    return Result.of_call(
+        tokens,
+        g.wall_seconds,
+        "stop" if new < max_new_tokens or (tokens and tokens[-1] in eos) else "length",
         new_tokens=new,
-        wall_s=g.wall_seconds,
         tokens_per_s=g.tokens_per_second,
-        speedup=None,
-        engine_speedup=None,
-        peak_memory_mb=0.0,
-        finish_reason="stop" if new < max_new_tokens or (tokens and tokens[-1] in eos) else "length",
         tau=g.tokens_per_step if spec else None,
         steps=steps,
-        accepted_per_step=None,
         accepted_by_depth=by_depth[0] if by_depth else None,
         drafted_by_depth=by_depth[1] if by_depth else None,
         tree_nodes=(g.new_tokens - g.accepted + g.drafted) if spec else None,
         prefill_s=g.prefill_seconds,
         draft_s=draft_s,
         verify_s=(g.decode_seconds - draft_s) if spec and draft_s is not None else None,
-        matches_reference=None,
-        first_diff=None,
-        near_tie=None,
-        tokens=tokens,
     )
 
 

@@ -92,27 +92,16 @@ def result_of(reply: dict, k: int | None, max_new_tokens: int, eos: set[int]) ->
     tokens = reply["tokens"][:max_new_tokens]
     stats = per_position(reply["batch_sizes"], k, max_new_tokens) if k else None
     steps = len(stats[0]) if stats else None
-    return Result(
-        new_tokens=len(tokens),
-        wall_s=reply["wall_s"],
-        tokens_per_s=len(tokens) / reply["wall_s"] if reply["wall_s"] > 0 else 0.0,
-        speedup=None,
-        engine_speedup=None,
-        peak_memory_mb=0.0,
-        finish_reason="stop" if tokens and tokens[-1] in eos else "length",
+    return Result.of_call(
+        tokens,
+        reply["wall_s"],
+        "stop" if tokens and tokens[-1] in eos else "length",
         tau=(sum(stats[0]) / steps if steps else None) if stats else None,
         steps=steps,
         accepted_per_step=stats[0] if stats else None,
         accepted_by_depth=stats[1] if stats else None,
         drafted_by_depth=stats[2] if stats else None,
         tree_nodes=(steps + sum(stats[2])) if stats else None,
-        prefill_s=None,
-        draft_s=None,
-        verify_s=None,
-        matches_reference=None,
-        first_diff=None,
-        near_tie=None,
-        tokens=tokens,
     )
 
 

@@ -161,6 +161,25 @@ class Result:
     near_tie: bool | None
     tokens: list[int]
 
+    @classmethod
+    def of_call(cls, tokens: list[int], wall_s: float, finish_reason: str, **measured: Any) -> Result:
+        """One engine call's record before the driver compares it: ``new_tokens`` and ``tokens_per_s`` from
+        ``tokens`` and ``wall_s`` (seconds), ``peak_memory_mb`` 0.0, every other field None (the speedups and the
+        comparison are the driver's to fill), unless ``measured`` gives it (``tau=..., steps=..., ...``).
+
+        Raises:
+            TypeError: a name in ``measured`` that is not a field.
+        """
+        fields: dict[str, Any] = dict.fromkeys(f.name for f in dataclasses.fields(cls))
+        unknown = set(measured) - set(fields)
+        if unknown:
+            raise TypeError(f"Result has no fields {sorted(unknown)}")
+        tokens = [int(t) for t in tokens]
+        rate = len(tokens) / wall_s if wall_s > 0 else 0.0
+        fields.update(new_tokens=len(tokens), wall_s=wall_s, tokens_per_s=rate, peak_memory_mb=0.0, tokens=tokens)
+        fields.update(finish_reason=finish_reason, **measured)
+        return cls(**fields)
+
 
 @dataclass(frozen=True)
 class Sample:

@@ -49,14 +49,11 @@ def _timed(
 def _result(tokens: list[int], stats: GenerationStats | None, wall_s: float, memory_mb: float, eos: set[int]) -> Result:
     """One call's record, before the comparison with the reference (``speedup`` etc. still None)."""
     spec = stats is not None
-    return Result(
-        new_tokens=len(tokens),
-        wall_s=wall_s,
-        tokens_per_s=len(tokens) / wall_s if wall_s > 0 else 0.0,
-        speedup=None,
-        engine_speedup=None,
+    return Result.of_call(
+        tokens,
+        wall_s,
+        stats.finish_reason if spec else ("stop" if tokens and tokens[-1] in eos else "length"),
         peak_memory_mb=memory_mb,
-        finish_reason=stats.finish_reason if spec else ("stop" if tokens and tokens[-1] in eos else "length"),
         tau=stats.mean_accepted_tokens if spec and stats.steps else None,
         steps=stats.steps if spec else None,
         accepted_per_step=list(stats.accepted_per_step) if spec else None,
@@ -66,10 +63,6 @@ def _result(tokens: list[int], stats: GenerationStats | None, wall_s: float, mem
         prefill_s=stats.prefill_s if spec else None,
         draft_s=stats.draft_s if spec else None,
         verify_s=stats.verify_s if spec else None,
-        matches_reference=None,
-        first_diff=None,
-        near_tie=None,
-        tokens=list(tokens),
     )
 
 

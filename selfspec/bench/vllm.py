@@ -172,27 +172,17 @@ def vllm_result(reply: Mapping[str, Any], stats: SpecStats | None) -> Result:
     tokens = list(reply["tokens"])
     wall = float(reply["wall_s"])
     spec = stats is not None and stats.drafts > 0
-    return Result(
-        new_tokens=len(tokens),
-        wall_s=wall,
-        tokens_per_s=len(tokens) / wall if wall > 0 else 0.0,
-        speedup=None,
-        engine_speedup=None,
+    return Result.of_call(
+        tokens,
+        wall,
+        reply["finish_reason"],
         peak_memory_mb=float(reply.get("peak_rss_mb") or 0.0),
-        finish_reason=reply["finish_reason"],
         tau=1.0 + stats.accepted / stats.drafts if spec else None,
         steps=stats.drafts if spec else None,
-        accepted_per_step=None,
         accepted_by_depth=list(stats.accepted_per_pos) if spec else None,
         drafted_by_depth=[stats.drafts] * len(stats.accepted_per_pos) if spec else None,
         tree_nodes=stats.draft_tokens + stats.drafts if spec else None,
         prefill_s=reply.get("prefill_s"),
-        draft_s=None,
-        verify_s=None,
-        matches_reference=None,
-        first_diff=None,
-        near_tie=None,
-        tokens=tokens,
     )
 
 
