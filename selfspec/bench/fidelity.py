@@ -15,9 +15,9 @@ Why: the engines compute the head with their own code (vocabulary map, norms, fu
 same greedy target and the same head should accept the same drafts; an engine that accepts less at some position
 computes the head differently there. Every engine's report already carries, per prompt turn, the steps that drafted
 a token at depth d (``drafted_by_depth``) and those whose accepted prefix reached it (``accepted_by_depth``):
-selfspec's own statistics, vLLM's per-position counters, OpenVINO's per-iteration counts, llama.cpp's statistics line
-(``#acc rate/pos``, :func:`selfspec.bench.llamacpp.depth_counts`). :func:`fidelity_row` pools them into acceptance
-per position, ``accepted[d] / drafted[d]``.
+selfspec's own statistics, vLLM's per-position counters, OpenVINO's per-iteration counts, llama.cpp's line per
+verification step (``-lv 5``, :func:`selfspec.bench.llamacpp.depth_counts`). :func:`fidelity_row` pools them into
+acceptance per position, ``accepted[d] / drafted[d]``.
 
 Noise bound: greedy decoding repeats exactly, so the noise is that of the finite set of drafts. Each position's
 drafts are taken as Bernoulli trials; an engine is below selfspec at a position when selfspec's rate exceeds the
