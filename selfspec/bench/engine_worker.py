@@ -55,11 +55,21 @@ class EngineWorker:
         self._signal(signal.SIGSTOP)
 
     def _signal(self, sig: signal.Signals) -> None:
-        if self.proc.poll() is None:
+        """Signal the worker's group; a stop is waited for (``waitpid(WUNTRACED)``: stopping is asynchronous, and the
+        next timed call must not begin while the worker still runs)."""
+        if self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:  # exited between the poll and the signal
+            return
+        if sig == signal.SIGSTOP:
             try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:  # exited between the poll and the signal
-                pass
+                _, status = os.waitpid(self.proc.pid, os.WUNTRACED)
+            except ChildProcessError:  # reaped meanwhile
+                return
+            if not os.WIFSTOPPED(status):  # it exited instead: keep its status for Popen
+                self.proc.returncode = os.waitstatus_to_exitcode(status)
 
     def _read(self, what: str) -> dict[str, Any]:
         stdout: IO[str] = self.proc.stdout  # type: ignore[assignment]
