@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from selfspec.base.files import write_json
 from selfspec.bench.trainer_data import (
     StepPlan,
     epochs_needed,
@@ -136,7 +137,7 @@ def specforge_target(target_dir: Path, out: Path) -> Path:
     with safe_open(str(target_dir / "model.safetensors"), "pt") as fh:
         names = list(fh.keys())
     index = {"metadata": {}, "weight_map": dict.fromkeys(names, "model.safetensors")}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    write_json(out / "model.safetensors.index.json", index)
     return out
 
 
@@ -156,7 +157,7 @@ def specforge_job(
         "draft_vocab_size": ref.draft_vocab_size,
     }
     draft_config = work / "draft_config.json"
-    draft_config.write_text(json.dumps(draft, indent=2))
+    write_json(draft_config, draft)
     features = write_specforge(ref.train, work / "features", ref.hidden_size, torch.bfloat16)
     plan = specforge_plan(pair_counts(ref.train, ref.max_length), budget, SPECFORGE_SEED)
     settings = {
@@ -183,7 +184,7 @@ def specforge_job(
         "output_dir": str(work / "run"),
     }
     config_path = work / "specforge.yaml"
-    config_path.write_text(json.dumps(settings, indent=2))  # JSON is YAML
+    write_json(config_path, settings)  # JSON is YAML
     python = str(env_python("specforge"))
     export_dir = work / "export"
     return TrainerJob(
