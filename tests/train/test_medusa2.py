@@ -241,3 +241,7 @@ def test_joint_training_warm_starts_from_medusa1_heads(setup, tmp_path):
         Medusa2Recipe(config(setup, tmp_path / "y", init_heads=str(medusa1)), other, ex, held, "sig")
     with pytest.raises(ValueError, match="is now the top-level init_heads"):
         load_config(None, ["medusa.init_heads=/some/heads"])
+    # the record of a run written before the move holds it unset, and still loads
+    record = tmp_path / "train_config.json"
+    record.write_text(json.dumps({"medusa": {"num_heads": 3, "init_heads": None}}))
+    assert load_config(record).medusa.num_heads == 3 and load_config(record).init_heads is None
