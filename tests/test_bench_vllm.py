@@ -199,4 +199,10 @@ def test_a_rigged_run_makes_the_engines_report(tmp_path):
     assert bad.mismatches + bad.near_ties == 2 and {m.first_diff for m in report.mismatches + report.ties} == {2}
     paths = write_report(report, tmp_path)
     assert read_report(paths["json"]).settings.engine == "vllm"
-    assert "# vLLM bench" in markdown_report(report) and "method=eagle3" in markdown_report(report)
+    text = markdown_report(report)
+    assert "# vLLM bench" in text and "method=eagle3" in text
+    # plain vLLM is both the reference and the engine-only baseline: one speedup column, rows as wide as the header
+    overall_table = text.split("## Overall")[1].split("\n\n")[1].splitlines()
+    assert overall_table[0].count("speedup vs vllm") == 1
+    assert {line.count("|") for line in overall_table} == {overall_table[0].count("|")}
+    assert "| e3 | 2 | " in text and "| 2.00x | 2.50 | 1.00 / 0.50 / 0.00 |" in text

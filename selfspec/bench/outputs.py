@@ -17,10 +17,17 @@ def _depth_text(rates: list[float | None] | None) -> str:
     return "-" if not rates else " / ".join(_fmt(r, ".2f") for r in rates)
 
 
+def _one_reference(report: BenchReport) -> bool:
+    """True when the engine-only baseline is the reference itself (the vLLM and OpenVINO engines): one speedup
+    column then, not the same one twice."""
+    return report.settings.engine_reference == report.settings.reference
+
+
 def _columns(report: BenchReport) -> str:
     s = report.settings
+    engine = "" if _one_reference(report) else f" | speedup vs {s.engine_reference}"
     return (
-        f"tokens/s (median) | speedup vs {s.reference} | speedup vs {s.engine_reference} | tau | acceptance by depth "
+        f"tokens/s (median) | speedup vs {s.reference}{engine} | tau | acceptance by depth "
         "| draft share | verify share | peak MiB | mismatches"
     )
 
@@ -32,13 +39,13 @@ def _mismatch_text(agg: Aggregate) -> str:
     return f"{agg.mismatches}/{agg.num_samples}{ties}"
 
 
-def _row(agg: Aggregate) -> str:
+def _row(agg: Aggregate, one_reference: bool = False) -> str:
     return " | ".join(
         [
             str(agg.num_samples),
             _fmt(agg.median_tokens_per_s, ".1f"),
             _fmt(agg.speedup, ".2f", "x"),
-            _fmt(agg.engine_speedup, ".2f", "x"),
+            *(() if one_reference else (_fmt(agg.engine_speedup, ".2f", "x"),)),
             _fmt(agg.tau),
             _depth_text(agg.acceptance_by_depth),
             _fmt(agg.draft_share, ".0%"),
@@ -81,14 +88,15 @@ def markdown_report(report: BenchReport) -> str:
         "## By category",
         "",
         f"| method | category | n | {_columns(report)} |",
-        "|" + "---|" * 12,
+        "|" + "---|" * (12 - _one_reference(report)),
     ]
     for name, summ in report.summary.items():
         for cat in report.categories:
-            lines.append(f"| {name} | {cat} | {_row(summ.by_category[cat])} |")
-    lines += ["", "## Overall", "", f"| method | n | {_columns(report)} |", "|" + "---|" * 11]
+            lines.append(f"| {name} | {cat} | {_row(summ.by_category[cat], _one_reference(report))} |")
+    one = _one_reference(report)
+    lines += ["", "## Overall", "", f"| method | n | {_columns(report)} |", "|" + "---|" * (11 - one)]
     for name, summ in report.summary.items():
-        lines.append(f"| {name} | {_row(summ.overall)} |")
+        lines.append(f"| {name} | {_row(summ.overall, one)} |")
     lines += ["", "## Methods", ""]
     lines += [f"- `{n}` ({m.kind}): {m.description}{_budget_text(m.tree_budget)}" for n, m in report.methods.items()]
     if not s.do_sample:
