@@ -128,6 +128,15 @@ def import_main(argv: list[str]) -> int:
 
     def act(args: argparse.Namespace, target: PreTrainedModel, where: str) -> str:
         out = import_heads(args.src, args.format, args.out, target)
-        return f"imported {args.src} ({args.format}) into {out}"
+        done = f"imported {args.src} ({args.format}) into {out}"
+        if family(family_name(load_heads(out, target))).tree_tuning == "acceptance_profile":
+            # another trainer's head comes without one: until then it decodes with the default tree, which on a
+            # 2-core CPU ran slower than no drafts (0.64-0.75x, docs/journal/round-22.md)
+            done += (
+                f"\nit has no acceptance profile yet: size its draft tree to this machine with `selfspec tune-tree "
+                f"--heads {out} --target {args.target} --prompts <prompts like your traffic>` (until then it "
+                "decodes with the default tree)"
+            )
+        return done
 
     return _run(argv, "import", "src", IMPORT_FORMATS, act)

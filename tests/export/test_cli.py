@@ -65,6 +65,9 @@ def test_export_then_import_commands(case, target, target_dir, tmp_path, capsys)
     assert main(["import", *argv]) == 0
     back = load_heads(tmp_path / "back", target)  # a selfspec head directory again, read by the strict loader
     assert type(back) is type(head)
+    # EAGLE trees are sized from an acceptance profile the import cannot bring: it says how to make one
+    hint = f"selfspec tune-tree --heads {tmp_path / 'back'} --target {target_dir}"
+    assert (hint in capsys.readouterr().out) == case.startswith(("eagle3", "eagle-"))
     assert (logits(back) - logits(head)).abs().max().item() == 0.0
 
 
