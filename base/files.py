@@ -344,7 +344,8 @@ def _read_fields(cls: type, value: Any, path: str, rules: _Rules, errors: list[s
     fields = dataclasses.fields(cls)
     names = [f.name for f in fields]
     before = len(errors)
-    unknown = [k for k in value if k not in names]
+    # a moved key left unset (None: a record written before the move) asks for nothing; a set one is refused below
+    unknown = [k for k in value if k not in names and not (_join(path, k) in rules.renamed and value[k] is None)]
     if unknown:
         where = f"{rules.label} " if rules.label else ""
         moved = [f"{k} is now {rules.renamed[_join(path, k)]}" for k in unknown if _join(path, k) in rules.renamed]
@@ -392,7 +393,8 @@ def read_dataclass(
         defaults: a field with a default may be missing (configs); otherwise every field is required.
         lenient_numbers: YAML and command-line values: a number written as text (``"3e-4"``) is read for a
             float field, an integral float (``10.0``) for an int field, and float fields hold floats.
-        renamed: ``{old key path: new key path}`` for keys that moved; an unknown old key says where it went.
+        renamed: ``{old key path: new key path}`` for keys that moved; an old key says where it went, or is
+            ignored when it holds None (unset, as records written before the move hold it).
 
     Returns:
         ``cls(**fields)``.

@@ -420,8 +420,4 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
             data[section] = {**data.get(section, {}), name: value}
         else:
             data[key] = value
-    medusa = data.get("medusa")
-    if isinstance(medusa, dict) and "init_heads" in medusa and medusa["init_heads"] is None:
-        # a record written before the warm start moved (train_config.json of older runs) holds it unset: nothing asked
-        data["medusa"] = {k: v for k, v in medusa.items() if k != "init_heads"}
     return _read(TrainConfig, data, str(path) if path is not None else "")

@@ -73,6 +73,7 @@ def markdown_report(report: BenchReport) -> str:
     """``report.md``: settings, a table by method x category, an overall table, the greedy mismatches and, for the
     llama.cpp engine, the settings chosen, the sweep and the cost decomposition."""
     s = report.settings
+    one = _one_reference(report)
     mode = "greedy" if not s.do_sample else f"sampling T={s.temperature} top_p={s.top_p}"
     engine = {"llamacpp": "llama.cpp", "vllm": "vLLM", "openvino": "OpenVINO GenAI"}.get(s.engine, s.engine)
     lines = [
@@ -88,12 +89,11 @@ def markdown_report(report: BenchReport) -> str:
         "## By category",
         "",
         f"| method | category | n | {_columns(report)} |",
-        "|" + "---|" * (12 - _one_reference(report)),
+        "|" + "---|" * (12 - one),
     ]
     for name, summ in report.summary.items():
         for cat in report.categories:
-            lines.append(f"| {name} | {cat} | {_row(summ.by_category[cat], _one_reference(report))} |")
-    one = _one_reference(report)
+            lines.append(f"| {name} | {cat} | {_row(summ.by_category[cat], one)} |")
     lines += ["", "## Overall", "", f"| method | n | {_columns(report)} |", "|" + "---|" * (11 - one)]
     for name, summ in report.summary.items():
         lines.append(f"| {name} | {_row(summ.overall, one)} |")

@@ -22,6 +22,7 @@ from selfspec.export.common import ExportError, Head, family_name
 from selfspec.export.importer import IMPORT_FORMATS, import_heads
 from selfspec.families import EXPORT_FORMATS, family, registered_families
 from selfspec.heads import HeadFormatError, load_heads
+from selfspec.heads.config import read_json
 from selfspec.target import TargetNotFoundError, resolve_target
 
 if TYPE_CHECKING:
@@ -129,7 +130,7 @@ def import_main(argv: list[str]) -> int:
     def act(args: argparse.Namespace, target: PreTrainedModel, where: str) -> str:
         out = import_heads(args.src, args.format, args.out, target)
         done = f"imported {args.src} ({args.format}) into {out}"
-        if family(family_name(load_heads(out, target))).tree_tuning == "acceptance_profile":
+        if family(read_json(out / "config.json")["head_type"]).tree_tuning == "acceptance_profile":
             # another trainer's head comes without one: until then it decodes with the default tree, which on a
             # 2-core CPU ran slower than no drafts (0.64-0.75x, docs/journal/round-22.md)
             done += (
