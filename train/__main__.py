@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import logging
 import sys
@@ -69,12 +70,16 @@ def run(cfg: TrainConfig) -> Path:
                 target,
                 tokenizer,
                 part[rank::world],
-                shard_dir / f"{split}-rank{rank}-of{world}.jsonl",
+                shard_dir / f"{split}{distill_variant(cfg)}-rank{rank}-of{world}.jsonl",
                 cfg.distill_max_new_tokens,
                 cfg.distill_batch_size,
-                max_prompt_tokens=cfg.max_length - cfg.distill_max_new_tokens,
+                max_prompt_tokens=cfg.distill_prompt_cap(),
                 disable_progress=not accelerator.is_local_main_process,
                 capture=capture,
+                turns=cfg.distill_turns,
+                temperature=cfg.distill_temperature,
+                top_p=cfg.distill_top_p,
+                system_prompt=cfg.distill_system_prompt,
             )
             for split, part in (("train", to_distill), ("eval", to_distill_eval))
         }
@@ -103,6 +108,16 @@ def distill_plan(
     start = cfg.distill_conversations
     n = max(8, start // 10) if cfg.distill_eval_conversations is None else cfg.distill_eval_conversations
     return train_convs[:start], eval_convs[:n], train_convs[start : start + cfg.original_conversations]
+
+
+def distill_variant(cfg: TrainConfig) -> str:
+    """The part of a self-distillation cache file's name that tells its answers apart: ``""`` for the first turn,
+    greedy, with no system prompt (today's files); else ``"-"`` and 12 hex digits of a hash of the turns, the
+    sampling settings and the system prompt, so a run never reads answers written under other settings."""
+    settings = (cfg.distill_turns, cfg.distill_temperature, cfg.distill_top_p, cfg.distill_system_prompt)
+    if settings == ("first", 0.0, 1.0, None):
+        return ""
+    return "-" + hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:12]
 
 
 def capture_for(cfg: TrainConfig, target: torch.nn.Module) -> CapturedStates | None:

@@ -78,9 +78,6 @@ class Eagle3Options:
             from the target's).
         batch_tokens: head positions per optimiser step, packed in rows of ``max_length``.
         score_prompt: also score positions whose drafted token is a prompt token.
-        features: where the target's layer states come from: ``"store"`` (computed once, cached on disk and
-            held in memory), ``"online"`` (computed with the target as each batch is built, never stored), or
-            ``"auto"``: the cheaper for the run (:func:`selfspec.train.online_features.feature_source`).
         fc_norm / norm_output: the EAGLE-3.1 head (arXiv:2605.09992; :class:`selfspec.heads.eagle3.Eagle3Config`):
             a norm on each fused target layer before ``fc``; the post-norm output fed to the next draft step.
     """
@@ -93,13 +90,10 @@ class Eagle3Options:
     init_lm_head: bool = True
     batch_tokens: int = 2048
     score_prompt: bool = False
-    features: str = "auto"
     fc_norm: bool = False
     norm_output: bool = False
 
     def __post_init__(self) -> None:
-        if self.features not in ("auto", "store", "online"):
-            raise ValueError(f"eagle3.features must be 'auto', 'store' or 'online', got {self.features!r}")
         if self.ttt_steps < 1:
             raise ValueError(f"eagle3.ttt_steps must be >= 1, got {self.ttt_steps}")
         check_loss_kind(self.loss, "eagle3.loss")
@@ -236,7 +230,16 @@ class TrainConfig:
         distill_conversations: how many training conversations to regenerate.
         distill_eval_conversations: how many held-out conversations to regenerate (None:
             ``max(8, distill_conversations // 10)``); ``selfspec adapt`` answers every held-out prompt.
-        distill_max_new_tokens / distill_batch_size: generation budget for self-distillation.
+        distill_max_new_tokens / distill_batch_size: generation budget for self-distillation (the answer cap, in
+            tokens per assistant turn, and the prompts per ``generate`` call).
+        distill_max_prompt_tokens: prompts longer than this (in tokens, the history included with
+            ``distill_turns: all``) are not answered; None: ``max_length - distill_max_new_tokens``.
+        distill_turns: ``"first"`` regenerates the first assistant answer of each conversation (the rest is dropped);
+            ``"all"`` every assistant turn, each on the regenerated history
+            (:func:`selfspec.train.features.self_distill`).
+        distill_temperature / distill_top_p: the regeneration's sampling: temperature 0 is greedy (and the only
+            setting under which features are captured); above 0 samples with nucleus mass ``distill_top_p``.
+        distill_system_prompt: a system message given to every regenerated conversation that has none.
         original_conversations: with ``self_distill``, also train on this many further training
             conversations as written (not regenerated; they come after the distilled ones). Target features
             of written text cost about a fifth of a regenerated token each, so they stretch a time budget.
@@ -246,6 +249,13 @@ class TrainConfig:
             (:mod:`selfspec.train.distill_states`), so the feature store does not run the target over those
             conversations again; capture stops when this is full, and 0 turns it off. Not used by Medusa-2 (its
             target changes) or by EAGLE-3 with ``features: online``.
+        features: where the target's states come from: ``"store"`` (computed once into shards on disk, read per
+            sequence as batches are built, :mod:`selfspec.train.feature_store`), ``"online"`` (computed with the
+            target as each batch is built, never stored; EAGLE, EAGLE-3, DFlash and DSpark), or ``"auto"``: the
+            store unless it would not fit on disk or the run reads fewer tokens than it holds
+            (:func:`selfspec.train.online_features.feature_source`, said in the log).
+        feature_shard_mb: a store shard is written (and a stopped run resumes after it) every this many MiB of
+            features.
         dtype: target compute dtype for features and distillation (``"bfloat16"`` or ``"float32"``).
         feature_batch_tokens: padded tokens per target forward when the feature store is computed (examples
             sorted by length, :func:`selfspec.train.features.hidden_features`); 0 runs one example at a time.
@@ -292,11 +302,18 @@ class TrainConfig:
     distill_eval_conversations: int | None = None
     distill_max_new_tokens: int = 160
     distill_batch_size: int = 16
+    distill_max_prompt_tokens: int | None = None
+    distill_turns: str = "first"
+    distill_temperature: float = 0.0
+    distill_top_p: float = 1.0
+    distill_system_prompt: str | None = None
     distill_dir: str | None = None
     distill_capture_gb: float = 4.0
     original_conversations: int = 0
     dtype: str = "float32"
     feature_batch_tokens: int = 4096
+    features: str = "auto"
+    feature_shard_mb: float = 256.0
     draft_vocab_size: int | None = 8192
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -336,6 +353,18 @@ class TrainConfig:
             raise ValueError(
                 f"feature_batch_tokens must be >= 0 (0: one example at a time), got {self.feature_batch_tokens}"
             )
+        if self.distill_turns not in ("first", "all"):
+            raise ValueError(f"distill_turns must be 'first' or 'all', got {self.distill_turns!r}")
+        if self.distill_temperature < 0 or not 0 < self.distill_top_p <= 1:
+            raise ValueError("distill_temperature must be >= 0 (0: greedy) and distill_top_p in (0, 1]")
+        if self.distill_max_new_tokens < 1 or (
+            self.distill_max_prompt_tokens is not None and self.distill_max_prompt_tokens < 1
+        ):
+            raise ValueError("distill_max_new_tokens and distill_max_prompt_tokens must be >= 1")
+        if self.features not in ("auto", "store", "online"):
+            raise ValueError(f"features must be 'auto', 'store' or 'online', got {self.features!r}")
+        if self.feature_shard_mb <= 0:
+            raise ValueError(f"feature_shard_mb must be > 0, got {self.feature_shard_mb}")
         if self.distill_capture_gb < 0:
             raise ValueError(f"distill_capture_gb must be >= 0 (0: no capture), got {self.distill_capture_gb}")
         if self.max_train_tokens is not None and self.max_train_tokens < 1:
@@ -358,6 +387,13 @@ class TrainConfig:
                 "merge that adapter into a saved model first and pass that directory as the target"
             )
 
+    def distill_prompt_cap(self) -> int:
+        """Self-distillation's prompt cap in tokens: ``distill_max_prompt_tokens``, else
+        ``max_length - distill_max_new_tokens`` (the room a rendered conversation leaves for the answer)."""
+        if self.distill_max_prompt_tokens is not None:
+            return self.distill_max_prompt_tokens
+        return self.max_length - self.distill_max_new_tokens
+
 
 # The per-family option sections (``eagle: {...}``): every TrainConfig field built by an options dataclass.
 _NESTED: dict[str, type] = {
@@ -375,6 +411,8 @@ _MOVED = [
 _RENAMED = {old: " or ".join(new for o, new in _MOVED if o == old) for old, _ in _MOVED if old != "init_heads"}
 # Medusa-2's medusa.init_heads became the one warm start of every family
 _RENAMED["medusa.init_heads"] = "the top-level init_heads"
+# EAGLE-3's eagle3.features became the one feature source of every family
+_RENAMED["eagle3.features"] = "the top-level features"
 
 
 def _read(cls: type, data: Mapping[str, Any], where: str = "", root: str = "") -> Any:

@@ -45,12 +45,19 @@ def self_distill(
     max_prompt_tokens: int = 352,
     disable_progress: bool = False,
     capture: CapturedStates | None = None,
+    *,
+    turns: str = "first",
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    system_prompt: str | None = None,
 ) -> list[dict]:
-    """Regenerate each conversation's first assistant answer with the target (greedy, batched).
+    """Regenerate each conversation's assistant answers with the target (batched ``generate``; greedy by default).
 
-    The prompt is the conversation up to its first assistant turn, rendered with the target's chat
-    template. Results are appended to ``cache_file`` (JSONL) batch by batch, so a killed run resumes
-    where it stopped and a finished one is reused.
+    With ``turns="first"`` the prompt is the conversation up to its first assistant turn, rendered with the
+    target's chat template, and the target's answer replaces that turn (the rest is dropped). With ``turns="all"``
+    every assistant turn is regenerated on the regenerated history (:func:`regenerate_all_turns`: the user turns as
+    written, each earlier answer the target's own). Results are appended to ``cache_file`` (JSONL, one record per
+    conversation with its id) batch by batch, so a killed run resumes where it stopped and a finished one is reused.
 
     Args:
         model: frozen target (any dtype).
@@ -60,15 +67,34 @@ def self_distill(
         max_new_tokens: answer length cap, in tokens.
         batch_size: prompts per ``generate`` call.
         max_prompt_tokens: prompts longer than this are skipped (counted in a log line): one long
-            prompt would pad its whole batch.
+            prompt would pad its whole batch. With ``turns="all"`` a conversation ends at the first turn whose
+            history is longer (it is skipped when that is the first turn).
         capture: when given (and while it has room), each generated conversation's target features are kept in
             it (:mod:`selfspec.train.distill_states`): generation also feeds the template's end-of-turn tokens
             and forward hooks keep the states of ``capture.layers``, so the feature pass can skip the conversation.
-            The answers are the same with and without it. Answers read from ``cache_file`` are not captured.
+            The answers are the same with and without it. Answers read from ``cache_file`` are not captured, nor
+            are sampled ones (the capture follows greedy decoding).
+        turns: ``"first"`` or ``"all"`` (see above).
+        temperature: 0 decodes greedily; above 0 samples at this temperature (``generate``'s ``do_sample``).
+        top_p: nucleus sampling's mass when sampling (1: the whole distribution); the target's own ``top_k`` is
+            turned off, so only these two settings shape the sampled distribution.
+        system_prompt: prepended as a system message to every conversation that has none (the answers are then
+            the target's under that system prompt, and the records keep it).
 
     Returns:
-        ``[{"id", "messages"}]`` with the prompt messages and the target's own answer.
+        ``[{"id", "messages"}]`` with the prompt messages and the target's own answers.
+
+    Raises:
+        ValueError: an unknown ``turns``, sampling settings out of range, or ``turns="all"`` on conversations of
+            which none has an assistant turn (before anything is generated).
     """
+    check_regeneration(conversations, turns, temperature, top_p)
+    sampling = sampling_kwargs(temperature, top_p)
+    if turns == "all":
+        return regenerate_all_turns(
+            model, tokenizer, conversations, cache_file, max_new_tokens, batch_size, max_prompt_tokens,
+            disable_progress, capture, sampling, system_prompt,
+        )  # fmt: skip
     cache_file = Path(cache_file)
     done: dict[str, dict] = {}
     if cache_file.exists():
@@ -83,7 +109,7 @@ def self_distill(
     for conv in conversations:
         if conv["id"] in done:
             continue
-        msgs = prompt_messages(conv)
+        msgs = with_system_prompt(prompt_messages(conv), system_prompt)
         text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
         if n > max_prompt_tokens:
@@ -110,15 +136,7 @@ def self_distill(
                 prompts = [item[2] for item in todo[start : start + batch_size]]
                 texts = [item[3] for item in todo[start : start + batch_size]]
                 enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-                if capture is not None and capture.has_room():
-                    tails = [template_tail(tokenizer, m, t) for m, t in zip(prompts, texts, strict=True)]
-                    pad = tokenizer.pad_token_id
-                    answers = _generate_capturing(model, enc, max_new_tokens, pad, tails, capture, batch)
-                else:
-                    out = model.generate(
-                        **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
-                    )
-                    answers = list(out[:, enc["input_ids"].shape[1] :])
+                answers = _generate(model, tokenizer, enc, max_new_tokens, sampling, capture, prompts, texts, batch)
                 for conv, msgs, row in zip(batch, prompts, answers, strict=True):
                     answer = tokenizer.decode(row, skip_special_tokens=True).strip()
                     rec = {"id": conv["id"], "messages": msgs + [{"role": "assistant", "content": answer}]}
@@ -127,6 +145,171 @@ def self_distill(
                 fh.flush()
     finally:
         tokenizer.padding_side = pad_side
+    return [done[c["id"]] for c in conversations if c["id"] in done]
+
+
+TURNS = ("first", "all")
+
+
+def check_regeneration(conversations: Sequence[dict], turns: str, temperature: float, top_p: float) -> None:
+    """Refuse regeneration settings before any answer is written.
+
+    Raises:
+        ValueError: ``turns`` not in :data:`TURNS`, ``temperature`` < 0, ``top_p`` outside (0, 1], or
+            ``turns="all"`` where no conversation has an assistant turn (prompts only: nothing to regenerate
+            turn by turn).
+    """
+    if turns not in TURNS:
+        raise ValueError(f"self-distillation turns must be one of {TURNS}, got {turns!r}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"self-distillation needs temperature >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
+    if turns == "all" and conversations and not any(_assistant_turns(c["messages"]) for c in conversations):
+        raise ValueError(
+            f"distill_turns: all regenerates every assistant turn, but none of the {len(conversations)} "
+            "conversations has one (prompts only): use distill_turns: first, or data with assistant turns"
+        )
+
+
+def sampling_kwargs(temperature: float, top_p: float) -> dict:
+    """``generate`` keyword arguments of the sampling settings: greedy at temperature 0; else sampling at
+    ``temperature`` and ``top_p``, with the target's ``top_k`` turned off (``top_k=0``)."""
+    if temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": float(temperature), "top_p": float(top_p), "top_k": 0}
+
+
+def with_system_prompt(messages: list[dict], system_prompt: str | None) -> list[dict]:
+    """``messages`` with ``system_prompt`` as a first system message, unless they already open with one (or it is
+    None)."""
+    if system_prompt is None or (messages and messages[0]["role"] == "system"):
+        return messages
+    return [{"role": "system", "content": system_prompt}, *messages]
+
+
+def _assistant_turns(messages: Sequence[dict]) -> list[int]:
+    return [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+
+
+def _generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    enc,
+    max_new_tokens: int,
+    sampling: dict,
+    capture: CapturedStates | None,
+    prompts: list[list[dict]],
+    texts: list[str],
+    batch: list[dict],
+) -> list[torch.Tensor]:
+    """One batch of answers: per row the generated tokens (LongTensor ``[n]``, padding after EOS possible), with the
+    features captured into ``capture`` when it has room and decoding is greedy."""
+    if capture is not None and capture.has_room() and not sampling["do_sample"]:
+        tails = [template_tail(tokenizer, m, t) for m, t in zip(prompts, texts, strict=True)]
+        pad = tokenizer.pad_token_id
+        return _generate_capturing(model, enc, max_new_tokens, pad, tails, capture, batch)
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
+    return list(out[:, enc["input_ids"].shape[1] :])
+
+
+def regenerate_all_turns(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    conversations: list[dict],
+    cache_file: str | Path,
+    max_new_tokens: int,
+    batch_size: int,
+    max_prompt_tokens: int,
+    disable_progress: bool,
+    capture: CapturedStates | None,
+    sampling: dict,
+    system_prompt: str | None,
+    chunk_conversations: int = 0,
+) -> list[dict]:
+    """:func:`self_distill` with ``turns="all"``: every assistant turn regenerated on the regenerated history.
+
+    Conversations go in chunks (``chunk_conversations``, default ``8 * batch_size``); within a chunk, round k
+    answers the k-th assistant turn of every conversation that has one, in length-sorted batches of
+    ``batch_size``, the prompt being the messages before that turn with every earlier answer replaced by the
+    target's. A conversation whose next prompt exceeds ``max_prompt_tokens`` ends with the turns before it (none:
+    skipped). A chunk's records are appended to ``cache_file`` once all its rounds are done: a killed run loses at
+    most one chunk. With ``capture`` (greedy only) each round's capture replaces the previous one, so the last round
+    holds the whole regenerated conversation.
+
+    Returns:
+        ``[{"id", "messages"}]``: the conversations' messages up to their last regenerated answer, in input order.
+    """
+    cache_file = Path(cache_file)
+    done: dict[str, dict] = {}
+    if cache_file.exists():
+        for line in cache_file.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                break  # a line cut by a kill: regenerate from here
+            done[rec["id"]] = rec
+    todo = [c for c in conversations if c["id"] not in done and _assistant_turns(c["messages"])]
+    chunk = chunk_conversations or 8 * batch_size
+    logger.info("self-distillation, every turn: %d cached, %d to generate", len(done), len(todo))
+    pad_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    skipped = 0
+    try:
+        with cache_file.open("a") as fh:
+            for start in tqdm(range(0, len(todo), chunk), desc="self-distill (turns)", disable=disable_progress):
+                part = todo[start : start + chunk]
+                history: dict[str, list[dict]] = {c["id"]: [] for c in part}
+                cursor = {c["id"]: 0 for c in part}  # next original message to copy
+                answered = {c["id"]: 0 for c in part}
+                live = list(part)
+                while live:
+                    rows = []
+                    for conv in live:
+                        msgs, i = conv["messages"], cursor[conv["id"]]
+                        turn = next(j for j in _assistant_turns(msgs) if j >= i)
+                        prompt = with_system_prompt(
+                            history[conv["id"]] + [dict(m) for m in msgs[i:turn]], system_prompt
+                        )
+                        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+                        n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+                        if n <= max_prompt_tokens:
+                            rows.append((n, conv, prompt, text, turn))
+                    rows.sort(key=lambda item: item[0])
+                    for b in range(0, len(rows), batch_size):
+                        group = rows[b : b + batch_size]
+                        texts = [r[3] for r in group]
+                        prompts = [r[2] for r in group]
+                        batch = [r[1] for r in group]
+                        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+                        enc = enc.to(model.device)
+                        answers = _generate(
+                            model, tokenizer, enc, max_new_tokens, sampling, capture, prompts, texts, batch
+                        )
+                        for (_, conv, prompt, _, turn), row in zip(group, answers, strict=True):
+                            answer = tokenizer.decode(row, skip_special_tokens=True).strip()
+                            history[conv["id"]] = prompt + [{"role": "assistant", "content": answer}]
+                            cursor[conv["id"]] = turn + 1
+                            answered[conv["id"]] += 1
+                    advanced = {r[1]["id"] for r in rows}
+                    live = [
+                        c
+                        for c in live
+                        if c["id"] in advanced and any(j >= cursor[c["id"]] for j in _assistant_turns(c["messages"]))
+                    ]
+                for conv in part:
+                    if answered[conv["id"]] == 0:
+                        skipped += 1
+                        continue
+                    rec = {"id": conv["id"], "messages": history[conv["id"]]}
+                    done[conv["id"]] = rec
+                    fh.write(json.dumps(rec) + "\n")
+                fh.flush()
+    finally:
+        tokenizer.padding_side = pad_side
+    if skipped:
+        logger.info("self-distillation: %d skipped (first prompt over %d tokens)", skipped, max_prompt_tokens)
     return [done[c["id"]] for c in conversations if c["id"] in done]
 
 
@@ -175,6 +358,23 @@ def _generate_capturing(
     return answers
 
 
+def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """The batches :func:`hidden_features` runs: indices into ``lengths`` sorted by length (stable) and cut greedily
+    so that a batch's rows times its longest length stay within ``batch_tokens`` (a longer example alone); with
+    ``batch_tokens`` 0 or 1, one example per batch in order. The feature store runs the same batches one by one."""
+    if batch_tokens <= 1:
+        return [[i] for i in range(len(lengths))]
+    batches, current = [], []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if current and (len(current) + 1) * lengths[i] > batch_tokens:  # sorted: row i is the longest
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
 @torch.inference_mode()
 def hidden_features(
     model: PreTrainedModel,
@@ -207,17 +407,7 @@ def hidden_features(
     """
     examples = list(examples)
     lengths = [int(ex["input_ids"].numel()) for ex in examples]
-    if batch_tokens <= 1:
-        batches = [[i] for i in range(len(examples))]
-    else:
-        batches, current = [], []
-        for i in sorted(range(len(examples)), key=lengths.__getitem__):
-            if current and (len(current) + 1) * lengths[i] > batch_tokens:  # sorted: row i is the longest
-                batches.append(current)
-                current = []
-            current.append(i)
-        if current:
-            batches.append(current)
+    batches = length_batches(lengths, batch_tokens)
     feats: list[torch.Tensor | None] = [None] * len(examples)
     net = backbone(model)
     with tqdm(total=len(examples), desc="target features", disable=disable_progress) as bar:
