@@ -17,6 +17,7 @@ from accelerate.utils import gather_object, set_seed
 
 from selfspec.base.adapter import read_adapter_config
 from selfspec.base.target import load_target
+from selfspec.train.chat_format import apply_reasoning, bind_chat_format, read_chat_template
 from selfspec.train.config import TrainConfig, load_config
 from selfspec.train.data import load_conversations, split_conversations
 from selfspec.train.distill_states import CapturedStates
@@ -55,7 +56,10 @@ def run(cfg: TrainConfig) -> Path:
     target, tokenizer = load_target(
         cfg.target, dtype=getattr(torch, cfg.dtype), device=accelerator.device, adapter=cfg.target_adapter
     )
-    convs = load_conversations(cfg.data, max_conversations=cfg.max_conversations)
+    tokenizer = bind_chat_format(
+        tokenizer, cfg.chat_template, cfg.chat_template_kwargs
+    )  # chat_template, chat_template_kwargs: checked before any work
+    convs = apply_reasoning(load_conversations(cfg.data, max_conversations=cfg.max_conversations), cfg.reasoning)
     train_convs, eval_convs = split_conversations(convs, eval_fraction=cfg.eval_fraction, seed=cfg.seed)
     logger.info("%d conversations: %d train, %d held out", len(convs), len(train_convs), len(eval_convs))
     heldout_ids = [c["id"] for c in eval_convs]
@@ -80,6 +84,7 @@ def run(cfg: TrainConfig) -> Path:
                 temperature=cfg.distill_temperature,
                 top_p=cfg.distill_top_p,
                 system_prompt=cfg.distill_system_prompt,
+                reasoning=cfg.reasoning,
             )
             for split, part in (("train", to_distill), ("eval", to_distill_eval))
         }
@@ -144,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(config_path, overrides)
         if cfg.target_adapter is not None:  # a missing adapter stops before any compute
             read_adapter_config(cfg.target_adapter)
+        if cfg.chat_template is not None:  # so does a missing or unparsable template (rendering: bind_chat_format)
+            read_chat_template(cfg.chat_template)
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     run(cfg)

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from selfspec.train.chat_format import THINK_OPEN, split_reasoning
 from selfspec.train.data import Message
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,16 @@ def _find_content(text: str, content: str, start: int, stop: int) -> tuple[int, 
     return None
 
 
+def _reasoning_start(text: str, reasoning: str, lo: int, content_start: int) -> int:
+    """Where a kept reasoning trace starts in ``text[lo:content_start]``: at the thinking tag before it (``<think>``,
+    which the target writes too), else at the trace; ``content_start`` when the template did not render it."""
+    found = text.find(reasoning.strip(), lo, content_start)
+    if found < 0:
+        return content_start
+    tag = text.rfind(THINK_OPEN, lo, found)
+    return tag if tag >= 0 else found
+
+
 def _spans_by_prefix(
     tokenizer, messages: Sequence[Message], text: str, specials: list[str]
 ) -> list[tuple[int, int]] | None:
@@ -75,10 +86,12 @@ def _spans_by_prefix(
             return None
         if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
             return None
-        found = _find_content(text, message["content"], len(before), len(through))
+        reasoning, content = split_reasoning(message)
+        found = _find_content(text, content, len(before), len(through))
         if found is None:
             return None
-        spans.append((found[0], _end_of_turn(text, found[1], len(through), specials)))
+        start = _reasoning_start(text, reasoning, len(before), found[0]) if reasoning else found[0]
+        spans.append((start, _end_of_turn(text, found[1], len(through), specials)))
     return spans
 
 
@@ -108,7 +121,8 @@ def _spans_by_search(tokenizer, messages: Sequence[Message], text: str, specials
             found_header = text.find(header, cursor) if header else -1
             if found_header >= 0:
                 cursor = found_header + len(header)
-        found = _find_content(text, message["content"], cursor, len(text))
+        reasoning, content = split_reasoning(message) if message["role"] == "assistant" else ("", message["content"])
+        found = _find_content(text, content, cursor, len(text))
         if found is None:
             if message["role"] == "assistant":
                 raise ChatTemplateMismatchError(f"cannot find assistant message {i} in the rendered chat template")
@@ -116,7 +130,7 @@ def _spans_by_search(tokenizer, messages: Sequence[Message], text: str, specials
         end = found[1]
         if message["role"] == "assistant":
             end = _end_of_turn(text, end, len(text), specials)
-            spans.append((found[0], end))
+            spans.append((_reasoning_start(text, reasoning, cursor, found[0]) if reasoning else found[0], end))
         cursor = end
     return spans
 
@@ -132,6 +146,10 @@ def tokenize_conversation(tokenizer, messages: Sequence[Message], max_length: in
     content also carries template text: ``"assistant: Hi"`` tokenizes to ``" Hi"``, and in ChatML a content
     that opens with blanks merges them with the header's newline (``"\n "``); such tokens count as assistant
     tokens, so the masked tokens decode to the contents exactly unless a content starts at such a merge.
+
+    A kept reasoning trace (a ``reasoning_content`` the template renders, or an inline ``<think> ... </think>``
+    span, :func:`selfspec.train.chat_format.split_reasoning`) is in the span too, from its thinking tag on: the target
+    writes it before the answer. A trace the template leaves out (earlier turns, in Qwen3's) is not.
 
     The span of an assistant message is its content plus the special token that directly follows it in the
     rendered text, i.e. the end-of-turn token (``<|im_end|>`` in ChatML, ``<|eot_id|>`` in Llama 3): the

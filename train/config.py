@@ -21,6 +21,7 @@ import yaml
 from selfspec.base.files import read_dataclass
 from selfspec.heads.config import check_layer_ids
 from selfspec.heads.families import head_families
+from selfspec.train.chat_format import REASONING, check_template_kwargs
 from selfspec.train.losses import check_loss_kind
 
 
@@ -243,6 +244,12 @@ class TrainConfig:
         original_conversations: with ``self_distill``, also train on this many further training
             conversations as written (not regenerated; they come after the distilled ones). Target features
             of written text cost about a fifth of a regenerated token each, so they stretch a time budget.
+        chat_template: a Jinja chat-template file that replaces the target's own, for every rendering of the run
+            (:mod:`selfspec.train.chat_format`); a file that does not render is refused before any generation.
+        chat_template_kwargs: template variables (``{enable_thinking: false}``) bound into the run's template, so
+            self-distillation's prompts, the training conversations and their loss masks render with them alike.
+        reasoning: ``"keep"`` or ``"drop"`` the reasoning traces of the data (``reasoning_content``, inline ``<think>
+            ... </think>`` spans) and of the regenerated answers; a kept trace is in the loss mask.
         distill_dir: where regenerated answers are cached (JSONL per rank); default ``<output_dir>/distill``.
             Point several runs at one directory to train different heads on the same answers.
         distill_capture_gb: memory (GiB) for the target features self-distillation captures while it generates
@@ -307,6 +314,9 @@ class TrainConfig:
     distill_temperature: float = 0.0
     distill_top_p: float = 1.0
     distill_system_prompt: str | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning: str = "keep"
     distill_dir: str | None = None
     distill_capture_gb: float = 4.0
     original_conversations: int = 0
@@ -365,6 +375,10 @@ class TrainConfig:
             raise ValueError(f"features must be 'auto', 'store' or 'online', got {self.features!r}")
         if self.feature_shard_mb <= 0:
             raise ValueError(f"feature_shard_mb must be > 0, got {self.feature_shard_mb}")
+        if self.reasoning not in REASONING:
+            raise ValueError(f"reasoning must be one of {REASONING}, got {self.reasoning!r}")
+        if self.chat_template_kwargs is not None:
+            check_template_kwargs(self.chat_template_kwargs)
         if self.distill_capture_gb < 0:
             raise ValueError(f"distill_capture_gb must be >= 0 (0: no capture), got {self.distill_capture_gb}")
         if self.max_train_tokens is not None and self.max_train_tokens < 1:

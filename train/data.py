@@ -207,7 +207,11 @@ class _Normaliser:
                 self.unknown_roles[str(raw_role)] += 1
                 continue
             content = turn.get(content_key, turn.get("content" if content_key == "value" else "value"))
-            messages.append({"role": role, "content": _message_text(content)})
+            message = {"role": role, "content": _message_text(content)}
+            reasoning = turn.get("reasoning_content", turn.get("reasoning"))  # a reasoning model's trace, if any
+            if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
+                message["reasoning_content"] = reasoning
+            messages.append(message)
         if self.need_answer and not any(m["role"] == "assistant" for m in messages):
             self.no_assistant += 1
             return None
@@ -271,7 +275,9 @@ def load_conversations(source: str | os.PathLike = SHAREGPT_ALIAS, max_conversat
             (``datasets.load_dataset(id, split="train")``). Records use the ShareGPT layout
             (``conversations`` of ``from`` / ``value``) or the OpenAI layout (``messages`` of
             ``role`` / ``content``). Roles map through :data:`ROLE_MAP`; messages with other roles are
-            skipped and counted in a log line.
+            skipped and counted in a log line. An assistant turn's reasoning trace (``reasoning_content``, or
+            ``reasoning``) is kept as the message's ``reasoning_content`` (what becomes of it:
+            :mod:`selfspec.train.chat_format`).
         max_conversations: stop after this many kept conversations (``None``: read everything).
 
     Returns:

@@ -19,6 +19,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from selfspec.base.target import resolve_eos
 from selfspec.decode.kv import backbone
 from selfspec.decode.verifier import layer_states
+from selfspec.train.chat_format import REASONING, answer_message
 from selfspec.train.data import prompt_messages
 from selfspec.train.distill_states import (
     CapturedStates,
@@ -50,6 +51,7 @@ def self_distill(
     temperature: float = 0.0,
     top_p: float = 1.0,
     system_prompt: str | None = None,
+    reasoning: str = "keep",
 ) -> list[dict]:
     """Regenerate each conversation's assistant answers with the target (batched ``generate``; greedy by default).
 
@@ -80,6 +82,9 @@ def self_distill(
             turned off, so only these two settings shape the sampled distribution.
         system_prompt: prepended as a system message to every conversation that has none (the answers are then
             the target's under that system prompt, and the records keep it).
+        reasoning: ``"keep"`` or ``"drop"`` the thinking span of each answer
+            (:func:`selfspec.train.chat_format.answer_message`). The prompts render with the tokenizer's template as
+            it is: bind a run's template and its kwargs first (:func:`selfspec.train.chat_format.bind_chat_format`).
 
     Returns:
         ``[{"id", "messages"}]`` with the prompt messages and the target's own answers.
@@ -89,11 +94,13 @@ def self_distill(
             which none has an assistant turn (before anything is generated).
     """
     check_regeneration(conversations, turns, temperature, top_p)
+    if reasoning not in REASONING:
+        raise ValueError(f"reasoning must be one of {REASONING}, got {reasoning!r}")
     sampling = sampling_kwargs(temperature, top_p)
     if turns == "all":
         return regenerate_all_turns(
             model, tokenizer, conversations, cache_file, max_new_tokens, batch_size, max_prompt_tokens,
-            disable_progress, capture, sampling, system_prompt,
+            disable_progress, capture, sampling, system_prompt, reasoning,
         )  # fmt: skip
     cache_file = Path(cache_file)
     done: dict[str, dict] = {}
@@ -139,7 +146,7 @@ def self_distill(
                 answers = _generate(model, tokenizer, enc, max_new_tokens, sampling, capture, prompts, texts, batch)
                 for conv, msgs, row in zip(batch, prompts, answers, strict=True):
                     answer = tokenizer.decode(row, skip_special_tokens=True).strip()
-                    rec = {"id": conv["id"], "messages": msgs + [{"role": "assistant", "content": answer}]}
+                    rec = {"id": conv["id"], "messages": msgs + [answer_message(tokenizer, answer, reasoning)]}
                     done[conv["id"]] = rec
                     fh.write(json.dumps(rec) + "\n")
                 fh.flush()
@@ -223,6 +230,7 @@ def regenerate_all_turns(
     capture: CapturedStates | None,
     sampling: dict,
     system_prompt: str | None,
+    reasoning: str = "keep",
     chunk_conversations: int = 0,
 ) -> list[dict]:
     """:func:`self_distill` with ``turns="all"``: every assistant turn regenerated on the regenerated history.
@@ -289,7 +297,7 @@ def regenerate_all_turns(
                         )
                         for (_, conv, prompt, _, turn), row in zip(group, answers, strict=True):
                             answer = tokenizer.decode(row, skip_special_tokens=True).strip()
-                            history[conv["id"]] = prompt + [{"role": "assistant", "content": answer}]
+                            history[conv["id"]] = prompt + [answer_message(tokenizer, answer, reasoning)]
                             cursor[conv["id"]] = turn + 1
                             answered[conv["id"]] += 1
                     advanced = {r[1]["id"] for r in rows}
