@@ -12,9 +12,16 @@ serves. Here, for an EAGLE-3 head (:class:`OnlineAdapter`; the recipe is :mod:`s
 * **when**: between requests (:meth:`OnlineAdapter.observe` after ``generate`` returns), or in a background thread
   (``background=True``); in both, training stops while its seconds exceed ``cpu_share`` of the serving seconds plus
   its own, and the head the drafter uses is never the one being trained (a shadow copy is);
+* **non-finite steps**: a step whose loss or gradient norm is not finite (a bad batch, an overflow) is skipped and
+  counted (``OnlineStats.skipped_steps``); :data:`NONFINITE_LIMIT` such steps in a row stop adaptation as a fault;
 * **swap**: at the end of each window of ``window`` requests the shadow head replaces the live one (a weight copy
-  between requests, so no step and no batch row sees a half-updated head) when its held-out chain tau estimate beats
-  the live head's;
+  between requests, so no step and no batch row sees a half-updated head) when every shadow weight is finite and its
+  held-out chain tau estimate is finite and beats the live head's;
+* **head versions**: each weight change of the live head (a swap, a rollback, a restore) is a new version, applied
+  at a request boundary (:meth:`OnlineAdapter.before_request`, on the serving side; at once between requests, or in
+  background mode the one after the trainer decided). Each request records the version that served it, and a window
+  holds only requests served by the newest version (requests served by a version already replaced are in no window:
+  ``OnlineStats.stale_requests``), so the trial window of a swapped-in head is served by that head by construction;
 * **rollback**: the window served by a swapped-in head is compared with the window before it; when its mean tau
   (accepted tokens per step, measured on served traffic) fell by more than ``tolerance``, the previous weights come
   back and the optimiser restarts from them;
@@ -30,9 +37,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +59,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
+
+NONFINITE_LIMIT = 3  # optimiser steps in a row with a non-finite loss or gradient that stop adaptation
 
 
 @dataclass(frozen=True)
@@ -74,7 +85,7 @@ class OnlineOptions:
         seed: the order of the replay rows.
 
     Raises:
-        ValueError: a size, share or tolerance out of range.
+        ValueError: a field out of its range (:data:`OPTION_RANGES`; the message names the field and the range).
     """
 
     buffer_tokens: int = 16_384
@@ -91,25 +102,59 @@ class OnlineOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if min(self.buffer_tokens, self.window, self.batch_tokens, self.max_length, self.ttt_steps) < 1:
-            raise ValueError("buffer_tokens, window, batch_tokens, max_length and ttt_steps must be >= 1")
-        if self.steps_per_request < 0 or self.heldout_every < 2:
-            raise ValueError("steps_per_request must be >= 0 and heldout_every >= 2")
-        if not 0.0 < self.cpu_share < 1.0 or not 0.0 <= self.tolerance < 1.0:
-            raise ValueError(
-                f"cpu_share must be in (0, 1) and tolerance in [0, 1), got {self.cpu_share}, {self.tolerance}"
-            )
+        for name, (valid, check) in OPTION_RANGES.items():
+            value = getattr(self, name)
+            if not check(value):
+                raise ValueError(f"OnlineOptions.{name} must be {valid}, got {value!r}")
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# every OnlineOptions field: (its valid range in words, the check of a value)
+OPTION_RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "buffer_tokens": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+    "window": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+    "steps_per_request": ("an integer >= 0", lambda v: _integer(v) and v >= 0),
+    "batch_tokens": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+    "max_length": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+    "lr": ("a number > 0", lambda v: _real(v) and v > 0),
+    "ttt_steps": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+    "cpu_share": ("a number in (0, 1)", lambda v: _real(v) and 0 < v < 1),
+    "heldout_every": ("an integer >= 2", lambda v: _integer(v) and v >= 2),
+    "tolerance": ("a number in [0, 1)", lambda v: _real(v) and 0 <= v < 1),
+    "background": ("True or False", lambda v: isinstance(v, bool)),
+    "seed": ("an integer >= 0", lambda v: _integer(v) and v >= 0),
+}
 
 
 @dataclass
 class OnlineStats:
-    """What online adaptation did so far (counts and seconds; no text)."""
+    """What online adaptation did so far (counts and seconds; no text).
+
+    Attributes:
+        requests / served_tokens / served_s: the requests observed, their output tokens and serving seconds.
+        train_s: seconds spent adapting.
+        steps: optimiser steps taken; skipped_steps: steps skipped because their loss or gradient norm was not finite.
+        swaps / rollbacks: shadow heads swapped in, and swapped-in heads rolled back after their trial window.
+        stale_requests: requests served by a head version a decided swap had already replaced (in no window).
+        windows: one record per window: ``requests`` (count at its end), ``version`` (the head version that served
+            every request of it), ``served`` (their request numbers), ``tau``, ``action`` and the held-out figures.
+        failed: why adaptation stopped (None while it runs).
+    """
 
     requests: int = 0
     served_tokens: int = 0
     served_s: float = 0.0
     train_s: float = 0.0
     steps: int = 0
+    skipped_steps: int = 0
+    stale_requests: int = 0
     swaps: int = 0
     rollbacks: int = 0
     windows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -145,9 +190,15 @@ class OnlineAdapter:
         self._held: list[tuple[dict, torch.Tensor]] = []
         self._store: PairStore | None = None
         self._window: list[float] = []
+        self._window_served: list[int] = []
         self._previous_tau: float | None = None
         self._trial = False
-        self._pending: dict[str, torch.Tensor] | None = None
+        self._nonfinite = 0  # non-finite steps in a row
+        self._current = self._good  # the weights of the newest version (live, or pending in background mode)
+        self._version = 0  # the newest version decided by the trainer
+        self.live_version = 0  # the version the live head holds now (set on the serving side)
+        self._serving: int | None = None  # the version before_request handed to the request in flight
+        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self.stats = OnlineStats()
@@ -158,15 +209,25 @@ class OnlineAdapter:
         """False once a fault stopped adaptation (the last good head serves on)."""
         return self.stats.failed is None
 
-    def before_request(self) -> None:
-        """Apply a swap the background trainer left pending (called before each request: never mid-request)."""
+    def before_request(self) -> int:
+        """The request boundary: apply a head version the background trainer left pending, and hand the request the
+        version that serves it (called before each request, never mid-request; :meth:`observe` records it).
+
+        Returns:
+            The head version serving the next request (0: the head it was loaded with; +1 per swap, rollback or
+            restore).
+        """
         with self._lock:
             if self._pending is not None:
-                self.live.load_state_dict(self._pending)
-                self._pending = None
+                state, version = self._pending
+                self.live.load_state_dict(state)
+                self.live_version, self._pending = version, None
+            self._serving = self.live_version
+            return self.live_version
 
     def observe(self, sequence: torch.Tensor, prompt_tokens: int, tau: float, served_s: float) -> None:
-        """Learn from one served request.
+        """Learn from one served request (the one :meth:`before_request` was last called for; without that call,
+        the one the live head serves now).
 
         Args:
             sequence: Long ``[T]``, the prompt and the output.
@@ -174,17 +235,22 @@ class OnlineAdapter:
             tau: the request's mean accepted tokens per step (its ``stats.mean_accepted_tokens``).
             served_s: the seconds it took to serve.
         """
+        version = self.live_version if self._serving is None else self._serving
+        self._serving = None
+        if not self.enabled:
+            return
+        self.join()  # the trainer's work on the previous request is done before the counts move on
         if not self.enabled:
             return
         self.stats.requests += 1
         self.stats.served_tokens += int(sequence.numel()) - prompt_tokens
         self.stats.served_s += served_s
+        args = (sequence, prompt_tokens, tau, version, self.stats.requests)
         if self.options.background:
-            self.join()
-            self._worker = threading.Thread(target=self._guarded, args=(sequence, prompt_tokens, tau), daemon=True)
+            self._worker = threading.Thread(target=self._guarded, args=args, daemon=True)
             self._worker.start()
         else:
-            self._guarded(sequence, prompt_tokens, tau)
+            self._guarded(*args)
 
     def join(self) -> None:
         """Wait for the background trainer's work on the last request (no-op between requests)."""
@@ -192,10 +258,10 @@ class OnlineAdapter:
             self._worker.join()
             self._worker = None
 
-    def _guarded(self, sequence: torch.Tensor, prompt_tokens: int, tau: float) -> None:
+    def _guarded(self, sequence: torch.Tensor, prompt_tokens: int, tau: float, version: int, request: int) -> None:
         t0 = time.perf_counter()
         try:
-            self._learn(sequence, prompt_tokens, tau)
+            self._learn(sequence, prompt_tokens, tau, version, request)
         except Exception as err:  # a fault in adaptation must never stop serving
             self.stats.failed = f"{type(err).__name__}: {err}"
             self._restore(self._good)
@@ -208,24 +274,28 @@ class OnlineAdapter:
             self.stats.train_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------------------ learning
-    def _learn(self, sequence: torch.Tensor, prompt_tokens: int, tau: float) -> None:
-        self._add(sequence.detach().cpu()[: self.options.max_length], prompt_tokens)
+    def _learn(self, sequence: torch.Tensor, prompt_tokens: int, tau: float, version: int, request: int) -> None:
+        self._add(sequence.detach().cpu()[: self.options.max_length], prompt_tokens, request)
         for _ in range(self.options.steps_per_request):
             spent = self.stats.train_s
             if spent > self.options.cpu_share * (self.stats.served_s + spent) or not self._train:
                 break
             self._step()
+        if version != self._version:  # served by a version a decided swap replaced: it judges no head
+            self.stats.stale_requests += 1
+            return
         self._window.append(float(tau))
+        self._window_served.append(request)
         if len(self._window) >= self.options.window:
             self._end_window()
 
-    def _add(self, ids: torch.Tensor, prompt_tokens: int) -> None:
+    def _add(self, ids: torch.Tensor, prompt_tokens: int, request: int) -> None:
         mask = torch.zeros(ids.numel(), dtype=torch.bool)
         mask[prompt_tokens:] = True
         example = {"input_ids": ids, "loss_mask": mask}
         with torch.no_grad():
             features = hidden_features(self.target, [example], True, layers=self.live.target_layers)[0].float()
-        held = self.stats.requests % self.options.heldout_every == 0
+        held = request % self.options.heldout_every == 0
         bound = self.options.buffer_tokens // 4 if held else self.options.buffer_tokens
         buffer = self._held if held else self._train
         buffer.append((example, features))
@@ -244,7 +314,7 @@ class OnlineAdapter:
         if self._store.scored_positions() == 0:
             return
         o = self.options
-        rows = epoch_rows(self._store, o.max_length, o.seed * 1000 + self.stats.steps)
+        rows = epoch_rows(self._store, o.max_length, o.seed * 1000 + self.stats.steps + self.stats.skipped_steps)
         batch = collate(self._store, rows[: max(1, o.batch_tokens // o.max_length)])
         if self._lm_rows is None:
             lm = self.target.get_output_embeddings().weight.detach()
@@ -254,12 +324,31 @@ class OnlineAdapter:
         loss, _, scored = eagle3_step_loss(
             UnrolledEagle3(self.shadow), batch, self._lm_rows, recipe, D, self.shadow.logit_softcap
         )
-        if scored:
+        bad = None if bool(torch.isfinite(loss.detach()).all()) else "loss"
+        if scored and bad is None:
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.shadow.parameters(), 0.5)
-            self._optim.step()
+            norm = torch.nn.utils.clip_grad_norm_(self.shadow.parameters(), 0.5)
+            if bool(torch.isfinite(norm)):
+                self._optim.step()
+            else:
+                bad = "gradient norm"
         self._optim.zero_grad(set_to_none=True)
+        if bad is not None:
+            self._skip(bad)
+            return
+        self._nonfinite = 0
         self.stats.steps += 1
+
+    def _skip(self, what: str) -> None:
+        """Count a step skipped for a non-finite ``what``; :data:`NONFINITE_LIMIT` in a row are a fault."""
+        self.stats.skipped_steps += 1
+        self._nonfinite += 1
+        logger.info("online adaptation: the step's %s is not finite: skipped", what)
+        if self._nonfinite >= NONFINITE_LIMIT:
+            raise FloatingPointError(
+                f"{NONFINITE_LIMIT} optimiser steps in a row had a non-finite {what} (a bad batch, or an overflow "
+                "in the head's training)"
+            )
 
     def heldout_tau(self, head: torch.nn.Module) -> float | None:
         """The held-out chain tau estimate of ``head`` on the held-out buffer (None while it is empty)."""
@@ -271,9 +360,18 @@ class OnlineAdapter:
         return float(metrics["chain_tau"])
 
     def _end_window(self) -> None:
+        """Judge the window just filled: every request of it was served by version ``self._version`` (``_learn``),
+        whose weights are live now (a pending version serves no request), so reading the live head here races with
+        no swap."""
         tau = sum(self._window) / len(self._window)
-        record: dict[str, Any] = {"requests": self.stats.requests, "tau": round(tau, 4), "action": "kept"}
-        self._window = []
+        record: dict[str, Any] = {
+            "requests": self.stats.requests,
+            "version": self._version,
+            "served": self._window_served,
+            "tau": round(tau, 4),
+            "action": "kept",
+        }
+        self._window, self._window_served = [], []
         if self._trial:
             if self._previous_tau is not None and tau < self._previous_tau * (1 - self.options.tolerance):
                 self._restore(self._good)
@@ -281,13 +379,20 @@ class OnlineAdapter:
                 record["action"] = "rolled back"
                 logger.info("online adaptation: window tau %.3f < %.3f: rolled back", tau, self._previous_tau)
             else:
-                self._good = self._state(self.live)
+                self._good = self._current
             self._trial = False
         self._previous_tau = tau
         if record["action"] == "kept" and self.stats.steps:
+            if not self._finite(self.shadow):
+                self.shadow.load_state_dict(self._current)  # a broken shadow starts again from the live head
+                self._optim = self._new_optimiser()
+                record["action"] = "refused: non-finite weights"
+                logger.warning("online adaptation: the shadow head has non-finite weights: not swapped in, reset")
+                self.stats.windows.append(record)
+                return
             live, shadow = self.heldout_tau(self.live), self.heldout_tau(self.shadow)
             record.update(heldout_live=live, heldout_shadow=shadow)
-            if live is not None and shadow is not None and shadow > live:
+            if live is not None and shadow is not None and math.isfinite(shadow) and shadow > live:
                 self._swap(self._state(self.shadow))
                 self._trial = True
                 self.stats.swaps += 1
@@ -299,12 +404,22 @@ class OnlineAdapter:
     def _state(head: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True) for k, v in head.state_dict().items()}
 
+    @staticmethod
+    def _finite(head: torch.nn.Module) -> bool:
+        return all(bool(torch.isfinite(v).all()) for v in head.state_dict().values() if v.is_floating_point())
+
     def _swap(self, state: dict[str, torch.Tensor]) -> None:
+        """Make ``state`` the newest head version: live at once between requests, or (background mode) pending
+        until the serving side's next request boundary; the window restarts with it."""
+        self._version += 1
+        self._current = state
+        self._window, self._window_served = [], []
         if self.options.background:
             with self._lock:
-                self._pending = state  # applied by before_request, between requests
+                self._pending = (state, self._version)  # applied by before_request, between requests
         else:
             self.live.load_state_dict(state)
+            self.live_version = self._version
 
     def _restore(self, state: dict[str, torch.Tensor]) -> None:
         self._swap(state)

@@ -5,6 +5,7 @@ head is saved without text and a restarted process continues from it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -134,7 +135,7 @@ def test_saved_heads_carry_no_text_and_a_restart_continues(target, tmp_path):
 def test_bad_options_and_families_are_refused(target):
     from tests.helpers.heads import make_eagle
 
-    with pytest.raises(ValueError, match="cpu_share"):
+    with pytest.raises(ValueError, match=r"OnlineOptions.cpu_share must be a number in \(0, 1\), got 1.5"):
         OnlineOptions(cpu_share=1.5)
     with pytest.raises(ValueError, match="trains eagle3 heads; these are eagle heads: adapt them offline"):
         online_adapter(make_eagle(target), target)
@@ -142,3 +143,146 @@ def test_bad_options_and_families_are_refused(target):
         OnlineAdapter(make_eagle(target), target)
     with pytest.raises(ValueError, match="adapt= trains a drafter's head; this model drafts with prompt_lookup"):
         selfspec.load(target, prompt_lookup=True, tune="off", adapt=True)
+
+
+def finite(module: torch.nn.Module) -> bool:
+    return all(bool(torch.isfinite(v).all()) for v in module.state_dict().values() if v.is_floating_point())
+
+
+def poisoned_loss(monkeypatch, bad_step):
+    """Patch the online step's loss: ``bad_step(i)`` (i counts the calls) says which steps get a NaN loss ("loss")
+    or a finite loss whose gradients are NaN ("grad"), as a bad batch or an overflow would."""
+    from selfspec.train import online
+
+    real, calls = online.eagle3_step_loss, []
+
+    def loss_fn(*args, **kwargs):
+        loss, per_step, scored = real(*args, **kwargs)
+        kind = bad_step(len(calls))
+        calls.append(kind)
+        if kind == "loss":
+            loss = loss * float("nan")
+        elif kind == "grad":
+            loss.register_hook(lambda g: g * float("nan"))
+        return loss, per_step, scored
+
+    monkeypatch.setattr(online, "eagle3_step_loss", loss_fn)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["loss", "grad"])
+def test_non_finite_steps_are_skipped_and_never_reach_the_live_head(target, monkeypatch, kind):
+    """Seeded: a third of the steps get a NaN loss (or NaN gradients); each is skipped and counted, the live head
+    stays finite after every request, swaps still happen, and the outputs are the target's."""
+    g = torch.Generator().manual_seed(3)
+    draws = torch.rand(200, generator=g).tolist()
+    calls = poisoned_loss(monkeypatch, lambda i: kind if draws[i] < 0.3 and (i % 3) != 2 else None)
+    model = load(target)
+    for ids in prompts(8, seed=2):
+        assert model.generate(ids, max_new_tokens=N, eos_token_id=[]).tokens == greedy(target, ids)
+        assert finite(model.online.live) and finite(model.online.shadow)
+    stats = model.online.stats
+    assert model.online.enabled and stats.failed is None
+    assert stats.skipped_steps == sum(c is not None for c in calls) >= 3
+    assert stats.steps == len(calls) - stats.skipped_steps and stats.swaps >= 1
+
+
+def test_repeated_non_finite_steps_stop_adaptation_with_one_warning(target, monkeypatch):
+    poisoned_loss(monkeypatch, lambda i: "loss")  # every step: a stream the head cannot learn from
+    model = load(target)
+    start = {k: v.clone() for k, v in model.online.live.state_dict().items()}
+    batch = prompts(4, seed=4)
+    with pytest.warns(RuntimeWarning, match=r"online adaptation stopped \(FloatingPointError: 3 optimiser steps in a "):
+        outs = [model.generate(ids, max_new_tokens=N, eos_token_id=[]).tokens for ids in batch]
+    assert outs == [greedy(target, ids) for ids in batch]
+    assert not model.online.enabled and model.online.stats.skipped_steps == 3 and model.online.stats.steps == 0
+    assert all(torch.equal(start[k], v) for k, v in model.online.live.state_dict().items())
+
+
+def test_a_shadow_with_non_finite_weights_or_tau_is_never_swapped_in(target, monkeypatch):
+    adapter = OnlineAdapter(make_eagle3(target), target, FAST)
+    start = {k: v.clone() for k, v in adapter.live.state_dict().items()}
+    taus = {"shadow": 2.0}
+    monkeypatch.setattr(adapter, "heldout_tau", lambda head: taus["shadow"] if head is adapter.shadow else 1.0)
+    adapter.stats.steps = 1
+    with torch.no_grad():
+        adapter.shadow.fc.weight[0, 0] = float("nan")  # one weight of the shadow, its held-out tau looking better
+    adapter._window = [2.0, 2.0]
+    adapter._end_window()
+    assert adapter.stats.swaps == 0 and adapter.stats.windows[-1]["action"] == "refused: non-finite weights"
+    assert all(torch.equal(start[k], v) for k, v in adapter.live.state_dict().items())
+    assert finite(adapter.shadow)  # the broken shadow starts again from the live head
+    taus["shadow"] = float("nan")
+    adapter._window = [2.0, 2.0]
+    adapter._end_window()
+    assert adapter.stats.swaps == 0 and adapter.stats.windows[-1]["action"] == "kept"
+    taus["shadow"] = 2.0
+    adapter._window = [2.0, 2.0]
+    adapter._end_window()
+    assert adapter.stats.swaps == 1 and adapter.stats.windows[-1]["action"] == "swapped"
+
+
+def test_background_trials_judge_the_head_that_served_them(target, monkeypatch):
+    """Background mode under a fast thread switch interval (a busy machine): every window end swaps a shadow in
+    (its held-out tau is made to look better), and each request's tau is made to say which head served it: 1.0
+    for the head it started with, 0.5 for any swapped-in one. A trial window served by its own head has tau 0.5
+    exactly and is rolled back; the head it started with serves again (tau 1.0) after every rollback."""
+    import sys
+
+    options = OnlineOptions(**{**FAST.__dict__, "background": True})
+    model = load(target, options)
+    online = model.online
+    start = {k: v.clone() for k, v in online.live.state_dict().items()}
+    monkeypatch.setattr(online, "heldout_tau", lambda head: 2.0 if head is online.shadow else 1.0)
+    served: list[bool] = []
+    real_before, real_observe = online.before_request, online.observe
+
+    def before_request():
+        version = real_before()
+        served.append(all(torch.equal(start[k], v) for k, v in online.live.state_dict().items()))
+        return version
+
+    def observe(sequence, prompt_tokens, tau, served_s):
+        real_observe(sequence, prompt_tokens, 1.0 if served[-1] else 0.5, served_s)
+
+    monkeypatch.setattr(online, "before_request", before_request)
+    monkeypatch.setattr(online, "observe", observe)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for ids in prompts(18, seed=6):
+            assert model.generate(ids, max_new_tokens=N, eos_token_id=[]).tokens == greedy(target, ids)
+        online.join()
+    finally:
+        sys.setswitchinterval(interval)
+    windows = online.stats.windows
+    assert online.enabled and online.stats.swaps >= 2 and online.stats.rollbacks >= 2
+    trials = [w for w in windows if w["action"] == "rolled back"]
+    assert len(trials) == online.stats.rollbacks and all(w["tau"] == 0.5 for w in trials)
+    assert all(w["tau"] == 1.0 for w in windows if w["action"] == "swapped")
+    assert online.stats.swaps - online.stats.rollbacks in (0, 1)
+
+
+BAD_OPTIONS = {
+    "buffer_tokens": (0, "an integer >= 1"),
+    "window": (0, "an integer >= 1"),
+    "steps_per_request": (-1, "an integer >= 0"),
+    "batch_tokens": (0, "an integer >= 1"),
+    "max_length": (2.5, "an integer >= 1"),
+    "lr": (-1.0, "a number > 0"),
+    "ttt_steps": (0, "an integer >= 1"),
+    "cpu_share": (0.0, r"a number in \(0, 1\)"),
+    "heldout_every": (1, "an integer >= 2"),
+    "tolerance": (float("nan"), r"a number in \[0, 1\)"),
+    "background": ("yes", "True or False"),
+    "seed": (-3, "an integer >= 0"),
+}
+
+
+def test_every_online_option_is_checked_against_its_range():
+    from selfspec.train.online import OPTION_RANGES
+
+    assert set(BAD_OPTIONS) == set(OPTION_RANGES) == {f.name for f in dataclasses.fields(OnlineOptions)}
+    for name, (value, valid) in BAD_OPTIONS.items():
+        with pytest.raises(ValueError, match=f"OnlineOptions.{name} must be {valid}, got "):
+            OnlineOptions(**{name: value})
