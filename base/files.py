@@ -9,7 +9,8 @@
   atomically: a killed process never leaves half a file or half a directory, and an existing directory is
   swapped only once the new one is complete.
 * :func:`read_dataclass` builds a dataclass from parsed JSON (or YAML) strictly, from its type hints: a missing,
-  unknown or mistyped key is refused, and every problem is listed at once with its path and the fix. Profiles
+  unknown or mistyped key is refused, and every problem is listed at once with its path and the fix; a number
+  field declared with :func:`in_range` is checked against its :class:`Range` there too. Profiles
   (:mod:`selfspec.decode.tuning`), bench reports (:mod:`selfspec.bench.report`), head configs
   (:mod:`selfspec.heads.config`) and training configs (:mod:`selfspec.train.config`) are all read by it.
 * :func:`read_cached` and :func:`write_cached` read and write a measurement's cache file, where a bad or unwritable
@@ -41,8 +42,10 @@ from typing import Any, Literal, TypeVar
 T = TypeVar("T")
 
 __all__ = [
+    "Range",
     "build_cache_root",
     "cache_root",
+    "in_range",
     "now_utc",
     "profiles_dir",
     "read_cached",
@@ -215,6 +218,56 @@ def read_json(path: str | Path) -> Any:
         raise ValueError(f"{path} is not JSON: {err}") from err
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a number field may hold, declared once on the field (:func:`in_range`) and checked by
+    :func:`read_dataclass` (for a tuple field, every item).
+
+    Attributes:
+        low / high: the bounds (None: unbounded on that side).
+        low_open / high_open: the bound itself is excluded.
+        unset: what None means for a field that may be None (``"torch's default"``), for the message.
+    """
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    unset: str = ""
+
+    def holds(self, value: float) -> bool:
+        """Whether ``value`` lies in the range."""
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def describe(self) -> str:
+        """The range in words: ``"> 0"``, ``">= 1 (null: torch's default)"``, ``"in [0, 1)"``."""
+        if self.low is not None and self.high is not None:
+            text = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        elif self.low is not None:
+            text = f"{'>' if self.low_open else '>='} {self.low:g}"
+        else:
+            text = f"{'<' if self.high_open else '<='} {self.high:g}"
+        return f"{text} (null: {self.unset})" if self.unset else text
+
+
+def in_range(
+    default: Any,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+    unset: str = "",
+) -> Any:
+    """A dataclass field with ``default`` whose values :func:`read_dataclass` checks against a :class:`Range`
+    (``lr: float = in_range(1e-3, gt=0)``); ``unset`` says what None means where the field may be None."""
+    low, high = (gt, True) if gt is not None else (ge, False), (lt, True) if lt is not None else (le, False)
+    bounds = Range(low[0], high[0], low[1], high[1], unset)
+    return dataclasses.field(default=default, metadata={"range": bounds})
+
+
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
@@ -360,6 +413,13 @@ def _read_fields(cls: type, value: Any, path: str, rules: _Rules, errors: list[s
     errors += [f"{path + ': ' if path else ''}missing key {n!r}" for n in missing]
     hints = _hints(cls)
     kept = {n: _read(hints[n], value[n], _join(path, n), rules, errors) for n in names if n in value}
+    for f in fields:
+        bounds = f.metadata.get("range")
+        got = kept.get(f.name)
+        items = got if isinstance(got, (tuple, list)) else (got,)
+        numbers = [v for v in items if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if bounds is not None and not all(bounds.holds(v) for v in numbers):
+            errors.append(f"{_join(path, f.name)} must be {bounds.describe()}, got {got!r:.60}")
     return cls(**kept) if len(errors) == before else None
 
 
@@ -380,7 +440,8 @@ def read_dataclass(
 
     Types read: nested dataclasses, ``int``, ``float`` (an int is accepted; numbers are finite), ``bool``,
     ``str``, ``None``, ``X | Y``, ``Literal[...]``, ``tuple[X, ...]`` / ``tuple[X, Y]`` (from a list),
-    ``list[X]``, ``dict[K, X]`` / ``Mapping[K, X]`` and ``Any``.
+    ``list[X]``, ``dict[K, X]`` / ``Mapping[K, X]`` and ``Any``. A field declared with :func:`in_range` must also
+    hold a number in its :class:`Range` (every item, for a tuple), or None where its type allows None.
 
     Args:
         cls: the dataclass; its ``__post_init__`` checks what the types cannot (its errors pass through).

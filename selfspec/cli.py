@@ -7,6 +7,9 @@ import argparse
 import importlib
 import sys
 
+from selfspec import __version__
+from selfspec.base.errors import run_command
+
 # Each command's module and function, imported only when it runs: training pulls in accelerate and datasets, the bench
 # matplotlib, and `selfspec --help` should need none of them. (Nothing imports this module, so the import graph of
 # tests/test_layers.py, which does not read this table, loses no edge that could point upward or close a cycle.)
@@ -24,7 +27,12 @@ RUNNERS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``selfspec COMMAND ...``: the command's exit status; 2 on a user's mistake (one line on stderr, see
+    :func:`selfspec.base.errors.run_command`) or an unknown command; ``--version`` prints the version."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        print(f"selfspec {__version__}")
+        return 0
     commands = {
         "train": "train heads on a frozen target (same as: accelerate launch -m selfspec.train CONFIG [k=v ...])",
         "bench": "speedup and tau against plain transformers generate, in one run",
@@ -36,16 +44,20 @@ def main(argv: list[str] | None = None) -> int:
         "push": "push heads with their model card to the Hugging Face Hub (--dry-run: show, upload nothing)",
         "scaling-curve": "train a head family at growing data and time budgets, bench each, tabulate and plot",
     }
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+    if argv and argv[0] not in ("-h", "--help") and argv[0] not in commands:
+        print(f"selfspec: error: unknown command {argv[0]!r}; choose one of {', '.join(commands)}", file=sys.stderr)
+        return 2
+    if not argv or argv[0] in ("-h", "--help"):
         parser = argparse.ArgumentParser(prog="selfspec", description="self-speculative decoding")
+        parser.add_argument("-V", "--version", action="version", version=f"selfspec {__version__}")
         sub = parser.add_subparsers(dest="command")
         for name, help_text in commands.items():
             sub.add_parser(name, help=help_text, add_help=False)
         parser.print_help()
-        return 0 if argv[:1] in ([], ["-h"], ["--help"]) else 2
+        return 0
     command, rest = argv[0], argv[1:]
     module, function = RUNNERS[command]
-    return getattr(importlib.import_module(module), function)(rest)
+    return run_command(f"selfspec {command}", getattr(importlib.import_module(module), function), rest)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,11 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 
 from selfspec.base.adapter import read_adapter_config
+from selfspec.base.errors import UserError, run_command
 from selfspec.base.target import load_target
 from selfspec.train.chat_format import apply_reasoning, bind_chat_format, read_chat_template
 from selfspec.train.config import TrainConfig, load_config
-from selfspec.train.data import load_conversations, split_conversations
+from selfspec.train.data import check_data_source, load_conversations, split_conversations
 from selfspec.train.distill_states import CapturedStates
 from selfspec.train.features import self_distill
 from selfspec.train.inputs import RunInputs
@@ -39,6 +40,7 @@ def run(cfg: TrainConfig) -> Path:
     Returns:
         The directory holding the trained heads (``<output_dir>/heads``).
     """
+    check_data_source(cfg.data)  # a missing or empty data file stops before anything is written
     cfg = warm_started(cfg)  # init_heads: the head's shape, read before any compute
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -151,11 +153,13 @@ def main(argv: list[str] | None = None) -> int:
             read_adapter_config(cfg.target_adapter)
         if cfg.chat_template is not None:  # so does a missing or unparsable template (rendering: bind_chat_format)
             read_chat_template(cfg.chat_template)
-    except (ValueError, FileNotFoundError) as err:
-        parser.error(str(err))
+    except UserError:
+        raise
+    except (ValueError, FileNotFoundError) as err:  # the adapter and template the config names: the user's to fix
+        raise UserError(str(err)) from err
     run(cfg)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("selfspec train", main, sys.argv[1:]))

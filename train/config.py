@@ -18,7 +18,8 @@ from typing import Any
 
 import yaml
 
-from selfspec.base.files import read_dataclass
+from selfspec.base.errors import UserError
+from selfspec.base.files import in_range, read_dataclass
 from selfspec.heads.config import check_layer_ids
 from selfspec.heads.families import head_families
 from selfspec.train.chat_format import REASONING, check_template_kwargs
@@ -301,14 +302,14 @@ class TrainConfig:
     target_adapter: str | None = None
     init_heads: str | None = None
     data: str = "sharegpt"
-    max_conversations: int = 3000
+    max_conversations: int = in_range(3000, ge=0)
     eval_fraction: float = 0.05
-    max_length: int = 512
+    max_length: int = in_range(512, ge=1)
     self_distill: bool = True
-    distill_conversations: int = 320
+    distill_conversations: int = in_range(320, ge=0)
     distill_eval_conversations: int | None = None
     distill_max_new_tokens: int = 160
-    distill_batch_size: int = 16
+    distill_batch_size: int = in_range(16, ge=1)
     distill_max_prompt_tokens: int | None = None
     distill_turns: str = "first"
     distill_temperature: float = 0.0
@@ -319,32 +320,32 @@ class TrainConfig:
     reasoning: str = "keep"
     distill_dir: str | None = None
     distill_capture_gb: float = 4.0
-    original_conversations: int = 0
+    original_conversations: int = in_range(0, ge=0)
     dtype: str = "float32"
     feature_batch_tokens: int = 4096
     features: str = "auto"
     feature_shard_mb: float = 256.0
-    draft_vocab_size: int | None = 8192
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    warmup_steps: int = 30
-    grad_clip: float = 1.0
+    draft_vocab_size: int | None = in_range(8192, ge=1, unset="the full vocabulary")
+    lr: float = in_range(1e-3, gt=0)
+    weight_decay: float = in_range(0.0, ge=0)
+    betas: tuple[float, float] = in_range((0.9, 0.95), ge=0, lt=1)
+    warmup_steps: int = in_range(30, ge=0)
+    grad_clip: float = in_range(1.0, ge=0)  # 0: no clipping
     mixed_precision: str = "no"
     grad_accum_steps: int = 1
-    epochs: int = 4
-    max_steps: int | None = None
+    epochs: int = in_range(4, ge=1)
+    max_steps: int | None = in_range(None, ge=1, unset="epochs decide")
     max_train_tokens: int | None = None
-    max_train_minutes: float | None = None
-    eval_every: int = 100
-    save_every: int = 100
+    max_train_minutes: float | None = in_range(None, gt=0, unset="no clock")
+    eval_every: int = in_range(100, ge=1)
+    save_every: int = in_range(100, ge=1)
     select_head: str = "tau"
-    eval_topk: int = 8
+    eval_topk: int = in_range(8, ge=1)
     output_dir: str = "runs/medusa-smollm2"
     seed: int = 0
-    threads: int | None = None
-    calibrate_prompts: int = 8
-    calibrate_max_new_tokens: int = 48
+    threads: int | None = in_range(None, ge=1, unset="torch's default")
+    calibrate_prompts: int = in_range(8, ge=0)
+    calibrate_max_new_tokens: int = in_range(48, ge=1)
     eagle: EagleOptions = field(default_factory=EagleOptions)
     eagle3: Eagle3Options = field(default_factory=Eagle3Options)
     medusa: MedusaOptions = field(default_factory=MedusaOptions)
@@ -439,11 +440,30 @@ def _read(cls: type, data: Mapping[str, Any], where: str = "", root: str = "") -
     )
 
 
+class ConfigError(UserError):
+    """A training config that cannot be used: a missing file, YAML that does not parse, an unknown key, a value of
+    the wrong type or out of its range; the message names the key (or the file's line) and what to write."""
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """Where YAML parsing stopped and why, on one line (``line 2, column 1: expected ',' or ']'``)."""
+    marked = isinstance(err, yaml.MarkedYAMLError)
+    mark = err.problem_mark if marked else None
+    problem = err.problem if marked and err.problem else str(err).splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
+
+
 def _parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
-        raise ValueError(f"override {item!r} must look like key=value")
+        raise ConfigError(f"override {item!r} must look like key=value")
     key, value = item.split("=", 1)
-    return key.strip(), yaml.safe_load(value) if value != "" else None
+    try:
+        return key.strip(), yaml.safe_load(value) if value != "" else None
+    except yaml.YAMLError as err:
+        raise ConfigError(
+            f"override {item!r}: {value!r} is not a YAML value ({_yaml_problem(err)}); close its brackets or quotes, "
+            f"or quote the whole value ({key.strip()}='\"...\"')"
+        ) from err
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
@@ -451,25 +471,33 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
     every value is checked against its field's type (:func:`_read`).
 
     Raises:
-        ValueError: unknown keys, top-level or nested (the message lists the valid keys), malformed
-            overrides, values of the wrong type, invalid values.
-        FileNotFoundError: ``path`` does not exist.
+        ConfigError: (a ``ValueError``) ``path`` does not exist or is not YAML (the message gives the line), unknown
+            keys, top-level or nested (the message lists the valid keys), malformed overrides, values of the wrong
+            type, out of their range (the message gives the range) or otherwise invalid.
     """
     data: dict[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {path} does not exist: pass a YAML file (see configs/) or only key=value")
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path} is not valid YAML at {_yaml_problem(err)}: fix that line") from err
         if not isinstance(loaded, dict):
-            raise ValueError(f"{path} must hold a YAML mapping of TrainConfig fields")
+            raise ConfigError(f"{path} must hold a YAML mapping of TrainConfig fields")
         data.update(loaded)
     for item in overrides:
         key, value = _parse_override(item)
         section, dot, name = key.partition(".")
         if dot:
             if section not in _NESTED:
-                raise ValueError(f"unknown config section {section!r} in {key!r}; sections: {sorted(_NESTED)}")
+                raise ConfigError(f"unknown config section {section!r} in {key!r}; sections: {sorted(_NESTED)}")
             if not isinstance(data.get(section, {}), dict):
-                raise ValueError(f"{section} must be a mapping of {_NESTED[section].__name__} fields")
+                raise ConfigError(f"{section} must be a mapping of {_NESTED[section].__name__} fields")
             data[section] = {**data.get(section, {}), name: value}
         else:
             data[key] = value
-    return _read(TrainConfig, data, str(path) if path is not None else "")
+    try:
+        return _read(TrainConfig, data, str(path) if path is not None else "")
+    except ValueError as err:  # the reader's and the dataclasses' checks: all of them about the values given
+        raise ConfigError(str(err)) from err

@@ -27,6 +27,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from selfspec.base.errors import MissingFileError, UserError
+
 logger = logging.getLogger(__name__)
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
@@ -244,8 +246,31 @@ def _first_char(path: Path) -> str:
                 return char
 
 
+def check_data_source(source: str | os.PathLike) -> None:
+    """Refuse, before any work is done, a local data file that does not exist or holds nothing (``"sharegpt"`` and
+    Hub ids pass: they are checked when read).
+
+    Raises:
+        MissingFileError: a path-like source (``.json`` / ``.jsonl`` / starting with ``.``, ``/``, ``~``) that does
+            not exist (a ``FileNotFoundError``).
+        UserError: the file is empty or only whitespace.
+    """
+    text = str(source)
+    if text.lower() == SHAREGPT_ALIAS:
+        return
+    path = Path(text).expanduser()
+    if path.is_file():
+        if _first_char(path) == "":
+            raise UserError(f"data file {path} is empty: put conversations in it ({_LAYOUT_HELP})")
+    elif path.suffix.lower() in (".json", ".jsonl") or text.startswith((".", "/", "~")):
+        raise MissingFileError(
+            f"no such data file: {path}: pass an existing .json / .jsonl file, 'sharegpt' or a Hub id"
+        )
+
+
 def _records(source: str | os.PathLike) -> tuple[Iterable[Any], str]:
-    """The raw records of a source and a printable name for it."""
+    """The raw records of a source and a printable name for it (:func:`check_data_source` first)."""
+    check_data_source(source)
     text = str(source)
     if text.lower() == SHAREGPT_ALIAS:
         path = sharegpt_path()
@@ -257,8 +282,6 @@ def _records(source: str | os.PathLike) -> tuple[Iterable[Any], str]:
         from datasets import load_dataset
 
         return load_dataset("json", data_files=str(path), split="train"), str(path)
-    if path.suffix.lower() in (".json", ".jsonl") or text.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"no such data file: {path}")
     from datasets import load_dataset
 
     return load_dataset(text, split="train"), text
@@ -290,6 +313,7 @@ def load_conversations(source: str | os.PathLike = SHAREGPT_ALIAS, max_conversat
         ModuleNotFoundError: ``source="sharegpt"`` without the package installed (names the pip command).
         FileNotFoundError: a path-like source (``.json`` / ``.jsonl`` / starting with ``.``, ``/``, ``~``)
             that does not exist.
+        UserError: an empty local file.
         ValueError: a record in neither layout (the message names the expected keys), or
             ``max_conversations < 0``.
     """
