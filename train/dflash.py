@@ -36,10 +36,11 @@ from selfspec.heads.eagle import softcap
 from selfspec.train.config import BlockOptions, TrainConfig
 from selfspec.train.distill_states import CapturedStates
 from selfspec.train.feature_recipe import FeatureRecipe
-from selfspec.train.feature_store import FeatureStore, target_features
+from selfspec.train.feature_store import FeatureStore
 from selfspec.train.inputs import RunInputs
 from selfspec.train.loop import StepLoss, train_loop
 from selfspec.train.losses import distribution_loss
+from selfspec.train.online_features import feature_stores
 from selfspec.train.unroll import chain_metrics
 from selfspec.train.warm_start import copy_head, init_head, warm_draft_ids
 
@@ -405,6 +406,7 @@ class BlockRecipe(FeatureRecipe):
             "mask_token_id": self.head.config.mask_token_id,
             "heldout": metrics,
             "options": dataclasses.asdict(self.cfg.block),
+            **self.feature_summary(),
         }
 
 
@@ -449,11 +451,12 @@ def train_block(run: RunInputs) -> Path:
     """Train a DFlash or DSpark head on the frozen ``run.target``; returns the saved head directory.
 
     The features are the states after the head's target layers and the last hidden state at every position, from
-    the feature store (cached, keyed by them); :func:`~selfspec.train.loop.train_loop` does the rest.
+    the feature store (cached, keyed by them) or computed online as ``cfg.features`` says
+    (:func:`~selfspec.train.online_features.feature_stores`); :func:`~selfspec.train.loop.train_loop` does the rest.
 
     Raises:
         ValueError: no training position, or no free id to mask with.
     """
     layers = tuple(i + 1 for i in block_layers(run.cfg, run.target))
-    train, held, signature = target_features(run, layers)
+    train, held, signature, _ = feature_stores(run, layers, run.cfg.block.batch_tokens)
     return train_loop(run.cfg, run.accelerator, BlockRecipe(run, train, held, signature), run.heldout())

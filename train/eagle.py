@@ -25,10 +25,11 @@ from selfspec.base.fingerprint import target_fingerprint
 from selfspec.heads.eagle import EagleConfig, EagleHead, softcap
 from selfspec.train.config import EagleOptions
 from selfspec.train.eagle_data import PairRecipe, PairStore, heldout_batches
-from selfspec.train.feature_store import FeatureStore, target_features
+from selfspec.train.feature_store import FeatureStore
 from selfspec.train.inputs import RunInputs
 from selfspec.train.loop import StepLoss, train_loop
 from selfspec.train.losses import eagle_loss
+from selfspec.train.online_features import feature_stores
 from selfspec.train.unroll import ChainTally, UnrolledEagle, chain_metrics
 from selfspec.train.warm_start import copy_head, init_head, warm_draft_ids
 
@@ -262,6 +263,7 @@ class EagleRecipe(PairRecipe):
             "draft_vocab_size": self.head.config.n_draft,
             "heldout": metrics,
             "options": dataclasses.asdict(self.cfg.eagle),
+            **self.feature_summary(),
         }
         return self.calibrated(self.head, head_dir, out)
 
@@ -272,11 +274,12 @@ def train_eagle(run: RunInputs) -> Path:
     Uses ``cfg.eagle``, ``draft_vocab_size``,
     ``max_length`` (row length), ``eval_topk``, ``seed``, ``calibrate_*`` and the loop's options
     (:func:`~selfspec.train.loop.train_loop`). After saving, the head is calibrated on the last held-out
-    prompts (:func:`~selfspec.train.calibrate.calibrate_head`). Features self-distillation captured are
-    reused (:func:`~selfspec.train.feature_store.target_features`).
+    prompts (:func:`~selfspec.train.calibrate.calibrate_head`). The features come from the store or online as
+    ``cfg.features`` says (:func:`~selfspec.train.online_features.feature_stores`); features self-distillation
+    captured are reused by the store.
 
     Raises:
         ValueError: no scored training position (empty data or all answers truncated away).
     """
-    train, held, signature = target_features(run)
+    train, held, signature, _ = feature_stores(run, None, run.cfg.eagle.batch_tokens)
     return train_loop(run.cfg, run.accelerator, EagleRecipe(run, train, held, signature), run.heldout())

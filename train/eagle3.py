@@ -38,7 +38,7 @@ from selfspec.train.feature_store import FeatureStore
 from selfspec.train.inputs import RunInputs
 from selfspec.train.loop import StepLoss, train_loop
 from selfspec.train.losses import distribution_loss
-from selfspec.train.online_features import OnlineFeatures, eagle3_feature_stores
+from selfspec.train.online_features import feature_stores
 from selfspec.train.unroll import ChainTally, chain_metrics, unrolled_mask
 from selfspec.train.warm_start import copy_head, init_head, warm_draft_ids
 
@@ -206,7 +206,6 @@ class Eagle3Recipe(PairRecipe):
             init_lm_head=opts.init_lm_head,
         ).float()
         copy_head(self.head, warm)
-        self.feature_source = "online" if isinstance(self.train, OnlineFeatures) else "store"
 
     def module(self) -> torch.nn.Module:
         return UnrolledEagle3(self.head)
@@ -232,10 +231,8 @@ class Eagle3Recipe(PairRecipe):
             "target_layers": list(self.head.target_layers),
             "heldout": metrics,
             "options": dataclasses.asdict(self.cfg.eagle3),
-            "feature_source": self.feature_source,
+            **self.feature_summary(),
         }
-        if isinstance(self.train, OnlineFeatures):
-            out["online_feature_tokens"] = self.train.computed_tokens + self.held.computed_tokens
         return self.calibrated(self.head, head_dir, out)
 
 
@@ -258,8 +255,8 @@ def head_layers(cfg: TrainConfig, target: PreTrainedModel) -> tuple[int, ...]:
 
 def capture_eagle3(cfg: TrainConfig, target: PreTrainedModel, budget_bytes: int) -> CapturedStates | None:
     """What self-distillation keeps for an EAGLE-3 run: the head's three layers and the last hidden state
-    (:func:`head_layers`), or nothing with ``eagle3.features: online`` (no store to fill)."""
-    if cfg.eagle3.features == "online":
+    (:func:`head_layers`), or nothing with ``features: online`` (no store to fill)."""
+    if cfg.features == "online":
         return None
     return CapturedStates(head_layers(cfg, target), budget_bytes)
 
@@ -268,8 +265,8 @@ def train_eagle3(run: RunInputs) -> Path:
     """Train an EAGLE-3 head on the frozen ``run.target``; returns the saved head directory (``<output_dir>/heads``).
 
     The features are the three layers and the last hidden state at every position, from the feature store
-    (cached, keyed by them) or computed online as batches are built, as ``cfg.eagle3.features`` says
-    (:func:`~selfspec.train.online_features.eagle3_feature_stores`); the loop
+    (cached, keyed by them) or computed online as batches are built, as ``cfg.features`` says
+    (:func:`~selfspec.train.online_features.feature_stores`); the loop
     (:func:`~selfspec.train.loop.train_loop`) does the rest; afterwards the head is calibrated
     on held-out prompts when ``cfg.calibrate_prompts`` > 0 and a tokenizer is given. Features self-distillation
     captured are reused by the store (and dropped when the features are computed online).
@@ -277,5 +274,5 @@ def train_eagle3(run: RunInputs) -> Path:
     Raises:
         ValueError: no scored training position.
     """
-    train, held, signature, _ = eagle3_feature_stores(run, head_layers(run.cfg, run.target))
+    train, held, signature, _ = feature_stores(run, head_layers(run.cfg, run.target), run.cfg.eagle3.batch_tokens)
     return train_loop(run.cfg, run.accelerator, Eagle3Recipe(run, train, held, signature), run.heldout())

@@ -167,7 +167,7 @@ class PairRecipe(FeatureRecipe):
     ) -> None:
         super().__init__(run, train, held, signature, batch_tokens)
         self.train, self.held = (
-            s if isinstance(s, PairStore) else PairStore(s.tokens, s.features, s.loss_mask, s.lengths)
+            s if isinstance(s, PairStore) else PairStore(s.tokens, s.rows, s.loss_mask, s.lengths, s.starts)
             for s in (train, held)
         )
         if self.train.scored_positions() == 0:

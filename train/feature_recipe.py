@@ -9,6 +9,7 @@ import torch
 
 from selfspec.train.feature_store import FeatureStore
 from selfspec.train.loop import Recipe, draft_vocabulary
+from selfspec.train.online_features import is_online
 
 if TYPE_CHECKING:
     from selfspec.train.inputs import RunInputs
@@ -54,6 +55,14 @@ class FeatureRecipe(Recipe):
         if self._lm_rows is None:
             self._lm_rows = self.lm_full[draft_ids.to(self.lm_full.device)].float().to(device)
         return self._lm_rows
+
+    def feature_summary(self) -> dict[str, Any]:
+        """Where the features came from, for the summary: ``feature_source`` (``"store"`` or ``"online"``) and,
+        online, ``online_feature_tokens`` (the tokens the target forwarded for both splits)."""
+        if not is_online(self.train):
+            return {"feature_source": "store"}
+        tokens = sum(s.rows.computed_tokens for s in (self.train, self.held) if is_online(s))  # type: ignore[attr-defined]
+        return {"feature_source": "online", "online_feature_tokens": tokens}
 
     def history(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """The held-out top-1, chain acceptance and chain tau of :meth:`evaluate`'s metrics."""

@@ -41,34 +41,57 @@ def head_labels(ids: torch.Tensor, mask: torch.Tensor, num_heads: int) -> torch.
     return labels
 
 
-def position_table(store: FeatureStore, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flatten a store into (hidden, labels, future) rows: Medusa heads look at one position at a time.
+def position_index(store: FeatureStore, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flatten a store into (position, labels, future) rows: Medusa heads look at one position at a time; from the
+    token ids and masks alone (no feature is read: :meth:`~selfspec.train.feature_store.FeatureStore.feature_rows`
+    reads a batch's).
 
     Head k at position t is trained on token ``t + 2 + k`` when that token exists and is an assistant
     token (``loss_mask``); positions where no head has a label are dropped.
 
     Args:
-        store: sequences with their target features ``[ΣT, D]``.
+        store: sequences with their target features.
         num_heads: K.
 
     Returns:
-        ``(hidden [P, D], labels [P, K], future [P, K])``: hidden in the store's dtype; labels are target token
-        ids or ``-100``; ``future[p, k]`` is the row of ``store.features`` at position ``t + 1 + k`` (the feature
-        whose lm_head logits are the target's distribution of head k's label), -1 where the label is ``-100``.
+        ``(positions [P], labels [P, K], future [P, K])``: each row's token position in ``store.tokens``; labels are
+        target token ids or ``-100``; ``future[p, k]`` is the token position ``t + 1 + k`` (whose feature's lm_head
+        logits are the target's distribution of head k's label), -1 where the label is ``-100``.
     """
-    hs, ys, fs = [], [], []
+    ps, ys, fs = [], [], []
     for i in range(len(store)):
-        ids, h, mask = store.sequence(i)
-        labels = head_labels(ids, mask, num_heads)
-        rows = int(store.offsets[i]) + torch.arange(ids.numel()).unsqueeze(1) + 1 + torch.arange(num_heads)
+        o, T = int(store.offsets[i]), int(store.lengths[i])
+        labels = head_labels(store.tokens[o : o + T], store.loss_mask[o : o + T], num_heads)
+        here = o + torch.arange(T)
         keep = (labels != IGNORE).any(1)
-        hs.append(h[keep])
+        ps.append(here[keep])
         ys.append(labels[keep])
-        fs.append(rows[keep].masked_fill(labels[keep] == IGNORE, -1))
-    if not hs:
+        fs.append((here.unsqueeze(1) + 1 + torch.arange(num_heads))[keep].masked_fill(labels[keep] == IGNORE, -1))
+    if not ps:
         empty = torch.empty(0, num_heads, dtype=torch.long)
-        return torch.empty(0, store.features.shape[-1]), empty, empty.clone()
-    return torch.cat(hs), torch.cat(ys), torch.cat(fs)
+        return torch.empty(0, dtype=torch.long), empty, empty.clone()
+    return torch.cat(ps), torch.cat(ys), torch.cat(fs)
+
+
+def position_table(store: FeatureStore, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`position_index` with every row's feature read: ``(hidden [P, D], labels [P, K], future [P, K])``,
+    hidden in the store's dtype (the whole table in memory: for small stores; the recipe reads per batch)."""
+    positions, labels, future = position_index(store, num_heads)
+    return store.feature_rows(positions), labels, future
+
+
+class PositionRows:
+    """The features of a store at token ``positions`` (Long ``[P]``), read by slice: ``rows[a:b]`` is
+    ``[b - a, D]``; ``len(rows)`` is P."""
+
+    def __init__(self, store: FeatureStore, positions: torch.Tensor) -> None:
+        self.store, self.positions = store, positions
+
+    def __len__(self) -> int:
+        return int(self.positions.numel())
+
+    def __getitem__(self, s: slice) -> torch.Tensor:
+        return self.store.feature_rows(self.positions[s])
 
 
 def to_draft_labels(labels: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
@@ -108,13 +131,13 @@ def label_vocabulary(
 
 
 def evaluate(
-    heads: MedusaHeads, hidden: torch.Tensor, labels_draft: torch.Tensor, k: int, batch: int = 1024
+    heads: MedusaHeads, hidden: torch.Tensor | PositionRows, labels_draft: torch.Tensor, k: int, batch: int = 1024
 ) -> list[list[float]]:
     """Held-out cumulative top-1..top-k accuracy per head.
 
     Args:
         heads: the heads (unwrapped).
-        hidden: ``[P, D]`` target features.
+        hidden: ``[P, D]`` target features (or a store's, read ``batch`` rows at a time: :class:`PositionRows`).
         labels_draft: Long ``[P, K]`` draft ids (:func:`to_draft_labels`; -1 counts as a miss, -100 is
             not scored).
         k: largest rank.
@@ -129,7 +152,7 @@ def evaluate(
     heads.eval()
     dev = next(heads.parameters()).device
     with torch.no_grad():
-        for s in range(0, hidden.shape[0], batch):
+        for s in range(0, len(hidden), batch):
             logits = heads(hidden[s : s + batch].float().to(dev))
             h, c = topk_hits(logits, labels_draft[s : s + batch].to(dev), k)
             hits += h.cpu()
@@ -162,18 +185,19 @@ class MedusaRecipe(Recipe):
     ) -> None:
         self.cfg, self.target, self.signature = cfg, target, signature
         opts = cfg.medusa
-        self.hidden, labels, self.future = position_table(train, opts.num_heads)
-        if self.hidden.shape[0] == 0:
+        self.store = train
+        self.positions, labels, self.future = position_index(train, opts.num_heads)
+        if self.positions.numel() == 0:
             raise ValueError("no training positions: check the data source and max_length")
         # a distribution loss scores each head against the target's distribution at its label's position
-        self.features = train.features if opts.loss != "ce" else None
-        held_hidden, held_labels, _ = position_table(held, opts.num_heads)
+        self.with_future = opts.loss != "ce"
+        held_positions, held_labels, _ = position_index(held, opts.num_heads)
         V = target.config.vocab_size
         warm = init_head(cfg, target)
         draft_ids, t2d, n_draft = label_vocabulary(labels, cfg.draft_vocab_size, V, warm)
         labels_draft = to_draft_labels(labels, t2d)
         self.labels = labels_draft.masked_fill(labels_draft == -1, IGNORE)  # out-of-vocab tokens: no gradient
-        self.held = (held_hidden, to_draft_labels(held_labels, t2d))
+        self.held = (PositionRows(held, held_positions), to_draft_labels(held_labels, t2d))
         mcfg = MedusaConfig(
             hidden_size=target.config.hidden_size,
             vocab_size=V,
@@ -194,15 +218,15 @@ class MedusaRecipe(Recipe):
 
     def batches(self, epoch: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(self.epoch_seed(epoch))
-        order = torch.randperm(self.hidden.shape[0], generator=g)
+        order = torch.randperm(self.positions.numel(), generator=g)
         bp = self.cfg.medusa.batch_positions
         return [order[i * bp : (i + 1) * bp].tolist() for i in range(max(1, order.numel() // bp))]
 
     def collate(self, items: list[int]) -> dict[str, torch.Tensor]:
         idx = torch.tensor(items, dtype=torch.long)
-        batch = {"hidden": self.hidden[idx].float(), "labels": self.labels[idx]}
-        if self.features is not None:
-            batch["future"] = self.features[self.future[idx].clamp(min=0)].float()  # [P, K, D]
+        batch = {"hidden": self.store.feature_rows(self.positions[idx]).float(), "labels": self.labels[idx]}
+        if self.with_future:
+            batch["future"] = self.store.feature_rows(self.future[idx].clamp(min=0)).float()  # [P, K, D]
         return batch
 
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> StepLoss:
@@ -241,13 +265,18 @@ def train_medusa(run: RunInputs) -> Path:
 
     Uses ``cfg.medusa``,
     ``draft_vocab_size``, ``max_length``, ``eval_topk``, ``seed`` and the loop's options
-    (:func:`~selfspec.train.loop.train_loop`). Features self-distillation captured are reused
-    (:func:`~selfspec.train.feature_store.target_features`).
+    (:func:`~selfspec.train.loop.train_loop`). The features come from the store (each batch's positions read from
+    disk); features self-distillation captured are reused (:func:`~selfspec.train.feature_store.target_features`).
 
     Raises:
-        ValueError: no training positions (empty data or all answers truncated away).
+        ValueError: no training positions (empty data or all answers truncated away), or ``features: online``
+            (Medusa draws single positions from the whole store).
     """
+    if run.cfg.features == "online":
+        raise ValueError(
+            "Medusa heads train on single positions drawn from the whole data set, so their features are not computed "
+            "online: set features: store (or auto)"
+        )
     train, held, signature = target_features(run)
     recipe = MedusaRecipe(run.cfg, run.target, train, held, signature)
-    del train, held  # the recipe keeps its position table only
     return train_loop(run.cfg, run.accelerator, recipe, run.heldout())

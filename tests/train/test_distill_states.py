@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from selfspec.train.chat_tokens import build_training_examples
-from selfspec.train.config import Eagle3Options, MedusaOptions, TrainConfig
+from selfspec.train.config import MedusaOptions, TrainConfig
 from selfspec.train.distill_states import CapturedStates, TailForcer, template_tail
 from selfspec.train.features import features_reusing, hidden_features, self_distill
 from tests.helpers.archs import WINDOW, tiny_target
@@ -211,7 +211,7 @@ def test_config_and_run_wiring():
     assert capture_for(TrainConfig(head="eagle", distill_capture_gb=0), target) is None
     assert capture_for(TrainConfig(head="eagle", self_distill=False), target) is None
     assert capture_for(TrainConfig(head="medusa", medusa=MedusaOptions(joint=True)), target) is None
-    assert capture_for(TrainConfig(head="eagle3", eagle3=Eagle3Options(features="online")), target) is None
+    assert capture_for(TrainConfig(head="eagle3", features="online"), target) is None
     eagle3 = capture_for(TrainConfig(head="eagle3", distill_capture_gb=0.5), target)
     assert eagle3.layers is not None and len(eagle3.layers) == 3 and eagle3.max_bytes == 2**29
     assert capture_for(TrainConfig(head="medusa"), target).layers is None
@@ -224,9 +224,9 @@ def test_a_training_run_stores_the_captured_features(tmp_path, caplog):
     log says how many sequences were captured."""
     import logging
 
-    from safetensors.torch import load_file
-
     from selfspec.train.__main__ import run
+    from selfspec.train.feature_store import load_features, store_path
+    from selfspec.train.store_shards import read_manifest
 
     target = tiny_target("gemma3")
     target.generation_config.eos_token_id = END
@@ -247,15 +247,16 @@ def test_a_training_run_stores_the_captured_features(tmp_path, caplog):
         draft_vocab_size=64,
         max_steps=2,
         calibrate_prompts=0,
-        eagle3=Eagle3Options(features="store"),
+        features="store",
     )
     stores = {}
     for gb in (4.0, 0.0):
         out = tmp_path / f"run-{gb}"
-        with caplog.at_level(logging.INFO, logger="selfspec.train.features"):
+        with caplog.at_level(logging.INFO, logger="selfspec.train.feature_store"):
             caplog.clear()
             run(TrainConfig(**common, distill_capture_gb=gb, output_dir=str(out)))
-        stores[gb] = load_file(str(out / "features" / "rank0-of1.safetensors"))
+        train, held = load_features(store_path(out), read_manifest(store_path(out)).identity)
+        stores[gb] = {**train.tensors(), **held.tensors("eval_")}
         said = [r.getMessage() for r in caplog.records if "captured during self-distillation" in r.getMessage()]
         if gb:
             assert said and all(" 0 of " not in s for s in said), said

@@ -14,7 +14,7 @@ from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.train import eagle as recipe
 from selfspec.train.config import TrainConfig
 from selfspec.train.eagle_data import PairStore, collate, pack_rows, shift_pairs
-from selfspec.train.feature_store import feature_signature, save_features, store_path
+from selfspec.train.feature_store import feature_signature, save_features, store_identity, store_path
 from selfspec.train.inputs import RunInputs
 from selfspec.train.losses import eagle_loss
 from selfspec.train.unroll import UnrolledEagle, chain_hits
@@ -171,7 +171,7 @@ def test_tiny_training_run_learns_saves_and_resumes_exactly(tmp_path, monkeypatc
         eagle={"batch_tokens": 64},
     )  # 2 rows of 32 pairs per step
     # Cached features carry the signature of the data they came from (here: no conversations).
-    save_features(store_path(run_a), train, held, feature_signature(target, [], [], 32))
+    save_features(store_path(run_a), train, held, store_identity(target, [], [], 32))
 
     # A quick run must learn: held-out top-1 well above the untrained head's.
     learn = tmp_path / "learn"
@@ -306,7 +306,7 @@ def test_training_time_test_and_prompt_scoring_learn(tmp_path):
         save_every=1000,
         output_dir=str(tmp_path),
     )
-    save_features(store_path(tmp_path), train, held, feature_signature(target, [], [], 32))
+    save_features(store_path(tmp_path), train, held, store_identity(target, [], [], 32))
     _run(TrainConfig(**base), target)
     summary = json.loads((tmp_path / "train_summary.json").read_text())
     untrained = _untrained(target, held)

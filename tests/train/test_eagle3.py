@@ -18,7 +18,7 @@ from selfspec.heads.eagle3 import Eagle3Config, Eagle3Head
 from selfspec.train.config import Eagle3Options, TrainConfig, load_config
 from selfspec.train.eagle3 import UnrolledEagle3, eagle3_step_loss, split_features, train_eagle3
 from selfspec.train.eagle_data import PairStore, collate
-from selfspec.train.feature_store import feature_signature, save_features, store_path
+from selfspec.train.feature_store import save_features, store_identity, store_path
 from selfspec.train.inputs import RunInputs
 from tests.helpers.archs import tiny_llama
 from tests.helpers.drafters import NO_LIMIT
@@ -163,8 +163,7 @@ def tiny_run(tmp_path, target, train, held, steps: int, **eagle3) -> Path:
     """The recipe on the shared loop over a saved feature store of ``train`` / ``held``; the heads directory."""
     from accelerate import Accelerator
 
-    sig = feature_signature(target, [], [], 32, "0,1,2,final_norm")
-    save_features(store_path(tmp_path), train, held, sig, "0,1,2,final_norm")
+    save_features(store_path(tmp_path), train, held, store_identity(target, [], [], 32, (0, 1, 2)))
     cfg = TrainConfig(
         head="eagle3",
         target="tiny",

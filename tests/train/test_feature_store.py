@@ -4,6 +4,7 @@ a checkpoint of other features, and records the held-out split it used."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -14,7 +15,7 @@ import torch
 from selfspec.train.chat_tokens import build_training_examples
 from selfspec.train.config import TrainConfig
 from selfspec.train.eagle import train_eagle
-from selfspec.train.feature_store import FeatureStore, feature_signature, load_features, store_path
+from selfspec.train.feature_store import FeatureStore, load_features, store_identity, store_path
 from selfspec.train.inputs import RunInputs
 from selfspec.train.medusa import train_medusa
 from tests.helpers.archs import tiny_llama
@@ -61,6 +62,7 @@ def _cfg(head: str, out, **overrides) -> TrainConfig:
         eval_topk=2,
         calibrate_prompts=0,
         output_dir=str(out),
+        features="store",
         medusa={"num_heads": 2, "batch_positions": 16},
         eagle={"batch_tokens": 64},
     )
@@ -87,7 +89,7 @@ def test_changed_data_recomputes_features_for_every_head_family(tmp_path, tokeni
                 RunInputs(_cfg(head, out), Accelerator(cpu=True), target, tokenizer, convs[:10], convs[10:])
             )
         # the one cache file now holds this run's data ...
-        stored = load_features(store_path(out), feature_signature(target, convs[:10], convs[10:], 64))
+        stored = load_features(store_path(out), store_identity(target, convs[:10], convs[10:], 64))
         assert stored is not None, (head, key)
         want = build_training_examples(tokenizer, convs[:10], 64)
         assert stored[0].tokens.tolist() == torch.cat([e["input_ids"] for e in want]).tolist()
@@ -96,14 +98,14 @@ def test_changed_data_recomputes_features_for_every_head_family(tmp_path, tokeni
         # ... recomputed (not reused) after every change of data, whichever family wrote the old one
         messages = [r.getMessage() for r in caplog.records]
         if n:
-            assert any("cached features" in m and "recomputing" in m for m in messages), (head, key, messages)
+            assert any("other conversations" in m and "recomputing" in m for m in messages), (head, key, messages)
             # the checkpoint of the previous run (other features or another head) is not resumed
             assert any("is of another run" in m for m in messages), (head, key, messages)
         summary = json.loads((out / "train_summary.json").read_text())
         assert summary["head"] == head and summary["step"] == 2
         record = json.loads((heads_dir / "training_record.json").read_text())
         assert record["head"] == head and record["heldout_ids"] == [c["id"] for c in convs[10:]]
-    assert sorted(p.name for p in (out / "features").iterdir()) == ["rank0-of1.safetensors"]
+    assert sorted(p.name for p in (out / "features").iterdir()) == ["rank0-of1"]
 
 
 def test_training_record_layout(tmp_path, tokenizer):
@@ -148,6 +150,7 @@ def test_training_record_layout(tmp_path, tokenizer):
 
 def test_store_round_trip_and_concatenation(tmp_path):
     from selfspec.train.feature_store import save_features
+    from selfspec.train.store_shards import StoreIdentity
 
     g = torch.Generator().manual_seed(0)
     ex = [
@@ -161,8 +164,9 @@ def test_store_round_trip_and_concatenation(tmp_path):
     both = FeatureStore.cat([store, store])
     assert len(both) == 4 and both.sequence(3)[0].tolist() == tokens.tolist()
     path = store_path(tmp_path, 1, 2)
-    assert path.name == "rank1-of2.safetensors"
-    save_features(path, store, FeatureStore.empty(4), "sig")
-    assert load_features(path, "other") is None
-    train, held = load_features(path, "sig")
+    assert path.name == "rank1-of2"
+    ident = StoreIdentity("sig", "fp", "final_norm", 8, 4, "float32")
+    save_features(path, store, FeatureStore.empty(4), ident)
+    assert load_features(path, dataclasses.replace(ident, signature="other")) is None
+    train, held = load_features(path, ident)
     assert torch.equal(train.features, store.features) and len(held) == 0

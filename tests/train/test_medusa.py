@@ -72,10 +72,11 @@ def test_training_smoke(tmp_path, tokenizer):
     assert not any(k.startswith(("model.", "lm_head.")) for k in keys)
 
     heads = load_heads(heads_dir, target=target)
-    from selfspec.train.feature_store import FeatureStore
+    from selfspec.train.feature_store import load_features, store_path
     from selfspec.train.medusa import evaluate, position_table, to_draft_labels
+    from selfspec.train.store_shards import read_manifest
 
-    held = FeatureStore.from_tensors(load_file(str(tmp_path / "a" / "features" / "rank0-of1.safetensors")), "eval_")
+    held = load_features(store_path(tmp_path / "a"), read_manifest(store_path(tmp_path / "a")).identity)[1]
     hidden, labels, _ = position_table(held, cfg.medusa.num_heads)
     t2d = torch.full((len(tokenizer),), -1, dtype=torch.long)
     t2d[heads.draft_ids] = torch.arange(heads.draft_ids.numel())
@@ -86,8 +87,9 @@ def test_training_smoke(tmp_path, tokenizer):
 @pytest.mark.parametrize("loss", ["tv", "lk_hybrid"])
 def test_acceptance_losses_train_the_heads_against_the_target_distribution(tmp_path, tokenizer, loss):
     from selfspec.heads import load_heads
-    from selfspec.train.feature_store import FeatureStore
+    from selfspec.train.feature_store import load_features, store_path
     from selfspec.train.losses import distribution_loss
+    from selfspec.train.store_shards import read_manifest
 
     target = tiny_llama(vocab_size=len(tokenizer), hidden_size=32)
     heads_dir, cfg = run(
@@ -98,11 +100,10 @@ def test_acceptance_losses_train_the_heads_against_the_target_distribution(tmp_p
     assert hist[-1]["loss"] < 0.7 * hist[0]["loss"]  # the loss falls
     assert len(summary["heldout_topk_accuracy"]) == 2  # checkpoints are still selected on held-out accuracy
     # the trained heads accept more of the target's distribution than heads before training
-    from safetensors.torch import load_file
 
     from selfspec.train.medusa import position_table
 
-    held = FeatureStore.from_tensors(load_file(str(tmp_path / loss / "features" / "rank0-of1.safetensors")), "eval_")
+    held = load_features(store_path(tmp_path / loss), read_manifest(store_path(tmp_path / loss)).identity)[1]
     hidden, labels, future = position_table(held, 2)
     heads = load_heads(heads_dir, target=target)
     rows = target.lm_head.weight.detach()[heads.draft_ids]
