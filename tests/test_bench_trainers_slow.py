@@ -36,7 +36,7 @@ def test_three_trainers_at_equal_tokens(smollm2, tmp_path):
         "eval_every=1000",
         "calibrate_prompts=0",
         "threads=2",
-        "eagle3.features=store",
+        "features=store",
         f"output_dir={run}",
     ]
     subprocess.run([sys.executable, "-m", "selfspec.train", *options], check=True, capture_output=True)

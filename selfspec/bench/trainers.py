@@ -70,7 +70,7 @@ def load_reference(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     if cfg.get("head") != "eagle3" or summary.get("feature_source") != "store":
         raise ValueError(
             f"{run_dir} trained a {cfg.get('head')} head from {summary.get('feature_source')} features; "
-            "the comparison needs an eagle3 run on a feature store (eagle3.features: store)"
+            "the comparison needs an eagle3 run on a feature store (features: store)"
         )
     return cfg, summary
 
@@ -81,19 +81,19 @@ def reference_data(
     """The run's stores and what every trainer needs of the target (:class:`ReferenceData`).
 
     Raises:
-        ValueError: the run's feature store is missing or is not one process's file.
+        ValueError: the run's feature store is missing, incomplete or not one process's.
     """
-    from safetensors.torch import load_file
+    from selfspec.train.feature_store import load_features, store_path
+    from selfspec.train.store_shards import read_manifest
 
-    from selfspec.train.feature_store import FeatureStore
-
-    path = run_dir / "features" / "rank0-of1.safetensors"
-    if not path.is_file():
-        raise ValueError(f"{path} is missing: the comparison reads the run's feature store (one process's file)")
-    tensors = load_file(str(path))
+    path = store_path(run_dir)
+    manifest = read_manifest(path)
+    stores = load_features(path, manifest.identity) if manifest is not None else None
+    if stores is None:
+        raise ValueError(f"{path} holds no complete store: the comparison reads the run's one-process feature store")
     return ReferenceData(
-        train=FeatureStore.from_tensors(tensors),
-        held=FeatureStore.from_tensors(tensors, "eval_"),
+        train=stores[0],
+        held=stores[1],
         target_dir=Path(where),
         hidden_size=int(target.config.hidden_size),
         norm_weight=target.model.norm.weight.detach().float().clone(),
@@ -154,9 +154,9 @@ def train_selfspec(run_dir: Path, work: Path, budget: int, threads: int) -> dict
     returns its record (head directory, tokens, steps, wall and CPU seconds)."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "features").mkdir(exist_ok=True)
-    link = work / "features" / "rank0-of1.safetensors"
+    link = work / "features" / "rank0-of1"
     if not link.exists():
-        link.symlink_to((run_dir / "features" / "rank0-of1.safetensors").resolve())
+        link.symlink_to((run_dir / "features" / "rank0-of1").resolve())
     overrides = [f"output_dir={work}", f"max_train_tokens={budget}", "calibrate_prompts=0", f"threads={threads}"]
     command = [sys.executable, "-m", "selfspec.train", str(run_dir / "train_config.json"), *overrides]
     wall, cpu = run_measured(command, thread_env(threads), work / "train.log")
