@@ -127,7 +127,7 @@ register_env(
             ("{python}", "-m", "pip", "uninstall", "--yes", "--quiet", "triton"),
         ),
         minutes=2,
-        scripts=("selfspec/bench/vllm_worker.py",),
+        scripts=("selfspec/engines/vllm/vllm_worker.py",),
     )
 )
 
@@ -154,7 +154,7 @@ register_env(
             "assert transformers.__version__ == '5.5.4', transformers.__version__"
         ),
         minutes=1,
-        scripts=("selfspec/bench/openvino_worker.py", "selfspec/export/openvino_ir.py"),
+        scripts=("selfspec/engines/openvino/openvino_worker.py", "selfspec/export/openvino_ir.py"),
     )
 )
 

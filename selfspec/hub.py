@@ -34,6 +34,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from selfspec.base.files import read_json, write_json
 from selfspec.bench.report import read_report
 from selfspec.card import BenchFigures, head_card
+from selfspec.engines.registry import DEFAULT_ENGINE, engine_title
 from selfspec.families import family as family_record
 from selfspec.heads import load_heads
 from selfspec.heads.hub import HUB_FILES, hub_endpoint, resolve_head_dir
@@ -149,10 +150,6 @@ def _target_note(config: dict) -> str | None:
     )
 
 
-ENGINE_NAMES = {"selfspec": "selfspec", "llamacpp": "llama.cpp", "vllm": "vLLM", "openvino": "OpenVINO GenAI"}
-"""How a card names each engine a bench report can come from (``report.settings.engine``)."""
-
-
 def bench_figures(
     report_path: str | Path, *, method: str | None = None, command: str | None = None, heads: str = "HEADS"
 ) -> BenchFigures:
@@ -195,7 +192,7 @@ def bench_figures(
     prompts = Path(s.prompts_source).name  # a file of this machine: its name only on a public card
     recorded = bool(command)
     if not recorded:
-        engine_flag = f" --engine {s.engine}" if s.engine != "selfspec" else ""
+        engine_flag = f" --engine {s.engine}" if s.engine != DEFAULT_ENGINE else ""
         command = (
             f"selfspec bench{engine_flag} --target {s.target} --heads {method}={heads} --prompts {prompts} "
             f"--max-new-tokens {s.max_new_tokens} --temperature {s.temperature} --top-p {s.top_p} --dtype {s.dtype} "
@@ -205,7 +202,7 @@ def bench_figures(
             command += f" --max-prompt-tokens {s.max_prompt_tokens}"
     engine_ref = s.engine_reference if s.engine_reference != s.reference else None
     return BenchFigures(
-        engine=ENGINE_NAMES[s.engine],
+        engine=engine_title(s.engine),
         method=method,
         tau=agg.tau,
         speedup=agg.speedup,

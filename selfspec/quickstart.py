@@ -37,6 +37,7 @@ from typing import Any
 
 from selfspec.bench import main as bench_main
 from selfspec.bench.report import read_report
+from selfspec.engines.registry import engine_title
 from selfspec.families import family, registered_families
 from selfspec.llamacpp import ensure_llamacpp, find_llamacpp
 from selfspec.target import ALIASES
@@ -123,7 +124,7 @@ def speed_line(report_path: Path, method: str) -> str:
     """One line of a bench report's figures for ``method``: tau and the speedups against both references."""
     report = read_report(report_path)
     s, agg = report.settings, report.summary[method].overall
-    engine = "llama.cpp" if s.engine == "llamacpp" else "selfspec"
+    engine = engine_title(s.engine)
     gain = "" if s.engine_reference in (None, s.reference) else f", {agg.engine_speedup:.2f}x vs {s.engine_reference}"
     return f"{engine}: {method} tau {agg.tau:.2f}, {agg.speedup:.2f}x vs {s.reference}{gain}"
 

@@ -14,8 +14,6 @@ import pytest
 from selfspec.base.files import read_json
 from selfspec.bench import fidelity
 from selfspec.bench.driver import summarize
-from selfspec.bench.llamacpp import depth_counts
-from selfspec.bench.openvino import result_of
 from selfspec.bench.report import (
     SCHEMA_VERSION,
     BenchReport,
@@ -25,7 +23,9 @@ from selfspec.bench.report import (
     Sample,
     SettingsRecord,
 )
-from selfspec.bench.vllm import SpecStats, vllm_result
+from selfspec.engines.llamacpp.bench import depth_counts
+from selfspec.engines.openvino.bench import result_of
+from selfspec.engines.vllm.bench import SpecStats, vllm_result
 from selfspec.llamacpp import Generation, LlamaCpp, speculative_simple
 
 
@@ -206,7 +206,7 @@ def test_an_engine_not_built_is_a_clear_error_naming_its_build(monkeypatch, caps
     def missing() -> Path:
         raise RuntimeError("build it once with `python -m selfspec.engine_envs vllm`")
 
-    monkeypatch.setattr("selfspec.bench.vllm.require_env", missing)
+    monkeypatch.setattr("selfspec.engines.vllm.bench.require_env", missing)
     assert set(fidelity.missing_engines(["selfspec", "llamacpp", "vllm"])) == {"llamacpp", "vllm"}
     with pytest.raises(SystemExit) as stop:
         fidelity.main(["--heads", "h", "--prompts", "p.jsonl", "--engines", "selfspec", "llamacpp", "vllm"])

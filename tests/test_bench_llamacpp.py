@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from selfspec.bench import llamacpp as engine_mod
-from selfspec.bench import llamacpp_settings as tuning
 from selfspec.bench.methods import BenchSettings
 from selfspec.bench.outputs import markdown_report, summary_text, write_report
 from selfspec.bench.report import BenchReport, read_report
+from selfspec.engines.llamacpp import bench as engine_mod
+from selfspec.engines.llamacpp import settings as tuning
 from selfspec.llamacpp import Generation, LlamaCpp
 from selfspec.prompts import BenchPrompt
 from tests.helpers.archs import tiny_llama
@@ -179,7 +179,7 @@ def test_the_llama_cpp_bench_refuses_what_it_cannot_run(tmp_path):
 def test_bench_cli_refuses_a_missing_llama_cpp_build(tmp_path, monkeypatch, capsys):
     from selfspec.bench import cli
 
-    monkeypatch.setattr(cli, "find_llamacpp", lambda: None)
+    monkeypatch.setattr("selfspec.llamacpp.find_llamacpp", lambda: None)
     monkeypatch.setattr(cli, "load_target", lambda *a, **k: (tiny_llama(), tiny_tokenizer()))
     monkeypatch.setattr(cli, "load_prompts", lambda *a, **k: [BenchPrompt("1", "c", ["hi"])])
     with pytest.raises(SystemExit):

@@ -1,11 +1,11 @@
-"""The OpenVINO bench's pure parts (selfspec/bench/openvino.py): acceptance per draft position from OpenVINO GenAI's
-tokens per iteration, and a worker reply as a report result."""
+"""The OpenVINO bench's pure parts (selfspec/engines/openvino/bench.py): acceptance per draft position from OpenVINO
+GenAI's tokens per iteration, and a worker reply as a report result."""
 
 from __future__ import annotations
 
 import pytest
 
-from selfspec.bench.openvino import per_position, result_of
+from selfspec.engines.openvino.bench import per_position, result_of
 
 
 def test_per_position_reads_accepted_drafts_per_step():

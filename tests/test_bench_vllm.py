@@ -11,13 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from selfspec.bench import vllm as engine_mod
 from selfspec.bench.cli import build_parser
 from selfspec.bench.driver import run_engine
 from selfspec.bench.methods import BenchSettings
 from selfspec.bench.outputs import markdown_report, write_report
 from selfspec.bench.report import read_report
-from selfspec.bench.vllm_worker import spec_counters
+from selfspec.engines.vllm import bench as engine_mod
+from selfspec.engines.vllm.vllm_worker import spec_counters
 from selfspec.export.common import ExportError
 from selfspec.prompts import BenchPrompt
 from tests.helpers.archs import tiny_llama

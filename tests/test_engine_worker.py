@@ -1,4 +1,4 @@
-"""The engines' worker processes (selfspec.bench.engine_worker): JSON lines, and stopped while idle, so a worker
+"""The engines' worker processes (selfspec.engines.worker): JSON lines, and stopped while idle, so a worker
 whose engine spins between calls takes no CPU from the method being timed."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from selfspec.bench.engine_worker import EngineWorker
+from selfspec.engines.worker import EngineWorker
 
 # A worker whose idle thread spins, as vLLM's CPU workers were seen to: it burns CPU unless it is stopped.
 SPINNING = """

@@ -156,8 +156,8 @@ def test_push_with_a_bench_report_puts_its_figures_on_the_card(target, hub):
 def test_the_card_gives_the_speculation_gain_and_the_llama_cpp_speed(target, hub, tmp_path):
     """Two reports: selfspec's (with the engine-only baseline) and llama.cpp's; the card gives the speculation
     gain beside the speedup over generate, and llama.cpp's figure with its verdict when it loses."""
-    from selfspec.bench.llamacpp_settings import head_setting
     from selfspec.bench.report import BenchReport, LlamaCppRecord, read_report
+    from selfspec.engines.llamacpp.settings import head_setting
 
     old = read_report(REPORT)
     ours = old.summary["eagle3"]

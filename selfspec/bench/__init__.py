@@ -27,11 +27,11 @@ Outputs (``--out DIR``): ``report.json`` (every per-prompt number; layout: the d
 :mod:`selfspec.bench.report`, read back strictly by :func:`read_report`), ``report.md`` (tables),
 ``speedup.png``, ``accepted_tokens_hist.png``, ``acceptance_by_depth.png``; a short summary goes to stdout.
 
-``--engine llamacpp`` runs the same prompts through llama.cpp instead (:mod:`selfspec.bench.llamacpp`): plain
-llama.cpp, each EAGLE-3 head exported to GGUF, and llama.cpp's n-gram drafters, with settings swept once per
-machine (:mod:`selfspec.bench.llamacpp_settings`), into the same report layout. ``--engine vllm`` runs them through
-vLLM's CPU build in its own venv (:mod:`selfspec.bench.vllm`; its worker :mod:`selfspec.bench.vllm_worker`): plain vLLM
-and each head exported to the speculators layout, with vLLM's own acceptance counters.
+``--engine NAME`` runs the same prompts through another engine of the registry (:mod:`selfspec.engines.registry`,
+each engine in its folder under ``selfspec/engines/``) into the same report layout: ``llamacpp`` (plain llama.cpp,
+each head exported to GGUF and llama.cpp's n-gram drafters, settings swept once per machine), ``vllm`` (vLLM's CPU
+build in its own venv, each head exported to the speculators layout, vLLM's own acceptance counters), ``openvino``
+(OpenVINO GenAI, each EAGLE-3 head converted by optimum-intel).
 
 Files: ``methods.py`` (settings and methods), ``run.py`` (the measured run and its aggregates),
 ``report.py`` (the report's dataclasses and strict reading), ``outputs.py`` (``report.md``, the summary,
@@ -79,8 +79,8 @@ __getattr__, __dir__ = lazy_exports(
         "markdown_report": "selfspec.bench.outputs",
         "read_report": "selfspec.bench.report",
         "run_bench": "selfspec.bench.run",
-        "run_llamacpp_bench": "selfspec.bench.llamacpp",
-        "run_vllm_bench": "selfspec.bench.vllm",
+        "run_llamacpp_bench": "selfspec.engines.llamacpp.bench",
+        "run_vllm_bench": "selfspec.engines.vllm.bench",
         "summary_text": "selfspec.bench.outputs",
         "write_report": "selfspec.bench.outputs",
     },

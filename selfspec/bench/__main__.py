@@ -2,6 +2,7 @@
 
 import sys
 
+from selfspec.base.errors import run_command
 from selfspec.bench.cli import main
 
-sys.exit(main())
+sys.exit(run_command("selfspec bench", main, sys.argv[1:]))

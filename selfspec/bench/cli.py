@@ -11,16 +11,15 @@ from pathlib import Path
 import torch
 
 from selfspec.api import SpeculativeModel, make_verifier, plan_drafter
+from selfspec.base.files import write_json
 from selfspec.bench.batched import run_batch_bench, write_batch_report
-from selfspec.bench.llamacpp import run_llamacpp_bench
-from selfspec.bench.methods import BUILTIN_METHODS, DEFAULT_METHODS, BenchSettings, build_methods, eagle_kwargs
+from selfspec.bench.methods import BUILTIN_METHODS, DEFAULT_METHODS, BenchSettings, eagle_kwargs
 from selfspec.bench.outputs import summary_text, write_report
-from selfspec.bench.run import run_bench
 from selfspec.console import parse_command
+from selfspec.engines.registry import DEFAULT_ENGINE, EngineRun, engine, registered_engines
 from selfspec.export.common import ExportError
-from selfspec.llamacpp import alias_gguf, find_llamacpp
 from selfspec.prompts import SHAREGPT_HELDOUT, load_prompts
-from selfspec.target import load_target, resolve_target
+from selfspec.target import load_target
 
 logger = logging.getLogger(__name__)
 
@@ -143,46 +142,22 @@ def build_parser() -> argparse.ArgumentParser:
         "generate vs each head and prompt_lookup with the batch tree rule, heads also with their fixed tree; "
         "writes batch_report.json/.md",
     )
+    names = registered_engines()
     p.add_argument(
         "--engine",
-        choices=("selfspec", "llamacpp", "vllm", "openvino"),
-        default="selfspec",
-        help="selfspec (default): its own decoder against transformers generate and its no-draft decoding; "
-        "llamacpp: plain llama.cpp against each --heads (EAGLE-3, DFlash or DSpark, exported to GGUF) and "
-        "llama.cpp's n-gram drafts, with settings swept once per machine (needs `python -m selfspec.llamacpp` and "
-        "selfspec[llamacpp]); vllm: plain vLLM (CPU build) against each --heads (EAGLE-3, EAGLE-3.1 or DFlash, "
-        "exported to the speculators layout), with vLLM's own acceptance counters (needs `python -m "
-        "selfspec.engine_envs vllm`); openvino: plain OpenVINO GenAI against each --heads (EAGLE-3, converted by "
-        "optimum-intel), draft length swept once per machine (needs `python -m selfspec.engine_envs openvino`)",
+        choices=names,
+        default=DEFAULT_ENGINE,
+        help="; ".join(engine(name).help for name in names),
     )
-    p.add_argument(
-        "--spec-tokens",
-        type=int,
-        default=None,
-        help="--engine vllm: num_speculative_tokens for every head (default: each export's own)",
-    )
-    p.add_argument(
-        "--ngram",
-        nargs="*",
-        default=["ngram_simple", "ngram_mod"],
-        metavar="METHOD",
-        help="--engine llamacpp: llama.cpp n-gram drafters to run (ngram_simple, ngram_mod; none: --ngram)",
-    )
-    p.add_argument(
-        "--target-gguf",
-        default=None,
-        help="--engine llamacpp: the target's GGUF (default: the file the smollm2-135m-instruct alias is made from)",
-    )
+    for name in names:
+        for option in engine(name).options:
+            p.add_argument(option.flag, **option.kwargs)
+    swept = [engine(name).title for name in names if engine(name).sweep]
     p.add_argument(
         "--fresh-sweep",
         action="store_true",
-        help="--engine llamacpp / openvino: sweep the settings again, ignoring the cache",
-    )
-    p.add_argument(
-        "--assistant-tokens",
-        type=int,
-        default=None,
-        help="--engine openvino: num_assistant_tokens for every head instead of the swept draft length",
+        help=f"engines that sweep their settings once per machine ({', '.join(swept)}): sweep again, ignoring "
+        "the cache",
     )
     p.add_argument(
         "--stream",
@@ -229,31 +204,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _stream_main(parser, args, heads, prompts, target, tokenizer)
     if args.batch_size:
         return _batch_main(parser, args, heads, methods, prompts, settings, target, tokenizer)
-    if args.engine == "llamacpp":
-        return _llamacpp_main(parser, args, heads, prompts, settings, target, tokenizer)
-    if args.engine == "vllm":
-        return _vllm_main(parser, args, heads, prompts, settings, target, tokenizer)
-    if args.engine == "openvino":
-        return _openvino_main(parser, args, heads, prompts, settings, target, tokenizer)
-    draft = load_target(args.draft_model, dtype=args.dtype, device=args.device)[0] if args.draft_model else None
+    record = engine(args.engine)
+    if args.methods and not record.takes_methods:
+        parser.error(f"--methods names selfspec methods; with --engine {record.name} use --heads")
+    why = record.missing()
+    if why:
+        parser.error(f"--engine {record.name}: {why}")
+    run = EngineRun(target, tokenizer, prompts, settings, args.target, heads, args.threads, vars(args))
     try:
-        eagle_options = {"depth": args.eagle_depth, "top_k": args.eagle_top_k, "total_tokens": args.eagle_total_tokens}
-        bench_methods = build_methods(
-            target,
-            tokenizer,
-            settings,
-            methods=methods,
-            heads=heads,
-            draft_model=draft,
-            tree_nodes=args.tree_nodes,
-            eagle_options=eagle_options,
-            suffix_index=args.suffix_index,
-        )
-    except ValueError as err:
+        output = record.bench(run)
+    except (ValueError, ExportError) as err:
         parser.error(str(err))
-    logger.info("bench: %d questions, methods %s", len(prompts), ", ".join(bench_methods))
-    report = run_bench(target, tokenizer, bench_methods, prompts, settings)
-    return _report_out(report, args.out)
+    except RuntimeError as err:  # the engine failed to load or decode: its message and log
+        print(f"selfspec bench: {err}", file=sys.stderr)
+        return 1
+    extra = [write_json(Path(args.out) / file, data) for file, data in output.records.items()]
+    return _report_out(output.report, args.out, *extra)
 
 
 def _report_out(report, out: str, *extra: Path) -> int:
@@ -286,99 +252,6 @@ def _stream_main(parser, args, heads, prompts, target, tokenizer) -> int:
     print(stream_markdown(report))
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
-
-
-def _llamacpp_main(parser, args, heads, prompts, settings, target, tokenizer) -> int:
-    """``--engine llamacpp``: :func:`selfspec.bench.llamacpp.run_llamacpp_bench` with the cached build."""
-    if args.methods:
-        parser.error("--methods names selfspec methods; with --engine llamacpp use --heads and --ngram")
-    build = find_llamacpp()
-    if build is None:
-        parser.error(
-            "--engine llamacpp needs a llama.cpp build: run `python -m selfspec.llamacpp` once (about 5-12 minutes "
-            "on 2 cores; needs cmake and a C++ compiler) and `pip install 'selfspec[llamacpp]'`"
-        )
-    try:
-        gguf = Path(args.target_gguf) if args.target_gguf else alias_gguf(args.target)
-    except (KeyError, FileNotFoundError) as err:
-        parser.error(f"--engine llamacpp needs the target's GGUF: pass --target-gguf FILE ({err})")
-    try:
-        report = run_llamacpp_bench(
-            target,
-            tokenizer,
-            prompts,
-            settings,
-            build=build,
-            target_gguf=gguf,
-            target_dir=Path(resolve_target(args.target)),
-            heads=heads,
-            ngram=args.ngram,
-            threads=args.threads or 2,
-            fresh_sweep=args.fresh_sweep,
-        )
-    except (ValueError, ExportError) as err:
-        parser.error(str(err))
-    return _report_out(report, args.out)
-
-
-def _vllm_main(parser, args, heads, prompts, settings, target, tokenizer) -> int:
-    """``--engine vllm``: :func:`selfspec.bench.vllm.run_vllm_bench` in the cached vLLM venv."""
-    from selfspec.bench.vllm import require_env, run_vllm_bench
-
-    if args.methods:
-        parser.error("--methods names selfspec methods; with --engine vllm use --heads")
-    try:
-        require_env()
-    except RuntimeError as err:
-        parser.error(str(err))
-    try:
-        report = run_vllm_bench(
-            target,
-            tokenizer,
-            prompts,
-            settings,
-            target_dir=resolve_target(args.target),
-            heads=heads,
-            num_speculative_tokens=args.spec_tokens,
-            threads=args.threads,
-        )
-    except (ValueError, ExportError) as err:
-        parser.error(str(err))
-    except RuntimeError as err:  # vLLM failed to load or decode: its message and log
-        print(f"selfspec bench: {err}", file=sys.stderr)
-        return 1
-    return _report_out(report, args.out)
-
-
-def _openvino_main(parser, args, heads, prompts, settings, target, tokenizer) -> int:
-    """``--engine openvino``: :func:`selfspec.bench.openvino.run_openvino_bench` in the cached openvino venv."""
-    from selfspec.bench.openvino import run_openvino_bench, write_record
-    from selfspec.export.openvino import openvino_python
-
-    if args.methods:
-        parser.error("--methods names selfspec methods; with --engine openvino use --heads")
-    try:
-        openvino_python()
-    except RuntimeError as err:
-        parser.error(str(err))
-    given = {name: args.assistant_tokens for name in heads} if args.assistant_tokens else None
-    try:
-        report, record = run_openvino_bench(
-            target,
-            tokenizer,
-            prompts,
-            settings,
-            target_dir=Path(resolve_target(args.target)),
-            heads=heads,
-            given=given,
-            fresh_sweep=args.fresh_sweep,
-        )
-    except (ValueError, ExportError) as err:
-        parser.error(str(err))
-    except RuntimeError as err:  # a conversion or OpenVINO GenAI failed: its message and output
-        print(f"selfspec bench: {err}", file=sys.stderr)
-        return 1
-    return _report_out(report, args.out, write_record(record, args.out))
 
 
 def _batch_main(parser, args, heads, methods, prompts, settings, target, tokenizer) -> int:

@@ -1,10 +1,11 @@
 """The one bench driver every engine plugs into: every method on every prompt turn, interleaved, into a
 :class:`~selfspec.bench.report.BenchReport`.
 
-An engine (:class:`BenchEngine`: selfspec's own in :mod:`selfspec.bench.run`, llama.cpp in
-:mod:`selfspec.bench.llamacpp`) says only what is its own: its methods, how it renders a prompt, how it runs one
-method on one prompt turn, which of its methods is the plain reference and which its own decoding without drafts,
-and its settings record. The driver does the rest, the same for every engine:
+An engine (:class:`BenchEngine`: selfspec's own in :mod:`selfspec.bench.run`, the others in their folders under
+``selfspec/engines/``, each with its record in :mod:`selfspec.engines.registry`) says only what is its own: its
+methods, how it renders a prompt, how it runs one method on one prompt turn, which of its methods is the plain
+reference and which its own decoding without drafts, its settings record and what only it measures.
+The driver does the rest, the same for every engine:
 
 * a warm-up over the first ``settings.warmup`` prompts, every method once;
 * for every prompt turn, every method once, in an order rotated from turn to turn so none always runs first; a
@@ -36,7 +37,6 @@ from selfspec.bench.report import (
     Aggregate,
     BenchReport,
     EnvironmentRecord,
-    LlamaCppRecord,
     MethodRecord,
     MethodSummary,
     Mismatch,
@@ -129,9 +129,9 @@ class BenchEngine(abc.ABC):
         special tokens."""
         return tokenizer.decode(outcome.result.tokens, skip_special_tokens=True)
 
-    def engine_record(self, samples: Sequence[Sample], summary: dict[str, MethodSummary]) -> LlamaCppRecord | None:
-        """The report's record of what only this engine measures (None: nothing)."""
-        return None
+    def finish(self, report: BenchReport) -> BenchReport:
+        """The report with what only this engine measures added (its own record field); by default ``report``."""
+        return report
 
 
 def run_engine(
@@ -174,7 +174,7 @@ def run_engine(
 
     categories = sorted({s.category for s in played.samples})
     summary = {n: summarize(played.samples, n, categories, settings.do_sample) for n in names}
-    return BenchReport(
+    report = BenchReport(
         schema_version=SCHEMA_VERSION,
         created_utc=now_utc(),
         settings=engine.settings_record(settings),
@@ -186,8 +186,9 @@ def run_engine(
         mismatches=played.mismatches,
         ties=played.ties,
         summary=summary,
-        llamacpp=engine.engine_record(played.samples, summary),
+        llamacpp=None,
     )
+    return engine.finish(report)
 
 
 @dataclasses.dataclass

@@ -1,23 +1,20 @@
 """``python -m selfspec.bench.fidelity``: does an exported head accept in each engine what it accepts in selfspec?
 
 What is compared: one EAGLE-3 head, the same prompts and greedy settings, decoded as a chain of k draft tokens
-(k = 1, 2, 3 by default: no tree, no confidence cut) in every engine the head is exported to, each on the one bench
-driver (:func:`selfspec.bench.driver.run_engine`) with its own plain decoding beside it:
-
-* ``selfspec``: the head's EAGLE drafter with ``top_k=1``, ``depth=k``, ``total_tokens=k`` (given, so nothing tunes
-  it; checked against the run's tree-budget record), :func:`selfspec.bench.run.run_bench`;
-* ``llamacpp``: ``draft-eagle3`` with the fixed setting ``--spec-draft-n-max k --spec-draft-p-min 0`` instead of the
-  sweep's (:func:`selfspec.bench.llamacpp.run_llamacpp_bench` with ``given``);
-* ``vllm``: ``num_speculative_tokens=k`` (:func:`selfspec.bench.vllm.run_vllm_bench`);
-* ``openvino``: ``num_assistant_tokens=k`` (:func:`selfspec.bench.openvino.run_openvino_bench` with ``given``).
+(k = 1, 2, 3 by default: no tree, no confidence cut) in every engine of the registry that takes part
+(:attr:`selfspec.engines.registry.Engine.chains`), each on the one bench driver
+(:func:`selfspec.bench.driver.run_engine`) with its own plain decoding beside it. selfspec's own engine
+(:data:`REFERENCE`) is the one the others are compared with: its EAGLE drafter with ``top_k=1``, ``depth=k``,
+``total_tokens=k``; llama.cpp's ``draft-eagle3`` with ``--spec-draft-n-max k --spec-draft-p-min 0``; vLLM's
+``num_speculative_tokens=k``; OpenVINO GenAI's ``num_assistant_tokens=k`` (each engine's ``chains``).
 
 Why: the engines compute the head with their own code (vocabulary map, norms, fused layers, rotary positions). The
 same greedy target and the same head should accept the same drafts; an engine that accepts less at some position
 computes the head differently there. Every engine's report already carries, per prompt turn, the steps that drafted
 a token at depth d (``drafted_by_depth``) and those whose accepted prefix reached it (``accepted_by_depth``):
 selfspec's own statistics, vLLM's per-position counters, OpenVINO's per-iteration counts, llama.cpp's line per
-verification step (``-lv 5``, :func:`selfspec.bench.llamacpp.depth_counts`). :func:`fidelity_row` pools them into
-acceptance per position, ``accepted[d] / drafted[d]``.
+verification step (``-lv 5``, :func:`selfspec.engines.llamacpp.bench.depth_counts`). :func:`fidelity_row` pools
+them into acceptance per position, ``accepted[d] / drafted[d]``.
 
 Noise bound: greedy decoding repeats exactly, so the noise is that of the finite set of drafts. Each position's
 drafts are taken as Bernoulli trials; an engine is below selfspec at a position when selfspec's rate exceeds the
@@ -43,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from selfspec.base.files import now_utc, write_json
 from selfspec.bench.report import BenchReport
+from selfspec.engines.registry import DEFAULT_ENGINE, EngineRun, engine, registered_engines
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -52,15 +50,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ENGINES = ("selfspec", "llamacpp", "vllm", "openvino")
+REFERENCE = DEFAULT_ENGINE
+"""The engine every other is compared with: selfspec's own decoding of the head."""
 CHAIN_LENGTHS = (1, 2, 3)
 Z = 2.0
 """Standard errors by which selfspec's acceptance must exceed an engine's before the engine is called below it."""
-BUILD_COMMANDS = {
-    "llamacpp": "python -m selfspec.llamacpp",
-    "vllm": "python -m selfspec.engine_envs vllm",
-    "openvino": "python -m selfspec.engine_envs openvino",
-}
 
 
 def chain_method(k: int) -> str:
@@ -73,7 +67,7 @@ class FidelityRow:
     """One engine at one chain length, pooled over the prompt turns.
 
     Attributes:
-        engine: one of :data:`ENGINES`; chain_length: draft tokens per step (k).
+        engine: one of :func:`fidelity_engines`; chain_length: draft tokens per step (k).
         drafted, accepted: ``[d]``, d < k: steps that drafted a token at position d + 1, and steps whose accepted
             prefix reached it (counts of tokens).
         acceptance: ``[d]``: ``accepted[d] / drafted[d]`` (None where nothing was drafted).
@@ -135,7 +129,7 @@ def fidelity_row(report: BenchReport, engine: str, chain_length: int, method: st
 
     Args:
         report: the engine's :class:`~selfspec.bench.report.BenchReport`.
-        engine: its name (recorded; :data:`ENGINES`).
+        engine: its name (recorded; :func:`fidelity_engines`).
         chain_length: k, the draft tokens per step the method was run with.
         method: the method (default :func:`chain_method` of ``chain_length``).
 
@@ -197,11 +191,11 @@ def shortfalls(rows: Sequence[FidelityRow], z: float = Z) -> list[Shortfall]:
     """Every (engine, chain length, position) where selfspec's acceptance exceeds the engine's by more than ``z``
     pooled standard errors (:func:`pooled_standard_error`); a position either side did not draft is skipped, and
     equal rates of 0 or 1 (standard error 0) are no shortfall."""
-    ours = {r.chain_length: r for r in rows if r.engine == "selfspec"}
+    ours = {r.chain_length: r for r in rows if r.engine == REFERENCE}
     found = []
     for row in rows:
         base = ours.get(row.chain_length)
-        if row.engine == "selfspec" or base is None:
+        if row.engine == REFERENCE or base is None:
             continue
         for d in range(row.chain_length):
             n1, n2 = base.drafted[d], row.drafted[d]
@@ -266,15 +260,16 @@ def build_report(
     prompts: str,
     z: float = Z,
 ) -> FidelityReport:
-    """The :class:`FidelityReport` of every engine's bench report (engine -> report, in :data:`ENGINES` order), each
-    holding the methods :func:`chain_method` of every length in ``chain_lengths``.
+    """The :class:`FidelityReport` of every engine's bench report (engine -> report, in :func:`fidelity_engines`
+    order), each holding the methods :func:`chain_method` of every length in ``chain_lengths``.
 
     Raises:
         ValueError: a report without per-position counts or a chain method (:func:`fidelity_row`), or no reports.
     """
     if not reports:
         raise ValueError("no engine reports to compare")
-    order = [e for e in ENGINES if e in reports] + [e for e in reports if e not in ENGINES]
+    known = fidelity_engines()
+    order = [e for e in known if e in reports] + [e for e in reports if e not in known]
     rows = [fidelity_row(reports[e], e, k) for e in order for k in chain_lengths]
     first = reports[order[0]]
     return FidelityReport(
@@ -299,37 +294,20 @@ def write_fidelity(report: FidelityReport, out_dir: str | Path) -> tuple[Path, P
     return path, md
 
 
+def fidelity_engines() -> tuple[str, ...]:
+    """The registered engines that take part (those with :attr:`~selfspec.engines.registry.Engine.chains`),
+    :data:`REFERENCE` first."""
+    return tuple(name for name in registered_engines() if engine(name).chains is not None)
+
+
 def missing_engines(engines: Sequence[str]) -> dict[str, str]:
     """Engine -> why it cannot run here, with the command that builds it, for each of ``engines`` that is not built
-    (selfspec always runs). Nothing is started."""
-    missing = {}
-    if "llamacpp" in engines:
-        from selfspec.llamacpp import find_llamacpp
-
-        if find_llamacpp() is None:
-            missing["llamacpp"] = (
-                f"no llama.cpp build: run `{BUILD_COMMANDS['llamacpp']}` once (5-12 minutes on 2 cores, needs cmake "
-                "and a C++ compiler) and `pip install 'selfspec[llamacpp]'`"
-            )
-    if "vllm" in engines:
-        from selfspec.bench.vllm import require_env
-
-        try:
-            require_env()
-        except RuntimeError as err:
-            missing["vllm"] = str(err)
-    if "openvino" in engines:
-        from selfspec.export.openvino import openvino_python
-
-        try:
-            openvino_python()
-        except RuntimeError as err:
-            missing["openvino"] = str(err)
-    return missing
+    (:attr:`~selfspec.engines.registry.Engine.missing`). Nothing is started."""
+    return {name: why for name in engines if (why := engine(name).missing())}
 
 
 def run_engine_chains(
-    engine: str,
+    name: str,
     target: PreTrainedModel,
     tokenizer: Any,
     head: str,
@@ -342,74 +320,35 @@ def run_engine_chains(
 ) -> BenchReport:
     """One engine's bench of ``head`` as a chain of each length k in ``chain_lengths`` (methods
     :func:`chain_method`), beside the engine's plain decoding, on ``prompts`` with greedy ``settings``
-    (:class:`~selfspec.bench.methods.BenchSettings`).
+    (:class:`~selfspec.bench.methods.BenchSettings`): the engine's own
+    :attr:`~selfspec.engines.registry.Engine.chains`.
 
     Raises:
-        ValueError: an unknown engine, sampling, or selfspec sized the drafter other than a chain of k.
+        ValueError: an unknown engine or one that takes no part, sampling, or selfspec sized the drafter other than
+            a chain of k.
         RuntimeError: the engine is not built (the message names the command), or it failed.
         selfspec.export.common.ExportError: the engine cannot load the head.
     """
-    from selfspec.target import resolve_target
-
     if settings.do_sample:
         raise ValueError("export fidelity is measured greedily: pass --temperature 0")
-    heads = {chain_method(k): head for k in chain_lengths}
-    if engine == "selfspec":
-        from selfspec.bench.methods import build_methods
-        from selfspec.bench.run import run_bench
-
-        methods: dict = {}
-        for k in chain_lengths:
-            chain = {"depth": k, "top_k": 1, "total_tokens": k}
-            built = build_methods(
-                target, tokenizer, settings, methods=(), heads={chain_method(k): head}, eagle_options=chain
-            )
-            budget = built[chain_method(k)].tree_budget
-            if budget is None or (budget.depth, budget.top_k, budget.total_tokens) != (k, 1, k):
-                raise ValueError(f"selfspec did not draft a chain of {k} with this head (its tree budget: {budget})")
-            methods.update({name: m for name, m in built.items() if name not in methods})  # plain ones once
-        return run_bench(target, tokenizer, methods, prompts, settings)
-    if engine == "llamacpp":
-        from selfspec.bench.llamacpp import run_llamacpp_bench
-        from selfspec.bench.llamacpp_settings import head_setting
-        from selfspec.llamacpp import alias_gguf, find_llamacpp
-
-        build = find_llamacpp()
-        if build is None:
-            raise RuntimeError(missing_engines(["llamacpp"])["llamacpp"])
-        try:
-            gguf = alias_gguf(target_name)
-        except (KeyError, FileNotFoundError) as err:
-            raise ValueError(f"llama.cpp needs the target's GGUF; only the alias targets have one ({err})") from err
-        return run_llamacpp_bench(
-            target, tokenizer, prompts, settings, build=build, target_gguf=gguf,
-            target_dir=Path(resolve_target(target_name)), heads=heads, ngram=(), threads=threads or 2,
-            given={chain_method(k): head_setting(draft_max=k, p_min=0.0) for k in chain_lengths},
-        )  # fmt: skip
-    if engine == "vllm":
-        from selfspec.bench.vllm import run_vllm_bench
-
-        return run_vllm_bench(
-            target, tokenizer, prompts, settings, target_dir=resolve_target(target_name), heads=heads,
-            num_speculative_tokens={chain_method(k): k for k in chain_lengths}, threads=threads,
-        )  # fmt: skip
-    if engine == "openvino":
-        from selfspec.bench.openvino import run_openvino_bench
-
-        report, _ = run_openvino_bench(
-            target, tokenizer, prompts, settings, target_dir=Path(resolve_target(target_name)), heads=heads,
-            given={chain_method(k): k for k in chain_lengths},
-        )  # fmt: skip
-        return report
-    raise ValueError(f"unknown engine {engine!r}; choose among {ENGINES}")
+    record = engine(name)
+    if record.chains is None:
+        raise ValueError(f"engine {name!r} takes no part in the fidelity report; choose among {fidelity_engines()}")
+    why = record.missing()
+    if why:
+        raise RuntimeError(why)
+    lengths = {chain_method(k): k for k in chain_lengths}
+    run = EngineRun(target, tokenizer, prompts, settings, target_name, dict.fromkeys(lengths, head), threads)
+    return record.chains(run, lengths)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m selfspec.bench.fidelity`` argument parser."""
     p = argparse.ArgumentParser(
         prog="python -m selfspec.bench.fidelity",
-        description="Acceptance per draft position of one EAGLE-3 head in selfspec, llama.cpp, vLLM and OpenVINO "
-        "GenAI at equal chain lengths, greedy, side by side (fidelity.json, fidelity.md).",
+        description="Acceptance per draft position of one EAGLE-3 head in "
+        + ", ".join(engine(name).title for name in fidelity_engines())
+        + " at equal chain lengths, greedy, side by side (fidelity.json, fidelity.md).",
     )
     p.add_argument("--heads", required=True, metavar="DIR", help="the EAGLE-3 head directory")
     p.add_argument("--target", default="smollm2-135m-instruct", help="target name, directory or Hub id")
@@ -421,8 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engines",
         nargs="+",
-        choices=ENGINES,
-        default=list(ENGINES),
+        choices=fidelity_engines(),
+        default=list(fidelity_engines()),
         help="engines to compare (default: all; selfspec is always run, the others are compared with it)",
     )
     p.add_argument("--threads", type=int, default=None, help="threads of every engine (default: each engine's own)")
@@ -445,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args = parse_command(parser, argv)
-    engines = ["selfspec", *(e for e in ENGINES if e in args.engines and e != "selfspec")]
+    engines = [REFERENCE, *(e for e in fidelity_engines() if e in args.engines and e != REFERENCE)]
     if any(k < 1 for k in args.chain_lengths) or args.z <= 0:
         parser.error("--chain-lengths must be >= 1 and --z > 0")
     missing = missing_engines(engines)
@@ -465,19 +404,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     target, tokenizer = load_target(args.target, dtype="float32", device="cpu")
     reports = {}
     out = Path(args.out)
-    for engine in engines:
-        logger.info("fidelity: %s, chains of %s", engine, chain_lengths)
+    for name in engines:
+        logger.info("fidelity: %s, chains of %s", name, chain_lengths)
         try:
-            reports[engine] = run_engine_chains(
-                engine, target, tokenizer, args.heads, prompts, settings, chain_lengths,
+            reports[name] = run_engine_chains(
+                name, target, tokenizer, args.heads, prompts, settings, chain_lengths,
                 target_name=args.target, threads=args.threads,
             )  # fmt: skip
         except (ValueError, ExportError) as err:
-            parser.error(f"{engine}: {err}")
+            parser.error(f"{name}: {err}")
         except RuntimeError as err:
-            print(f"selfspec fidelity: {engine} failed: {err}", file=sys.stderr)
+            print(f"selfspec fidelity: {name} failed: {err}", file=sys.stderr)
             return 1
-        write_json(out / engine / "report.json", dataclasses.asdict(reports[engine]))
+        write_json(out / name / "report.json", dataclasses.asdict(reports[name]))
     report = build_report(reports, chain_lengths, head=args.heads, target=args.target, prompts=args.prompts, z=args.z)
     paths = write_fidelity(report, out)
     print(fidelity_markdown(report))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from selfspec.bench.plots import write_plots
 from selfspec.bench.report import Aggregate, BenchReport, LlamaCppRecord, TreeBudgetRecord
+from selfspec.engines.registry import engine_title
 
 
 def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
@@ -75,7 +76,7 @@ def markdown_report(report: BenchReport) -> str:
     s = report.settings
     one = _one_reference(report)
     mode = "greedy" if not s.do_sample else f"sampling T={s.temperature} top_p={s.top_p}"
-    engine = {"llamacpp": "llama.cpp", "vllm": "vLLM", "openvino": "OpenVINO GenAI"}.get(s.engine, s.engine)
+    engine = engine_title(s.engine)
     lines = [
         f"# {engine} bench",
         "",

@@ -44,10 +44,10 @@ class TreeBudgetRecord:
 
 @dataclass(frozen=True)
 class MethodRecord:
-    """What a method is. ``kind``: ``"hf"`` (``transformers``), ``"selfspec"``, ``"llamacpp"``, ``"vllm"``,
-    ``"openvino"`` or ``"custom"``."""
+    """What a method is. ``kind``: ``"hf"`` (``transformers``), ``"custom"`` (a callable given by code), or the name
+    of the engine that decoded it (:mod:`selfspec.engines.registry`: ``"selfspec"``, ``"llamacpp"``, ...)."""
 
-    kind: Literal["hf", "selfspec", "llamacpp", "vllm", "openvino", "custom"]
+    kind: str
     description: str
     tree_budget: TreeBudgetRecord | None
 
@@ -69,7 +69,7 @@ class SettingsRecord:
         engine_reference: the engine's own decoding with no drafts (``no_draft``: selfspec's loop and
             kernels, one token per step; plain llama.cpp in the llama.cpp engine): ``engine_speedup`` is
             against it, the gain of speculation alone. None only in reports of schema 2, read back upgraded.
-        engine: ``"selfspec"``, ``"llamacpp"``, ``"vllm"`` or ``"openvino"``: which engine decoded the methods.
+        engine: which engine decoded the methods: a name of :mod:`selfspec.engines.registry` (``"selfspec"``, ...).
         timing: what ``tokens_per_s`` divides by (the whole call's wall time, or the engine's decode timer).
         prompts_source: prompt file or ``"sharegpt-heldout"``.
         tree_nodes: tree size asked for Medusa heads (None: default); draft_model: its name, if any.
@@ -91,7 +91,7 @@ class SettingsRecord:
     eos_token_ids: list[int]
     reference: str
     engine_reference: str | None
-    engine: Literal["selfspec", "llamacpp", "vllm", "openvino"]
+    engine: str
     timing: str
     prompts_source: str
     tree_nodes: int | None
@@ -393,9 +393,21 @@ class BenchReport:
 
     def check(self) -> None:
         """Raise ValueError unless every sample and summary has exactly the methods, the reference is one
-        of them, and categories agree."""
+        of them, categories agree, and the engine and every method's kind are known (the engines of
+        :mod:`selfspec.engines.registry`, and ``"hf"`` / ``"custom"`` for a method's kind)."""
+        from selfspec.engines.registry import registered_engines
+
         errors = []
         names = set(self.methods)
+        engines = list(registered_engines())
+        if self.settings.engine not in engines:
+            errors.append(f"report.settings.engine must be one of {engines}, got {self.settings.engine!r}")
+        kinds = ["hf", *engines, "custom"]
+        errors += [
+            f"methods.{name}.kind must be one of {kinds}, got {m.kind!r}"
+            for name, m in self.methods.items()
+            if m.kind not in kinds
+        ]
         for field, name in (
             ("reference", self.settings.reference),
             ("engine_reference", self.settings.engine_reference),

@@ -199,7 +199,7 @@ def test_the_llamacpp_bench_engine_runs_plain_our_head_and_ngram_drafts(smollm2,
     llama.cpp's n-gram drafter, interleaved, with fixed settings (the sweep is tested on rigged timers); the
     report reads back strictly, the head's texts agree with plain llama.cpp's, and llama-bench's costs are sane."""
     from selfspec.bench import BenchSettings, read_report, run_llamacpp_bench, write_report
-    from selfspec.bench.llamacpp_settings import head_setting, ngram_setting
+    from selfspec.engines.llamacpp.settings import head_setting, ngram_setting
     from selfspec.llamacpp import completion
     from selfspec.prompts import BenchPrompt
     from selfspec.target import resolve_target

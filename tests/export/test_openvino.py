@@ -100,7 +100,7 @@ def teacher_forced_pattern(model, head, prompt: list[int], tokens: list[int], la
 @pytest.mark.slow
 def test_openvino_genai_runs_our_eagle3_head_exactly(ov_python, smollm2, tmp_path):
     from selfspec.base.target import resolve_target
-    from selfspec.bench.openvino import Worker
+    from selfspec.engines.openvino.bench import Worker
     from selfspec.export.openvino import prepare_openvino
     from selfspec.prompts import encode_messages
     from tests.helpers.smollm2 import memorising_eagle3_head

@@ -1,7 +1,7 @@
 """vLLM's own loader and decoder judge our speculators exports (slow tier; the vllm venv,
 ``python -m selfspec.engine_envs vllm``): an EAGLE-3 head fitted briefly to the real SmolLM2 target decodes in vLLM's
 CPU build exactly as plain vLLM does, with vLLM's counters showing accepted drafts, through the bench engine end to end;
-and vLLM itself refuses a DSpark export on the CPU, as :data:`selfspec.bench.vllm.CPU_REFUSED` says."""
+and vLLM itself refuses a DSpark export on the CPU, as :data:`selfspec.engines.vllm.bench.CPU_REFUSED` says."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from selfspec.bench.methods import BenchSettings
-from selfspec.bench.vllm import VllmWorker, llm_kwargs, run_vllm_bench, worker_env
+from selfspec.engines.vllm.bench import VllmWorker, llm_kwargs, run_vllm_bench, worker_env
 from selfspec.export.cli import export_heads
 from selfspec.prompts import BenchPrompt, encode_messages
 from selfspec.target import resolve_target

@@ -25,22 +25,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfspec.base.files import cache_root, read_dataclass, read_json, write_json
+from selfspec.base.files import cache_root, read_dataclass, write_json
+from selfspec.base.files import read_cached as read_cache_file
 from selfspec.bench.report import CostDecomposition, LlamaCppSetting, SweepPoint
+from selfspec.engines.calibration import CALIBRATION_PROMPTS, CALIBRATION_TOKENS
 from selfspec.llamacpp import Generation, LlamaCpp, build_info, completion, forward_costs
 
 logger = logging.getLogger(__name__)
 
 SWEEP_VERSION = 2
-CALIBRATION_PROMPTS = (
-    "Explain in a few sentences why the sky is blue.",
-    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
-    "A train travels 60 km in 45 minutes. What is its average speed in km/h? Show the steps.",
-    "Rewrite this sentence in a formal tone: we gotta finish the report by friday or the boss will be mad.",
-)
-"""The sweep's prompts (one each of explanation, code, arithmetic, rewriting); fixed, so a cached sweep
-answers the same question on every run."""
-CALIBRATION_TOKENS = 64
 HEAD_SPEC_TYPE = "draft-eagle3"
 BLOCK_SPEC_TYPES = ("draft-dflash", "draft-dspark")
 NGRAM_SPEC_TYPES = ("ngram-simple", "ngram-mod")
@@ -146,14 +139,10 @@ def cache_path(key: str) -> Path:
 def read_cached(key: str) -> SettingsChoice | None:
     """The cached sweep for ``key``, or None (none, or one this selfspec cannot read: it is measured again)."""
     path = cache_path(key)
-    if not path.is_file():
-        return None
-    try:
-        choice = read_dataclass(SettingsChoice, read_json(path), str(path), root="choice")
-    except ValueError as err:
-        logger.warning("ignoring the cached llama.cpp sweep %s (%s); measuring again", path, err)
-        return None
-    return choice if choice.version == SWEEP_VERSION and choice.key == key else None
+    choice = read_cache_file(
+        path, lambda d: read_dataclass(SettingsChoice, d, str(path), root="choice"), "llama.cpp sweep"
+    )
+    return choice if choice is not None and choice.version == SWEEP_VERSION and choice.key == key else None
 
 
 Runner = Callable[[LlamaCppSetting, str], Generation]

@@ -6,16 +6,16 @@ Methods, interleaved per prompt turn in one run (the order rotated from turn to 
 * ``openvino``: plain OpenVINO GenAI (``LLMPipeline`` on the target's IR), the reference and the engine reference;
 * each EAGLE-3 head, converted with the target by optimum-intel's exporter
   (:func:`selfspec.export.openvino.prepare_openvino`, cached per head), as OpenVINO GenAI's speculative pipeline
-  with the draft length chosen by measurement (:mod:`selfspec.bench.openvino_settings`, cached).
+  with the draft length chosen by measurement (:mod:`selfspec.engines.openvino.settings`, cached).
 
 OpenVINO GenAI builds one pipeline per process and only in its own venv, so every method is a worker process of that
-venv (:mod:`selfspec.bench.openvino_worker`) kept for the whole run, fed token ids (the target tokenizer's chat
-template, as the selfspec engine's) and greedy settings; every model is compiled with
+venv (:mod:`selfspec.engines.openvino.openvino_worker`) kept for the whole run, fed token ids (the target
+tokenizer's chat template, as the selfspec engine's) and greedy settings; every model is compiled with
 :data:`selfspec.export.openvino.FP32_PROPERTIES` (the bf16 default changes plain decoding). tokens/s is the generate
 call's wall time in the worker, prefill included. Acceptance per draft position comes from OpenVINO's own
 per-iteration token counts (:func:`per_position`). Exactness: every output's tokens against plain OpenVINO's; a
 difference where the target's two best logits after the reference's prefix are within
-:data:`selfspec.bench.llamacpp.TIE_MARGIN` is a near-tie, reported apart (:func:`selfspec.bench.llamacpp.is_near_tie`).
+:data:`selfspec.bench.ties.TIE_MARGIN` is a near-tie, reported apart (:func:`selfspec.bench.ties.is_near_tie`).
 """
 
 from __future__ import annotations
@@ -32,13 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.base.files import write_json
-from selfspec.bench import openvino_settings as tuning
 from selfspec.bench.driver import BenchEngine, Outcome, Turn, compare_to_reference, run_engine, settings_record
-from selfspec.bench.engine_worker import EngineWorker
-from selfspec.bench.llamacpp import TIE_MARGIN, is_near_tie
 from selfspec.bench.methods import BenchSettings
 from selfspec.bench.report import BenchReport, MethodRecord, Mismatch, Result, Sample, SettingsRecord
+from selfspec.bench.ties import TIE_MARGIN, is_near_tie
+from selfspec.engines.openvino import settings as tuning
+from selfspec.engines.worker import EngineWorker
 from selfspec.export.openvino import FP32_PROPERTIES, OpenVINOModels, openvino_python, prepare_openvino
 from selfspec.heads import load_heads
 from selfspec.prompts import BenchPrompt, Message, encode_messages
@@ -106,8 +105,9 @@ def result_of(reply: dict, k: int | None, max_new_tokens: int, eos: set[int]) ->
 
 
 class Worker(EngineWorker):
-    """One OpenVINO GenAI pipeline in a process of the ``openvino`` venv (:mod:`selfspec.bench.openvino_worker`), an
-    :class:`~selfspec.bench.engine_worker.EngineWorker` stopped between its requests.
+    """One OpenVINO GenAI pipeline in a process of the ``openvino`` venv
+    (:mod:`selfspec.engines.openvino.openvino_worker`), an
+    :class:`~selfspec.engines.worker.EngineWorker` stopped between its requests.
 
     Args:
         python: the venv's interpreter. target: the target's IR. draft: the head's IR (None: plain).
@@ -124,7 +124,7 @@ class Worker(EngineWorker):
         super().__init__(cmd, env, log, f"building the OpenVINO GenAI pipeline ({target}, draft {draft})")
 
     def generate(self, ids: list[int], max_new_tokens: int, k: int | None, stop_ids: Sequence[int]) -> dict:
-        """One greedy generate call: the worker's reply (:mod:`selfspec.bench.openvino_worker`)."""
+        """One greedy generate call: the worker's reply (:mod:`selfspec.engines.openvino.openvino_worker`)."""
         request = {"ids": ids, "max_new_tokens": max_new_tokens, "num_assistant_tokens": k, "stop_ids": list(stop_ids)}
         return self.request(request, "an OpenVINO GenAI generate call")
 
@@ -293,8 +293,3 @@ def run_openvino_bench(
         "tie_margin": TIE_MARGIN,
     }
     return report, record
-
-
-def write_record(record: dict[str, Any], out_dir: str | Path) -> Path:
-    """Write the engine's record as ``out_dir/openvino.json``."""
-    return write_json(Path(out_dir) / "openvino.json", record)

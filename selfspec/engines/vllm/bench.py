@@ -10,7 +10,7 @@ Methods, interleaved per prompt turn in one run (the order rotated from turn to 
   EAGLE-3 and EAGLE-3.1 heads as ``eagle3``, DFlash heads as ``dflash``. The method is named explicitly: without it
   vLLM would take the folder for a plain draft model. DSpark heads are refused (:data:`CPU_REFUSED`).
 
-Each method is one long-lived worker process in the vLLM venv (:mod:`selfspec.bench.vllm_worker`, JSON lines over
+Each method is one long-lived worker process in the vLLM venv (:mod:`selfspec.engines.vllm.vllm_worker`, JSON lines over
 its stdin and stdout) holding its ``vllm.LLM``, loaded once; prompts go in as token ids (the target's chat template,
 rendered here), greedy or sampled as the settings say, fp32, eager mode (no ``torch.compile``). tokens/s is the
 whole ``LLM.generate`` call, prefill included. Acceptance is vLLM's own counters
@@ -18,7 +18,7 @@ whole ``LLM.generate`` call, prefill included. Acceptance is vLLM's own counters
 
 Exactness (greedy): every output's token ids against plain vLLM's. vLLM's batched verification does other arithmetic
 than its one-token decode, so where the target's two best logits (``transformers``, fp32, after the reference's
-prefix) are within :data:`~selfspec.bench.llamacpp.TIE_MARGIN`, a difference is a near-tie: reported apart, not
+prefix) are within :data:`~selfspec.bench.ties.TIE_MARGIN`, a difference is a near-tie: reported apart, not
 counted as a mismatch, as in the llama.cpp engine.
 """
 
@@ -37,12 +37,12 @@ import torch
 
 from selfspec.bench.driver import BenchEngine, Outcome, Turn, compare_to_reference, prompt_limit, run_engine
 from selfspec.bench.driver import settings_record as base_settings_record
-from selfspec.bench.engine_worker import EngineWorker
-from selfspec.bench.llamacpp import is_near_tie
 from selfspec.bench.methods import BenchSettings
 from selfspec.bench.report import BenchReport, MethodRecord, Mismatch, Result, Sample, SettingsRecord
+from selfspec.bench.ties import is_near_tie
 from selfspec.decode.drafters.base import context_length
 from selfspec.engine_envs import env_python, env_works
+from selfspec.engines.worker import EngineWorker
 from selfspec.export.cli import export_heads
 from selfspec.export.common import ExportError
 from selfspec.heads import load_heads
@@ -152,7 +152,8 @@ class SpecStats:
 
 def spec_stats(before: Mapping[str, Any], after: Mapping[str, Any]) -> SpecStats | None:
     """The counters of one call from the worker's cumulative totals (``counters`` of
-    :mod:`selfspec.bench.vllm_worker`) before and after it; None when vLLM reported none (no speculative decoding)."""
+    :mod:`selfspec.engines.vllm.vllm_worker`) before and after it; None when vLLM reported none (no speculative
+    decoding)."""
     if "drafts" not in after:
         return None
     per_after = list(after.get("accepted_per_pos", []))
@@ -187,7 +188,7 @@ def vllm_result(reply: Mapping[str, Any], stats: SpecStats | None) -> Result:
 
 
 class VllmWorker(EngineWorker):
-    """One :mod:`selfspec.bench.vllm_worker` process (an :class:`~selfspec.bench.engine_worker.EngineWorker`, stopped
+    """One :mod:`selfspec.engines.vllm.vllm_worker` process (an :class:`~selfspec.engines.worker.EngineWorker`, stopped
     between its requests): its ``vllm.LLM`` loaded once, a request per call.
 
     Args:

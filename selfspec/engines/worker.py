@@ -1,9 +1,9 @@
 """One long-lived process of an engine's venv that answers requests as JSON lines: the vLLM and OpenVINO GenAI
-benches hold one per method (:mod:`selfspec.bench.vllm`, :mod:`selfspec.bench.openvino`).
+benches hold one per method (:mod:`selfspec.engines.vllm.bench`, :mod:`selfspec.engines.openvino.bench`).
 
-The protocol the worker scripts speak (:mod:`selfspec.bench.vllm_worker`, :mod:`selfspec.bench.openvino_worker`): after
-loading, one line ``{"ready": true, ...}``; then one reply line per request line; ``{"error": TEXT}`` instead of a
-reply when it failed (it then exits); end of stdin ends it.
+The protocol the worker scripts speak (:mod:`selfspec.engines.vllm.vllm_worker`,
+:mod:`selfspec.engines.openvino.openvino_worker`): after loading, one line ``{"ready": true, ...}``; then one reply
+line per request line; ``{"error": TEXT}`` instead of a reply when it failed (it then exits); end of stdin ends it.
 
 Idle workers are stopped. A bench interleaves its methods, so all but one worker wait at any time, and an engine's
 idle threads are not always asleep: vLLM's CPU workers were measured spinning a core each between calls, which on a

@@ -2,10 +2,11 @@
 
 OpenVINO GenAI drafts a chain of exactly ``num_assistant_tokens`` tokens per cycle (its EAGLE-3 pipeline takes no
 confidence cut: ``assistant_confidence_threshold`` must be 0), so the length is the one setting. As the llama.cpp
-settings are (:mod:`selfspec.bench.llamacpp_settings`, whose calibration prompts this reuses), every length of
-:data:`DRAFT_LENGTHS` runs on the calibration prompts, each run right after plain OpenVINO GenAI on the same prompt,
-and the best median speedup wins. The choice and every point are cached under ``<cache root>/openvino-settings/``
-per OpenVINO GenAI version, thread count, target IR and draft IR (their cache names are content hashes).
+settings are (:mod:`selfspec.engines.llamacpp.settings`, on the same prompts: :mod:`selfspec.engines.calibration`),
+every length of :data:`DRAFT_LENGTHS` runs on the calibration prompts, each run right after plain OpenVINO GenAI on
+the same prompt, and the best median speedup wins. The choice and every point are cached under
+``<cache root>/openvino-settings/`` per OpenVINO GenAI version, thread count, target IR and draft IR (their cache
+names are content hashes).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfspec.base.files import cache_root, read_dataclass, read_json, write_json
-from selfspec.bench.llamacpp_settings import CALIBRATION_PROMPTS, CALIBRATION_TOKENS
+from selfspec.base.files import cache_root, read_dataclass, write_json
+from selfspec.base.files import read_cached as read_cache_file
+from selfspec.engines.calibration import CALIBRATION_PROMPTS, CALIBRATION_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ class DraftLengthChoice:
 
 Call = Callable[[str, list[int], int | None], dict]
 """``call(method, prompt_ids, num_assistant_tokens)``: one generate call of ``CALIBRATION_TOKENS`` tokens, the
-worker's reply (:mod:`selfspec.bench.openvino_worker`); ``method`` ``""`` is the plain pipeline."""
+worker's reply (:mod:`selfspec.engines.openvino.openvino_worker`); ``method`` ``""`` is the plain pipeline."""
 
 
 def cache_key(version: str, threads: int | None, target_ir: Path, drafts: dict[str, Path]) -> str:
@@ -75,14 +77,10 @@ def cache_path(key: str) -> Path:
 def read_cached(key: str) -> DraftLengthChoice | None:
     """The cached sweep for ``key``, or None (none, or one this selfspec cannot read: it is measured again)."""
     path = cache_path(key)
-    if not path.is_file():
-        return None
-    try:
-        choice = read_dataclass(DraftLengthChoice, read_json(path), str(path), root="choice")
-    except ValueError as err:
-        logger.warning("ignoring the cached OpenVINO sweep %s (%s); measuring again", path, err)
-        return None
-    return choice if choice.version == SWEEP_VERSION and choice.key == key else None
+    choice = read_cache_file(
+        path, lambda d: read_dataclass(DraftLengthChoice, d, str(path), root="choice"), "OpenVINO sweep"
+    )
+    return choice if choice is not None and choice.version == SWEEP_VERSION and choice.key == key else None
 
 
 def steps_of(reply: dict) -> tuple[int, int, int]:

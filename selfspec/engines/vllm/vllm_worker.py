@@ -2,9 +2,9 @@
 JSON lines. Run by the ``vllm`` venv's Python (:mod:`selfspec.engine_envs`) as a script, never imported there as part
 of selfspec: it imports nothing but the standard library and, inside :func:`main`, vLLM.
 
-Protocol (:mod:`selfspec.bench.vllm` is the other side):
+Protocol (:mod:`selfspec.engines.vllm.bench` is the other side):
 
-* ``python -I vllm_worker.py CONFIG_JSON`` (``-I``: this folder, which holds selfspec's ``vllm.py``, must not
+* ``python -I vllm_worker.py CONFIG_JSON`` (``-I``: this folder, which holds selfspec's vLLM modules, must not
   shadow the ``vllm`` package): ``CONFIG_JSON`` is ``{"llm": {...}}``, the keyword arguments of
   ``vllm.LLM`` (``model``, ``dtype``, ``speculative_config``, ...). vLLM's own logs and prints go to stderr; the
   protocol alone to stdout.

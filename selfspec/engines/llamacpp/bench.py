@@ -12,7 +12,7 @@ Methods, interleaved per prompt turn in one run (the order rotated from turn to 
 * llama.cpp's own n-gram drafters (``ngram_simple``, ``ngram_mod``) with settings that fire on chat prompts.
 
 Every speculative method runs with the settings measured best on this machine
-(:mod:`selfspec.bench.llamacpp_settings`; swept once and cached). tokens/s is llama.cpp's own decode timer
+(:mod:`selfspec.engines.llamacpp.settings`; swept once and cached). tokens/s is llama.cpp's own decode timer
 (prefill excluded); ``wall_s`` is the whole process, model loading included. Greedy only (``--temp 0``).
 
 Exactness: each output's text is compared with ``llamacpp_loop``'s; texts agree when one is a prefix of the other
@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.bench import llamacpp_settings as tuning
 from selfspec.bench.driver import BenchEngine, Outcome, Turn, compare_to_reference, run_engine, settings_record
 from selfspec.bench.methods import BenchSettings
 from selfspec.bench.report import (
@@ -48,6 +47,8 @@ from selfspec.bench.report import (
     Sample,
     SettingsRecord,
 )
+from selfspec.bench.ties import TIE_MARGIN, is_near_tie
+from selfspec.engines.llamacpp import settings as tuning
 from selfspec.export.gguf import export_gguf
 from selfspec.families import family_of
 from selfspec.heads import load_heads
@@ -64,8 +65,6 @@ LOOP = "llamacpp_loop"
 NEVER_FIRES = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1024", "--spec-ngram-simple-size-m", "1"]
 """``llama-speculative-simple`` arguments of a drafter that never drafts (no 1024-token n-gram repeats in a context)."""
 NGRAM_METHODS = {"ngram_simple": "ngram-simple", "ngram_mod": "ngram-mod"}
-TIE_MARGIN = 0.5
-"""Logit margin (top-1 minus top-2 of the target, fp32) under which plain llama.cpp's choice is a near-tie."""
 PROMPT_TOKEN_SLACK = 0.02
 
 
@@ -190,17 +189,6 @@ def text_difference(reference: str, other: str, tokenizer: Any) -> int | None:
         return None
     i = next(k for k, (a, b) in enumerate(zip(reference, other, strict=False)) if a != b)
     return len(tokenizer(reference[:i], add_special_tokens=False).input_ids)
-
-
-def is_near_tie(target: PreTrainedModel, prompt_ids: torch.Tensor, reference: list[int], position: int) -> bool:
-    """Whether the target's two best next-token logits after ``prompt + reference[:position]`` are within
-    :data:`TIE_MARGIN` (fp32, one forward)."""
-    ids = torch.cat([prompt_ids.cpu(), torch.tensor(reference[:position], dtype=torch.long)]).unsqueeze(0)
-    device = next(target.parameters()).device
-    with torch.inference_mode():
-        logits = target(input_ids=ids.to(device)).logits[0, -1].float()
-    top = torch.topk(logits, 2).values
-    return float(top[0] - top[1]) < TIE_MARGIN
 
 
 def acceptance(samples: Sequence[Sample], method: str) -> str:
@@ -428,8 +416,13 @@ class LlamaCppEngine(BenchEngine):
             memory_source="not measured (llama.cpp runs in its own process)",
         )
 
-    def engine_record(self, samples: Sequence[Sample], summary: dict[str, MethodSummary]) -> LlamaCppRecord:
-        """The settings chosen, the sweep, the cost decomposition and a verdict per speculative method."""
+    def finish(self, report: BenchReport) -> BenchReport:
+        """The report with its ``llamacpp`` record: the settings chosen, the sweep, the cost decomposition and a
+        verdict per speculative method."""
+        return dataclasses.replace(report, llamacpp=self.record(report.samples, report.summary))
+
+    def record(self, samples: Sequence[Sample], summary: dict[str, MethodSummary]) -> LlamaCppRecord:
+        """The engine's :class:`~selfspec.bench.report.LlamaCppRecord` of a finished run."""
         measured = {name: (sum(v) / len(v) if v else None) for name, v in self.draft_ms.items()}
         costs = tuning.decomposition(self.choice, measured)
         chosen = self.choice.chosen

@@ -1,0 +1,1 @@
+"""selfspec as an engine of the bench: its own decoder in this process (:mod:`selfspec.engines.selfspec.engine`)."""
