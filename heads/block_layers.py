@@ -29,18 +29,28 @@ from selfspec.base.cpu_linear import project
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["BlockAttention", "BlockLayer", "ContextKV", "draft_layer_config"]
+__all__ = ["BlockAttention", "BlockLayer", "ContextKV", "draft_layer_config", "rope_theta"]
+
+
+def rope_theta(config: PretrainedConfig) -> float:
+    """The RoPE base of a target's config, for a draft layer with RoPE of its own: ``rope_parameters["rope_theta"]``
+    (transformers 5), that of the full-attention layers where the parameters are per layer type (Gemma-3 / 4), the
+    top-level ``rope_theta`` of older configs, else 10000."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope = rope.get("full_attention", rope) if "rope_theta" not in rope else rope
+    return float(rope.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0))
 
 
 def draft_layer_config(target_config: PretrainedConfig, num_layers: int, block_size: int) -> Qwen3Config:
     """The head's layers as a ``transformers`` Qwen3 config of the target's sizes (hidden, heads, KV heads, head
     dim, MLP width, RMS epsilon, RoPE base), whatever the target's architecture: the layer kind the engines load
-    for DFlash / DSpark drafts. Attention is bidirectional in the block (``is_causal: false``)."""
-    c = target_config
+    for DFlash / DSpark drafts. Attention is bidirectional in the block (``is_causal: false``). A target whose layers
+    differ in size (``transformers``' per-layer configs: Gemma-4's full-attention layers have their own ``head_dim``)
+    gives the sizes of its last layer."""
+    c = target_config.per_layer_config[target_config.num_hidden_layers - 1]  # the config itself when layers agree
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    rope = dict(getattr(c, "rope_parameters", None) or {})
-    theta = float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
+    theta = rope_theta(c)
     return Qwen3Config(
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,

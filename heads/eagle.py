@@ -36,8 +36,8 @@ SGLang ``LlamaForCausalLMEagle``):
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,8 +46,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers import AutoConfig
 
 from selfspec.base.cpu_linear import project
 from selfspec.heads.config import check_family_fields, read_selfspec_config
@@ -63,6 +62,12 @@ from selfspec.heads.io import (
     read_config,
     read_safetensors,
     write_head_dir,
+)
+from selfspec.heads.layer_config import (
+    FULL_ATTENTION,
+    check_init_layer,
+    decoder_layer_class,
+    head_layer_config,
 )
 
 if TYPE_CHECKING:
@@ -127,38 +132,6 @@ class EagleConfig:
         return f"v{self.n_draft}-b{int(self.fc_bias)}"
 
 
-FULL_ATTENTION = "full_attention"
-"""The layer type of the head's own attention: full context, never a sliding window."""
-
-
-def one_layer_config(arch_config: PretrainedConfig) -> PretrainedConfig:
-    """A deep copy of a transformers config with one full-attention layer (SDPA attention where the family
-    has it, else eager).
-
-    ``num_hidden_layers = 1``; ``layer_types`` (where the family has them) ``["full_attention"]`` and every
-    sliding-window field cleared (``sliding_window = None``, ``use_sliding_window = False``): the head drafts
-    from its whole context, whatever window the target's own layers use (a copied sliding layer would make
-    the head's cache drop keys). Everything else (q/k norms, attention soft-capping, scalings) is the
-    target's.
-    """
-    cfg = copy.deepcopy(arch_config)
-    cfg.num_hidden_layers = 1
-    if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = [FULL_ATTENTION]
-    for name, off in (("sliding_window", None), ("use_sliding_window", False)):
-        if getattr(cfg, name, None) is not None:
-            setattr(cfg, name, off)
-    if getattr(cfg, "_attn_implementation", None) not in ("sdpa", "eager"):
-        cfg._attn_implementation = "sdpa" if _supports_sdpa(cfg) else "eager"
-    return cfg
-
-
-def _supports_sdpa(config: PretrainedConfig) -> bool:
-    """Whether the family's causal LM class runs SDPA attention (Gemma-2's soft-capped attention does not)."""
-    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    return bool(getattr(model_cls, "_supports_sdpa", True)) if model_cls is not None else True
-
-
 def rotary_layer_type(rotary: nn.Module) -> str | None:
     """The ``layer_type`` argument the head passes to the target's rotary embedding: None when its
     ``forward`` takes no such argument (one set of frequencies for every layer, as in Llama); otherwise
@@ -179,39 +152,6 @@ def logit_softcap(config: PretrainedConfig) -> float | None:
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     """``cap * tanh(logits / cap)`` (the identity when ``cap`` is None); any shape and float dtype."""
     return logits if cap is None else torch.tanh(logits / cap) * cap
-
-
-def decoder_layer_class(arch_config: PretrainedConfig, target: PreTrainedModel | None = None) -> type[nn.Module]:
-    """The decoder layer class of an architecture: ``target.model.layers[0].__class__`` when a target is
-    given, else that of a meta-device (no memory) model built from ``arch_config``.
-
-    Raises:
-        HeadFormatError: the architecture has no ``model.layers`` stack.
-    """
-    if target is not None:
-        layers = getattr(target.base_model, "layers", None)
-    else:
-        with torch.device("meta"):
-            layers = getattr(AutoModelForCausalLM.from_config(arch_config).base_model, "layers", None)
-    if not layers:
-        raise HeadFormatError(f"model type {arch_config.model_type!r} has no decoder layer stack (model.layers)")
-    return layers[0].__class__
-
-
-# ------------------------------------------------------------ what the one-layer heads (EAGLE-1, EAGLE-3) share
-def head_layer_config(arch_config: PretrainedConfig, hidden_size: int, vocab_size: int) -> PretrainedConfig:
-    """:func:`one_layer_config` of ``arch_config``, checked against the head's own sizes.
-
-    Raises:
-        HeadFormatError: the architecture's hidden or vocabulary size is not the head config's.
-    """
-    cfg = one_layer_config(arch_config)
-    if (cfg.hidden_size, cfg.vocab_size) != (hidden_size, vocab_size):
-        raise HeadFormatError(
-            f"architecture config (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) "
-            f"disagrees with the head config (hidden {hidden_size}, vocab {vocab_size})"
-        )
-    return cfg
 
 
 def target_rotary(target: PreTrainedModel, arch_config: PretrainedConfig, family: str) -> tuple[nn.Module, dict]:
@@ -246,6 +186,8 @@ def run_layer(
     ``cache`` (extended by T entries). Returns the layer's output ``[B, T, D]``."""
     position_embeddings = rotary(hidden, position_ids, **rotary_kwargs)
     kwargs: dict[str, Any] = {"cache": cache, "use_cache": True} if cache is not None else {}
+    if _takes_shared_kv(type(layer)):
+        kwargs["shared_kv_states"] = _kv_sharing_dict()
     out = layer(
         hidden,
         attention_mask=attention_mask,
@@ -254,6 +196,19 @@ def run_layer(
         **kwargs,
     )
     return out[0] if isinstance(out, tuple) else out
+
+
+@functools.cache
+def _takes_shared_kv(layer_cls: type) -> bool:
+    # Layers of KV-sharing families (Gemma-4) store their keys for later layers in a dict the model passes each layer;
+    # the head's one layer gets a fresh one per call (nothing reads it).
+    return "shared_kv_states" in inspect.signature(layer_cls.forward).parameters
+
+
+def _kv_sharing_dict() -> Any:
+    from transformers.cache_utils import KVSharingDict  # only for the families that take one
+
+    return KVSharingDict()
 
 
 def write_layer_head(
@@ -358,6 +313,7 @@ class EagleHead(nn.Module, HubMixin):
         self.fc = nn.Linear(2 * D, D, bias=config.fc_bias)
         layer = decoder_layer_class(self.arch_config, target)(self.arch_config, layer_idx=0)
         if init_from_target_layer and target is not None:
+            check_init_layer(target.config, -1, "EAGLE-1")
             src = target.base_model.layers[-1].state_dict()
             src = {k: v for k, v in src.items() if not k.startswith("input_layernorm.")}
             layer.load_state_dict(src, strict=False)

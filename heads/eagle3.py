@@ -28,7 +28,9 @@ functions of the ``speculators`` package's ``Eagle3DraftModel`` with the flags o
 The decoder layer is built through ``transformers`` from a one-layer, full-attention copy of the target's config
 (:func:`selfspec.heads.eagle.decoder_layer_class`), so norms, q/k norms and scalings are the family's own; only its
 q/k/v (or fused qkv) projections are rebuilt with 2D inputs, and its ``input_layernorm`` becomes
-:class:`FusedInputNorm` (the two norms above, each of the family's norm class). The token embedding and the rotary
+:class:`FusedInputNorm` (the two norms above, each of the family's norm class). A target whose attention reads the hidden states
+through other projections too (DeepSeek's latent attention) gets a Llama layer of its sizes instead, with RoPE of
+its own (``draft_layer``, :mod:`selfspec.heads.eagle3_layer`). The token embedding and the rotary
 embedding are the target's, frozen, referenced through :meth:`Eagle3Head.attach_target`, never saved.
 
 Files (``save_pretrained``), tensor names as the EAGLE-3 serving layouts use them (``docs/ARCHITECTURE.md``,
@@ -53,12 +55,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from selfspec.base.cpu_linear import project
 from selfspec.heads.config import check_family_fields, check_layer_ids
 from selfspec.heads.eagle import (
-    decoder_layer_class,
-    head_layer_config,
     logit_softcap,
     read_layer_head,
     run_layer,
@@ -66,16 +67,24 @@ from selfspec.heads.eagle import (
     target_rotary,
     write_layer_head,
 )
+from selfspec.heads.eagle3_layer import DRAFT_LAYERS, FusedInputNorm, draft_layer_arch, widen_qkv
 from selfspec.heads.families import HeadFamily, register_head_family
 from selfspec.heads.hub import HubMixin
 from selfspec.heads.io import CONFIG_NAME, WEIGHTS_NAME, HeadFormatError, load_state, read_safetensors
+from selfspec.heads.layer_config import check_init_layer, head_layer_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
-__all__ = ["Eagle3Config", "Eagle3Head", "FusedInputNorm", "check_vocab_maps", "default_target_layers", "vocab_maps"]
+__all__ = [
+    "Eagle3Config",
+    "Eagle3Head",
+    "FusedInputNorm",
+    "check_vocab_maps",
+    "default_target_layers",
+    "vocab_maps",
+]
 
-QKV_NAMES = ("q_proj", "k_proj", "v_proj", "qkv_proj")
 # Module names of this implementation -> the tensor names of the published EAGLE-3 layout.
 _FILE_NAMES = {
     "layers.0.input_layernorm.embed_norm.weight": "layers.0.input_layernorm.weight",
@@ -150,6 +159,12 @@ class Eagle3Config:
         heldout_top1: held-out teacher-forced top-1 agreement with the target's greedy token, if measured.
         fc_norm: EAGLE-3.1 (arXiv:2605.09992): a norm on each fused target layer before ``fc``.
         norm_output: EAGLE-3.1: the next draft step takes the head's output after the final norm.
+        draft_layer: the head's decoder layer (:data:`DRAFT_LAYERS`): ``"target"``, the target's own layer class
+            with q/k/v widened; ``"llama"``, a Llama decoder layer of the target's sizes with RoPE of its own (the
+            layer the engines' EAGLE-3 layouts for DeepSeek and Kimi targets use), for a target whose attention
+            reads the hidden states through other projections too (multi-head latent attention's
+            ``kv_a_proj_with_mqa``); ``"auto"``, ``"target"`` where the target's attention can be widened, else
+            ``"llama"``. A built head's config names the layer it has (never ``"auto"``).
         head_type: always ``"eagle3"``.
 
     Both EAGLE-3.1 fields default to False, the EAGLE-3 head; a head directory written before they existed reads
@@ -169,10 +184,13 @@ class Eagle3Config:
     heldout_top1: float | None = None
     fc_norm: bool = False
     norm_output: bool = False
+    draft_layer: str = "auto"
     head_type: str = "eagle3"
 
     def __post_init__(self) -> None:
         check_family_fields(self.head_type, "eagle3", self.draft_vocab_size, self.vocab_size)
+        if self.draft_layer not in DRAFT_LAYERS:
+            raise ValueError(f"draft_layer must be one of {DRAFT_LAYERS}, got {self.draft_layer!r}")
         layers = default_target_layers(self.num_target_layers) if self.target_layers is None else self.target_layers
         layers = check_layer_ids("target_layers", layers, 0, self.num_target_layers - 1, count=3)  # layer inputs
         object.__setattr__(self, "target_layers", layers)
@@ -194,36 +212,6 @@ class Eagle3Config:
         cache (:mod:`selfspec.decode.tuning.draft_costs`): the draft vocabulary and EAGLE-3.1's norms (the fc over
         three layers, without a bias, is the family's own)."""
         return f"v{self.draft_vocab_size}" + "".join(f"-{flag}" for flag in self.eagle31_flags)
-
-
-class FusedInputNorm(nn.Module):
-    """The attention input of an EAGLE-3 layer, standing in for the layer's ``input_layernorm``:
-    ``forward(h [.., D]) -> concat(embed_norm(e), hidden_norm(h)) [.., 2D]``, where ``e`` (the token embeddings
-    ``[.., D]`` of the same positions) is set by :meth:`Eagle3Head.forward` for the duration of one layer call."""
-
-    def __init__(self, embed_norm: nn.Module, hidden_norm: nn.Module) -> None:
-        super().__init__()
-        self.embed_norm, self.hidden_norm = embed_norm, hidden_norm
-        self.embeds: torch.Tensor | None = None
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.embeds is None:
-            raise RuntimeError("FusedInputNorm is called by Eagle3Head.forward, which sets the token embeddings")
-        return torch.cat([self.embed_norm(self.embeds), self.hidden_norm(hidden)], dim=-1)
-
-
-def _widen_qkv(attn: nn.Module, in_features: int) -> list[str]:
-    """Rebuild the attention's q/k/v (or fused qkv) linears with ``in_features`` inputs; returns their names."""
-    names = []
-    for name in QKV_NAMES:
-        old = getattr(attn, name, None)
-        if isinstance(old, nn.Linear):
-            new = nn.Linear(in_features, old.out_features, bias=old.bias is not None)
-            setattr(attn, name, new.to(dtype=old.weight.dtype))
-            names.append(name)
-    if not names:
-        raise HeadFormatError(f"{type(attn).__name__} has none of {QKV_NAMES}: cannot build an EAGLE-3 layer")
-    return names
 
 
 class Eagle3Head(nn.Module, HubMixin):
@@ -257,15 +245,19 @@ class Eagle3Head(nn.Module, HubMixin):
         init_lm_head: bool = False,
     ) -> None:
         super().__init__()
-        self.config = config
         D, S, V = config.hidden_size, config.draft_vocab_size, config.vocab_size
+        kind, arch_config, layer_cls = draft_layer_arch(config.draft_layer, arch_config, target)
+        self.config = dataclasses.replace(config, draft_layer=kind)
         self.arch_config = head_layer_config(arch_config, D, V)
         d2t, t2d = vocab_maps(torch.arange(S) if draft_ids is None else draft_ids, V)
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
         self.fc = nn.Linear(3 * D, D, bias=False)
-        layer = decoder_layer_class(self.arch_config, target)(self.arch_config, layer_idx=0)
-        qkv = _widen_qkv(layer.self_attn, 2 * D)
+        layer = layer_cls(self.arch_config, layer_idx=0)
+        qkv = widen_qkv(layer.self_attn, 2 * D)
+        # A Llama layer's RoPE is its own (the target's is built for the target's head size); not registered, so
+        # neither saved nor cast with the head's dtype
+        self._own_rotary = (LlamaRotaryEmbedding(self.arch_config),) if kind == "llama" else ()
         embed_norm = layer.input_layernorm
         # EAGLE-3.1: one norm per fused layer, of the family's class, freshly initialised (speculators' start)
         self.fc_norm = nn.ModuleList(copy.deepcopy(embed_norm) for _ in range(3)) if config.fc_norm else None
@@ -283,8 +275,9 @@ class Eagle3Head(nn.Module, HubMixin):
     @torch.no_grad()
     def _init_from(self, target: PreTrainedModel, init_layer: int | None, init_lm_head: bool, qkv: list[str]) -> None:
         D = self.config.hidden_size
-        if init_layer is not None:
+        if init_layer is not None and self.config.draft_layer == "target":  # a Llama layer starts from random
             layers = target.base_model.layers
+            check_init_layer(target.config, init_layer, "EAGLE-3")
             src = dict(layers[init_layer].state_dict())
             norm_w = src.pop("input_layernorm.weight", None)
             own = self.layers[0]
@@ -324,7 +317,10 @@ class Eagle3Head(nn.Module, HubMixin):
                 f"target has hidden {cfg.hidden_size} / vocab {cfg.vocab_size} / {cfg.num_hidden_layers} layers, "
                 f"the EAGLE-3 head expects {want[0]} / {want[1]} / {want[2]}: it belongs to another target."
             )
-        rotary, self._rotary_kwargs = target_rotary(target, self.arch_config, "EAGLE-3")
+        if self._own_rotary:
+            rotary, self._rotary_kwargs = self._own_rotary[0], {}
+        else:
+            rotary, self._rotary_kwargs = target_rotary(target, self.arch_config, "EAGLE-3")
         self._target = (target.get_input_embeddings(), rotary)
         self.logit_softcap = logit_softcap(cfg)
 
@@ -419,8 +415,9 @@ class Eagle3Head(nn.Module, HubMixin):
             if draft != config.draft_vocab_size or list(aux or []) != list(config.target_layers):
                 raise HeadFormatError(f"{d / CONFIG_NAME}: draft_vocab_size / eagle_config disagree with 'selfspec'")
 
+        # the target's model type is checked on attach: a Llama draft layer serves a target of any type
         config, arch = read_layer_head(
-            d, "eagle3", "EAGLE-3", Eagle3Config, target, target_fingerprint, pop_fields=pop_layout_fields
+            d, "eagle3", "EAGLE-3", Eagle3Config, None, target_fingerprint, pop_fields=pop_layout_fields
         )
         inverse = {v: k for k, v in _FILE_NAMES.items()}
         state = {inverse.get(k, k): v for k, v in read_safetensors(d / WEIGHTS_NAME).items()}

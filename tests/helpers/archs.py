@@ -3,7 +3,8 @@ the 2-layer Llama most tests decode with.
 
 Each family keeps what makes it different from Llama: sliding-window attention (window
 :data:`WINDOW` tokens, so contexts longer than the window are cheap), mixed local/global layers,
-per-layer-type rotary embeddings, q/k norms, soft-capped logits, scaled or tied embeddings.
+per-layer-type rotary embeddings, q/k norms, soft-capped logits, scaled or tied embeddings; the
+:data:`SERVED_ARCHS` their routed experts, latent attention, attention sinks and per-layer head sizes.
 """
 
 from __future__ import annotations
@@ -91,6 +92,80 @@ def _phi3() -> PretrainedConfig:
     return Phi3Config(**_COMMON)
 
 
+def _qwen3_moe() -> PretrainedConfig:
+    from transformers import Qwen3MoeConfig
+
+    # 8 experts, 2 routed per token (normalised top-k), q/k norms
+    return Qwen3MoeConfig(
+        **_COMMON, head_dim=8, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True
+    )
+
+
+def _mixtral() -> PretrainedConfig:
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2)  # 4 experts, 2 per token
+
+
+def _gpt_oss() -> PretrainedConfig:
+    from transformers import GptOssConfig
+
+    # attention sinks, sliding / full / sliding layers, 4 experts (2 per token), biased q/k/v
+    return GptOssConfig(
+        **_COMMON,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )
+
+
+def _deepseek_v3(q_lora_rank: int | None = None) -> PretrainedConfig:
+    from transformers import DeepseekV3Config
+
+    # multi-head latent attention (keys and values through a rank-16 latent, queries full rank: q_lora_rank None),
+    # a dense first layer then routed experts (4, 2 per token) with a shared one
+    return DeepseekV3Config(
+        **{**_COMMON, "num_key_value_heads": 4},
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=q_lora_rank,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+
+
+def _smollm3() -> PretrainedConfig:
+    from transformers import SmolLM3Config
+
+    return SmolLM3Config(**_COMMON, no_rope_layer_interval=3)  # every third layer without RoPE
+
+
+def _gemma4() -> PretrainedConfig:
+    from transformers import Gemma4TextConfig
+
+    # sliding / sliding / full layers, the full layer with a wider head (16 vs 8) and its own partial rotary,
+    # per-layer token embeddings (8 wide), k = v norms, scaled embeddings
+    return Gemma4TextConfig(
+        **{**_COMMON, "tie_word_embeddings": True},
+        head_dim=8,
+        global_head_dim=16,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=96,
+    )
+
+
 CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "llama": _llama,
     "mistral": _mistral,
@@ -99,12 +174,22 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "phi3": _phi3,
+    "qwen3_moe": _qwen3_moe,
+    "mixtral": _mixtral,
+    "gpt_oss": _gpt_oss,
+    "deepseek_v3": _deepseek_v3,
+    "smollm3": _smollm3,
+    "gemma4": _gemma4,
 }
-ARCHS = tuple(CONFIGS)
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+"""The families every decode and training test of the matrix runs (the exhaustive matrix)."""
+SERVED_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "smollm3", "gemma4")
+"""The architectures served in 2026 (mixture-of-experts, latent attention, attention sinks, no-RoPE layers, per-layer
+head sizes and inputs): their own, leaner matrix (tests/decode/test_served_architectures.py)."""
 
 
 def tiny_target(arch: str, seed: int = 0) -> PreTrainedModel:
-    """A randomly initialised causal LM of family ``arch`` (one of :data:`ARCHS`), fp32, eval, frozen.
+    """A randomly initialised causal LM of family ``arch`` (a key of :data:`CONFIGS`), fp32, eval, frozen.
 
     Raises:
         KeyError: an unknown family.
