@@ -25,6 +25,7 @@ from selfspec.train.distill_states import CapturedStates
 from selfspec.train.features import self_distill
 from selfspec.train.inputs import RunInputs
 from selfspec.train.recipes import recipe_for, warm_started
+from selfspec.train.tracking import accelerator_kwargs
 
 logger = logging.getLogger("selfspec.train")
 
@@ -48,6 +49,7 @@ def run(cfg: TrainConfig) -> Path:
         cpu=not torch.cuda.is_available(),
         mixed_precision=cfg.mixed_precision,
         gradient_accumulation_steps=cfg.grad_accum_steps,
+        **accelerator_kwargs(cfg.report_to, cfg.output_dir),
     )
     set_seed(cfg.seed)
     out_dir = Path(cfg.output_dir)

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -22,7 +22,7 @@ from selfspec.base.errors import UserError
 from selfspec.base.files import in_range, read_dataclass
 from selfspec.heads.config import check_layer_ids
 from selfspec.heads.families import head_families
-from selfspec.train.chat_format import REASONING, check_template_kwargs
+from selfspec.train.chat_format import check_template_kwargs
 from selfspec.train.losses import check_loss_kind
 
 
@@ -288,6 +288,9 @@ class TrainConfig:
         eval_topk: top-k accuracies recorded (per head for Medusa; used to build the static tree).
         output_dir: checkpoints, features and the final ``heads/`` directory go here.
         seed: all randomness.
+        report_to: the experiment tracker the run logs to through ``accelerate``: ``"tensorboard"``, ``"wandb"``,
+            ``"mlflow"`` or ``"trackio"`` (an optional extra: ``pip install 'selfspec[tensorboard]'``); None or
+            ``"none"``: none (:mod:`selfspec.train.tracking`).
         threads: torch intra-op threads (None: torch's default).
         calibrate_prompts / calibrate_max_new_tokens: after training an EAGLE head, decode this many
             held-out prompts (the last ones of the held-out split) greedily with a large draft tree and save
@@ -308,16 +311,16 @@ class TrainConfig:
     self_distill: bool = True
     distill_conversations: int = in_range(320, ge=0)
     distill_eval_conversations: int | None = None
-    distill_max_new_tokens: int = 160
+    distill_max_new_tokens: int = in_range(160, ge=1)
     distill_batch_size: int = in_range(16, ge=1)
-    distill_max_prompt_tokens: int | None = None
-    distill_turns: str = "first"
-    distill_temperature: float = 0.0
-    distill_top_p: float = 1.0
+    distill_max_prompt_tokens: int | None = in_range(None, ge=1, unset="max_length - distill_max_new_tokens")
+    distill_turns: Literal["first", "all"] = "first"
+    distill_temperature: float = in_range(0.0, ge=0)
+    distill_top_p: float = in_range(1.0, gt=0, le=1)
     distill_system_prompt: str | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    reasoning: str = "keep"
+    reasoning: Literal["keep", "drop"] = "keep"
     distill_dir: str | None = None
     distill_capture_gb: float = 4.0
     original_conversations: int = in_range(0, ge=0)
@@ -343,6 +346,7 @@ class TrainConfig:
     eval_topk: int = in_range(8, ge=1)
     output_dir: str = "runs/medusa-smollm2"
     seed: int = 0
+    report_to: Literal["none", "tensorboard", "wandb", "mlflow", "trackio"] | None = None
     threads: int | None = in_range(None, ge=1, unset="torch's default")
     calibrate_prompts: int = in_range(8, ge=0)
     calibrate_max_new_tokens: int = in_range(48, ge=1)
@@ -364,20 +368,10 @@ class TrainConfig:
             raise ValueError(
                 f"feature_batch_tokens must be >= 0 (0: one example at a time), got {self.feature_batch_tokens}"
             )
-        if self.distill_turns not in ("first", "all"):
-            raise ValueError(f"distill_turns must be 'first' or 'all', got {self.distill_turns!r}")
-        if self.distill_temperature < 0 or not 0 < self.distill_top_p <= 1:
-            raise ValueError("distill_temperature must be >= 0 (0: greedy) and distill_top_p in (0, 1]")
-        if self.distill_max_new_tokens < 1 or (
-            self.distill_max_prompt_tokens is not None and self.distill_max_prompt_tokens < 1
-        ):
-            raise ValueError("distill_max_new_tokens and distill_max_prompt_tokens must be >= 1")
         if self.features not in ("auto", "store", "online"):
             raise ValueError(f"features must be 'auto', 'store' or 'online', got {self.features!r}")
         if self.feature_shard_mb <= 0:
             raise ValueError(f"feature_shard_mb must be > 0, got {self.feature_shard_mb}")
-        if self.reasoning not in REASONING:
-            raise ValueError(f"reasoning must be one of {REASONING}, got {self.reasoning!r}")
         if self.chat_template_kwargs is not None:
             check_template_kwargs(self.chat_template_kwargs)
         if self.distill_capture_gb < 0:

@@ -16,7 +16,9 @@ supplies the rest, the same for every head family:
 * held-out evaluation every ``eval_every`` steps with per-position acceptance and the chain tau estimate
   (:func:`chain_tau`); the head saved is the one of the highest estimate (``select_head: tau``), not the
   lowest loss, since a draft's loss can keep falling while its acceptance falls;
-* the progress bar, in the unit of the budget that stops the run (:mod:`selfspec.train.progress`);
+* the progress bar, in the unit of the budget that stops the run (:mod:`selfspec.train.progress`), and the
+  experiment tracker of ``report_to`` (:mod:`selfspec.train.tracking`: loss, learning rate, tokens/s, held-out
+  acceptance by depth and the chain tau estimate);
 * the time budget, ``<output_dir>/train_summary.json`` and
   ``<heads>/training_record.json`` (:mod:`selfspec.train.record`);
 * the draft vocabulary's choice from token counts (:func:`draft_vocabulary`).
@@ -40,6 +42,7 @@ from selfspec.train.clock import TrainClock, make_scheduler, resumed_clock
 from selfspec.train.config import TrainConfig
 from selfspec.train.progress import TrainProgress
 from selfspec.train.record import RECORD_FILE, training_record
+from selfspec.train.tracking import end_tracking, eval_scalars, start_tracking, step_scalars
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -248,6 +251,7 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
         return {"acceptance": info["acceptance"], "chain_tau_estimate": info["chain_tau"]}
 
     quiet = not accelerator.is_local_main_process
+    start_tracking(accelerator, cfg, f"selfspec-{recipe.family}")
     hist: list[dict[str, Any]] = []
     if initial is not None and not step:  # step 0 of a warm start: a candidate like any evaluated head
         hist.append({"step": 0, **recipe.history(initial), **consider(0, initial)})
@@ -282,11 +286,16 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
             loss = round(float(torch.stack(losses).mean()), 4)
             micro, losses = 0, []
             bar.update(step, loss=f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in out.logs.items() if isinstance(v, float)})
+            accelerator.log(step_scalars(loss, used_lr, clock.tokens, clock.elapsed()), step=step)
             if (step % cfg.eval_every == 0 or step == total) and accelerator.is_main_process:
                 raw = recipe.evaluate()
                 metrics = {**recipe.history(raw), **consider(step, raw)}
                 hist.append({"step": step, "loss": loss, **out.logs, **metrics, "lr": used_lr})
                 logger.info("step %d %s", step, json.dumps({k: v for k, v in hist[-1].items() if k != "step"}))
+                if accelerator.log_with:
+                    acc = recipe.acceptance(raw)
+                    tau = chain_tau(acc) if acc else None
+                    accelerator.log(eval_scalars(recipe.history(raw), acc, tau), step=step)
             if step % cfg.save_every == 0 and step < total:
                 save_checkpoint(accelerator, ckpt, step, clock.elapsed(), identity, best, clock.tokens)
             if clock.out_of_tokens(cfg):
@@ -334,5 +343,6 @@ def train_loop(cfg: TrainConfig, accelerator: Accelerator, recipe: Recipe, heldo
         record = training_record(cfg, recipe.family, recipe.target, heldout_ids, calibration_ids)
         (final_dir / RECORD_FILE).write_text(json.dumps(record, indent=2))
         logger.info("saved the %s head to %s", recipe.family, final_dir)
+    end_tracking(accelerator)
     accelerator.wait_for_everyone()
     return final_dir
