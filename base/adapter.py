@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from peft import PeftModel
 
+from selfspec.base.errors import UserError
 from selfspec.base.fingerprint import adapter_fingerprint, register_adapter
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 MERGEABLE = ("LORA", "ADALORA", "LOHA", "LOKR", "IA3", "OFT", "BOFT")
 
 
-class AdapterError(ValueError):
+class AdapterError(UserError):
     """An adapter that cannot be applied to the target given (missing, of another base model, not mergeable)."""
 
 

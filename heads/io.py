@@ -37,6 +37,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from selfspec.base import files
+from selfspec.base.errors import UserError
 from selfspec.base.files import fsync_dir, replace_dir, staging_dir
 from selfspec.base.fingerprint import mismatch_hint
 
@@ -52,7 +53,7 @@ CHECKSUM_KEY = "selfspec_sha256"
 FIX = "re-export the heads with save_pretrained (or retrain them)"
 
 
-class HeadFormatError(ValueError):
+class HeadFormatError(UserError):
     """Raised when a head directory or config is wrong, incomplete or made for another target."""
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, ModelCard, constants
 from huggingface_hub.errors import HfHubHTTPError
 
+from selfspec.base.errors import UserError
 from selfspec.base.files import read_json, write_json
 from selfspec.bench.report import read_report
 from selfspec.card import BenchFigures, head_card
@@ -38,7 +39,7 @@ from selfspec.engines.registry import DEFAULT_ENGINE, engine_title
 from selfspec.families import family as family_record
 from selfspec.heads import load_heads
 from selfspec.heads.hub import HUB_FILES, hub_endpoint, resolve_head_dir
-from selfspec.heads.io import ADAPTATION_NAME, HeadFormatError, read_config
+from selfspec.heads.io import ADAPTATION_NAME, read_config
 from selfspec.target import ALIASES, SMOLLM2_ALIAS
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ BASE_MODELS = {SMOLLM2_ALIAS: "HuggingFaceTB/SmolLM2-135M-Instruct"}
 _FIX_AUTH = "pass a token with write access (token=..., --token, $HF_TOKEN) or run `hf auth login`"
 
 
-class HubError(ValueError):
+class HubError(UserError):
     """Raised when heads cannot be pushed; the message names the fix."""
 
 
@@ -387,21 +388,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token", default=None, help="Hub token with write access (default: $HF_TOKEN / saved login)")
     p.add_argument("--commit-message", default=None)
     args = p.parse_args(argv)
-    try:
-        push = push_heads(
-            args.heads,
-            args.repo,
-            private=True if args.private else None,
-            token=args.token,
-            commit_message=args.commit_message,
-            base_model=args.base_model,
-            bench_report=args.bench,
-            bench_method=args.bench_method,
-            bench_command=args.bench_command,
-            dry_run=args.dry_run,
-        )
-    except (HubError, HeadFormatError) as err:
-        print(f"selfspec push: {err}")
-        return 2
+    push = push_heads(  # a HubError or HeadFormatError is the user's: one line on stderr, exit 2 (selfspec.cli)
+        args.heads,
+        args.repo,
+        private=True if args.private else None,
+        token=args.token,
+        commit_message=args.commit_message,
+        base_model=args.base_model,
+        bench_report=args.bench,
+        bench_method=args.bench_method,
+        bench_command=args.bench_command,
+        dry_run=args.dry_run,
+    )
     print(push.describe())
     return 0

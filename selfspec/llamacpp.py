@@ -10,6 +10,7 @@ the result into ``<build cache>/llama.cpp/<version>-<cpu>``; a finished build is
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import fcntl
 import importlib.util
@@ -495,6 +496,14 @@ def build_info(found: LlamaCpp) -> dict:
 
 
 if __name__ == "__main__":  # python -m selfspec.llamacpp: build (or find) and print the directory
+    parser = argparse.ArgumentParser(
+        prog="python -m selfspec.llamacpp",
+        description=f"Build llama.cpp ({SDIST}=={SDIST_VERSION}'s vendored copy, CPU tools) once into the selfspec "
+        "build cache and print its directory; a cached build (or $SELFSPEC_LLAMA_CPP) is printed at once. The build "
+        "takes about 5-12 minutes on 2 cores and needs cmake and a C++ compiler.",
+    )
+    parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs (default: 2)")
+    jobs = parser.parse_args().jobs
     if find_llamacpp() is None:
         print(f"building llama.cpp ({SDIST}=={SDIST_VERSION}) into {build_dir()}, log: {build_dir()}.log", flush=True)
-    print(ensure_llamacpp().root)
+    print(ensure_llamacpp(jobs=jobs).root)

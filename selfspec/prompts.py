@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from selfspec.base.errors import MissingFileError, UserError
 from selfspec.base.target import resolve_eos
 
 if TYPE_CHECKING:
@@ -125,8 +126,13 @@ def load_jsonl_prompts(path: str | Path) -> list[BenchPrompt]:
     ``category`` and ``turns`` (list of user messages). Other keys (``reference`` ...) are ignored.
 
     Raises:
-        ValueError: a line is not JSON or lacks ``turns`` (the message names the line).
+        MissingFileError: no such file (a ``FileNotFoundError``).
+        UserError: a line is not JSON or lacks ``turns`` (the message names the line), or the file holds no
+            prompt (both ``ValueError``).
     """
+    layout = "one JSON object a line with 'turns', a list of user messages (MT-bench layout)"
+    if not Path(path).is_file():
+        raise MissingFileError(f"no such prompt file: {path}: pass a JSONL file of {layout}, or {SHAREGPT_HELDOUT!r}")
     prompts = []
     for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
@@ -134,15 +140,17 @@ def load_jsonl_prompts(path: str | Path) -> list[BenchPrompt]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{lineno} is not a JSON object: {err}") from err
+            raise UserError(f"{path}:{lineno} is not JSON ({err.msg}, column {err.colno}): write {layout}") from err
         turns = record.get("turns") if isinstance(record, dict) else None
         if not turns or not all(isinstance(t, str) for t in turns):
-            raise ValueError(
+            raise UserError(
                 f"{path}:{lineno} needs 'turns': a non-empty list of strings (MT-bench layout: "
                 "question_id, category, turns)"
             )
         qid = record.get("question_id", lineno)
         prompts.append(BenchPrompt(str(qid), str(record.get("category", "default")), tuple(turns)))
+    if not prompts:
+        raise UserError(f"{path} holds no prompts: write {layout}")
     return prompts
 
 
@@ -304,7 +312,9 @@ def load_prompts(
             does not hold out (so no head is measured on its training data). Ignored for files.
 
     Raises:
-        ValueError: a malformed prompt file or training record.
+        MissingFileError: no such prompt file.
+        UserError: a malformed or empty prompt file, or no prompt left after the filters.
+        ValueError: a malformed training record.
     """
     if source == SHAREGPT_HELDOUT:
         dirs = list(head_dirs)
@@ -335,4 +345,7 @@ def load_prompts(
             if seen[prompt.category] <= per_category:
                 kept.append(prompt)
         prompts = kept
-    return prompts[:num_prompts] if num_prompts is not None else prompts
+    prompts = prompts[:num_prompts] if num_prompts is not None else prompts
+    if not prompts:
+        raise UserError(f"no prompts to run from {source}: ask for at least one (--num-prompts, --per-category)")
+    return prompts

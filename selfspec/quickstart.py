@@ -35,6 +35,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from selfspec.base.errors import run_command
 from selfspec.bench import main as bench_main
 from selfspec.bench.report import read_report
 from selfspec.engines.registry import engine_title
@@ -198,4 +199,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("selfspec quickstart", main, sys.argv[1:]))

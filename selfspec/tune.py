@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from selfspec.base.errors import run_command
 from selfspec.console import parse_command
 from selfspec.decode.drafters.eagle import DEFAULT_TOP_K, EagleDrafter
 from selfspec.decode.tuning import budget as tree_budget
@@ -205,4 +206,4 @@ def _print_choice(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("selfspec tune-tree", main, sys.argv[1:]))

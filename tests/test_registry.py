@@ -126,4 +126,4 @@ def test_toy_family_card_and_export_refusal(trained, tmp_path, capsys):
     target.save_pretrained(target_dir)
     argv = [str(heads_dir), "--format", "gguf", "--out", str(tmp_path / "out"), "--target", str(target_dir)]
     assert main(["export", *argv]) == 2
-    assert "the gguf format holds EAGLE-3, DFlash and DSpark heads, not toy" in capsys.readouterr().out
+    assert "the gguf format holds EAGLE-3, DFlash and DSpark heads, not toy" in capsys.readouterr().err

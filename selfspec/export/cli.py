@@ -12,6 +12,7 @@ without its tokenizer, to check the heads belong to it; it is written into the e
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -91,31 +92,32 @@ def _run(
     tool_errors: tuple[type[Exception], ...] = (),
 ) -> int:
     """Parse ``selfspec COMMAND SRC --format F --out DIR --target T``, check the format, load the target, then
-    ``act(args, target, where)``, whose line is printed. Returns 0; 2 on bad input (the reason printed); 1 when
-    one of ``tool_errors`` (an outside tool's failure) was raised."""
+    ``act(args, target, where)``, whose line is printed. Returns 0; 1 when one of ``tool_errors`` (an outside tool's
+    failure) was raised, its message on stderr.
+
+    Raises:
+        HeadFormatError: bad input (a ``UserError``: the ``selfspec`` command prints it on stderr and exits with 2).
+    """
     p = argparse.ArgumentParser(prog=f"selfspec {command}")
     p.add_argument(src)
     p.add_argument("--format", required=True, help=f"one of {', '.join(formats)}")
     p.add_argument("--out", required=True, help="directory to write (a previous export is replaced as a whole)")
     p.add_argument("--target", required=True, help="the target model: directory, Hub id or smollm2-135m-instruct")
     args = p.parse_args(argv)
+    if args.format not in formats:
+        raise HeadFormatError(f"unknown {command} format {args.format!r}; choose one of {list(formats)}")
     try:
-        if args.format not in formats:
-            raise HeadFormatError(f"unknown {command} format {args.format!r}; choose one of {list(formats)}")
         target, where = load_frozen_target(args.target)
         done = act(args, target, where)
-    except HeadFormatError as err:
-        print(f"selfspec {command}: {err}")
-        return 2
     except tool_errors as err:
-        print(f"selfspec {command}: {err}")
+        print(f"selfspec {command}: {err}", file=sys.stderr)
         return 1
     print(done)
     return 0
 
 
 def export_main(argv: list[str]) -> int:
-    """``selfspec export``: returns 0 on success, 2 on bad input (the reason printed), 1 when llama.cpp failed."""
+    """``selfspec export``: returns 0 on success, 1 when llama.cpp failed; bad input raises a ``HeadFormatError``."""
 
     def act(args: argparse.Namespace, target: PreTrainedModel, where: str) -> str:
         out = export_heads(load_heads(args.heads, target), args.format, args.out, target_name_or_path=where)
@@ -125,7 +127,7 @@ def export_main(argv: list[str]) -> int:
 
 
 def import_main(argv: list[str]) -> int:
-    """``selfspec import``: returns 0 on success, 2 on bad input (the reason printed)."""
+    """``selfspec import``: returns 0 on success; bad input raises a ``HeadFormatError``."""
 
     def act(args: argparse.Namespace, target: PreTrainedModel, where: str) -> str:
         out = import_heads(args.src, args.format, args.out, target)

@@ -77,22 +77,22 @@ def test_command_errors_name_the_fix(target, target_dir, tmp_path, capsys):
     assert main(["export", str(tmp_path / "heads"), "--format", "onnx", *common]) == 2
     assert (
         "unknown export format 'onnx'; choose one of ['speculators', 'sglang', 'gguf', 'openvino']"
-        in capsys.readouterr().out
+        in capsys.readouterr().err
     )
     assert main(["export", str(tmp_path / "heads"), "--format", "speculators", *common]) == 2
-    assert "holds EAGLE-3, DFlash and DSpark heads, not eagle; export with --format sglang" in capsys.readouterr().out
+    assert "holds EAGLE-3, DFlash and DSpark heads, not eagle; export with --format sglang" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "heads"), "--format", "gguf", *common]) == 2  # refused before llama.cpp
-    assert "the gguf format holds EAGLE-3, DFlash and DSpark heads" in capsys.readouterr().out
+    assert "the gguf format holds EAGLE-3, DFlash and DSpark heads" in capsys.readouterr().err
     other = tmp_path / "other-target"
     tiny_target("llama", seed=7).save_pretrained(other)
     argv = [str(tmp_path / "heads"), "--format", "sglang", "--out", str(tmp_path / "out"), "--target", str(other)]
     assert main(["export", *argv]) == 2
-    assert "fingerprint" in capsys.readouterr().out
+    assert "fingerprint" in capsys.readouterr().err
     argv = [str(tmp_path / "heads"), "--format", "sglang", "--out", str(tmp_path / "out"), "--target", "./nowhere"]
     assert main(["export", *argv]) == 2
-    assert "cannot load the target './nowhere'" in capsys.readouterr().out
+    assert "cannot load the target './nowhere'" in capsys.readouterr().err
     assert main(["import", str(tmp_path / "heads"), "--format", "gguf", *common]) == 2
-    assert "unknown import format 'gguf'" in capsys.readouterr().out
+    assert "unknown import format 'gguf'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
