@@ -15,12 +15,15 @@ So adaptation is training with three changes, all of them the training layer's o
    steps, and the head saved is the one of the highest held-out chain tau estimate, the start included: on its
    held-out prompts an adapted head never ranks below the head it started from.
 
-Everything is checked before any work (an empty prompt file, a file of unknown layout, prompts longer than the
-target's context, heads of another target, a budget of 0). The input heads are only read; the run lives in DIR
-(``DIR/heads`` the adapted heads, ``DIR/distill`` the answers, ``DIR/checkpoint``), so a killed run resumes with the
-same command. ``DIR/heads/adaptation.json`` records the adaptation (prompt and token counts, budget, hashes of the
-prompts and of the heads it started from): no text and no paths, and the training record names the prompts by
-their hash, so the heads can be pushed or exported as they are.
+Everything is checked before any work, before the target loads and before DIR is created (every option against
+its range, an empty prompt file, a file of unknown layout, prompts longer than the target's context, heads of
+another target, a budget of 0, and a DIR whose ``heads`` or ``run`` would be, hold or lie inside the input heads).
+The input heads are only read; the run's work lives in ``DIR/run`` (the answers, the features, the checkpoints), so a
+killed run resumes with the same command; the adapted heads are written there and moved to ``DIR/heads`` (replacing
+an older one as a whole) only when complete, their record included. ``DIR/heads/adaptation.json`` records the
+adaptation (prompt and token counts, budget, hashes of the prompts and of the heads it started from): no text and
+no paths, and the training record names the prompts by their hash, so the heads can be pushed or exported as they
+are.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from selfspec.base.files import write_json
+from selfspec.base.errors import UserError
+from selfspec.base.files import check_fields, in_range, replace_dir, write_json
 from selfspec.base.target import load_target
 from selfspec.decode.drafters.base import context_length
 from selfspec.heads import load_heads
@@ -85,11 +89,62 @@ def _digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def _check_budget(tokens: int | None, minutes: float | None) -> None:
-    if tokens is None and minutes is None:
-        raise ValueError("give a budget: --tokens N (trained tokens) and / or --minutes M (training wall time)")
-    if (tokens is not None and tokens <= 0) or (minutes is not None and minutes <= 0):
-        raise ValueError(f"a budget must be positive (got tokens={tokens}, minutes={minutes}): nothing would train")
+RUN_DIR = "run"  # <out>/run: the run's answers, features and checkpoints (a killed run resumes from it)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptOptions:
+    """The options of :func:`adapt` (``selfspec adapt``'s flags), each checked against its range on construction,
+    before any work.
+
+    Raises:
+        UserError: an option of another type or out of its range, named as its flag, with its range; no budget.
+    """
+
+    tokens: int | None = in_range(None, ge=1, unset="no token budget")
+    minutes: float | None = in_range(None, gt=0, unset="no time budget")
+    lr: float = in_range(5e-4, gt=0, le=1)
+    max_new_tokens: int = in_range(256, ge=1)
+    heldout_fraction: float = in_range(0.2, gt=0, lt=1)
+    threads: int | None = in_range(None, ge=1, unset="torch's default")
+    seed: int = in_range(0, ge=0)
+    overrides: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        try:
+            check_fields(self, lambda name: "overrides" if name == "overrides" else f"--{name.replace('_', '-')}")
+        except ValueError as err:
+            raise UserError(str(err)) from err
+        bad = [item for item in self.overrides if "=" not in item or item.startswith("=")]
+        if bad:
+            raise UserError(f"training overrides are key=value items (eagle3.ttt_steps=2), got {bad[0]!r}")
+        if self.tokens is None and self.minutes is None:
+            raise UserError("give a budget: --tokens N (trained tokens) and / or --minutes M (training wall time)")
+
+
+def check_out(head_dir: Path, out: Path) -> None:
+    """Refuse an ``out`` that would write over the input heads: ``out/heads`` (where the adapted heads go) and
+    ``out/run`` (where the run works) must neither be the input heads' directory, nor hold it, nor lie inside it
+    (paths resolved, so links and ``..`` do not hide it).
+
+    Raises:
+        UserError: the message names both paths and the fix.
+    """
+    source = head_dir.resolve()
+    for name in ("heads", RUN_DIR):
+        written = (out / name).resolve()
+        if written == source:
+            how = "is"
+        elif source.is_relative_to(written):
+            how = "holds"
+        elif written.is_relative_to(source):
+            how = "lies inside"
+        else:
+            continue
+        raise UserError(
+            f"--out {out} would write {written}, which {how} the input heads {source}: pass another --out "
+            "(the input heads are only read, never written over)"
+        )
 
 
 def _check_lengths(prompts: list[dict], tokenizer: Any, context: int | None, path: str) -> int:
@@ -143,21 +198,56 @@ def adapt(
         ``after``: held-out acceptance by position and chain tau estimate).
 
     Raises:
-        ValueError: no budget or a budget of 0, an empty prompt file or one of unknown layout, prompts longer than
-            the target's context, a family that cannot train.
+        ValueError: an option out of its range (:class:`AdaptOptions`) or no budget, an ``out`` that would write
+            over the input heads (:func:`check_out`), an empty prompt file or one of unknown layout, prompts longer
+            than the target's context, a family that cannot train, a bad training override.
         HeadFormatError: heads that are missing, corrupt, or of another target.
         FileNotFoundError: no such prompt file.
     """
     from selfspec.train.__main__ import run
 
-    _check_budget(tokens, minutes)
+    AdaptOptions(tokens, minutes, lr, max_new_tokens, heldout_fraction, threads, seed, tuple(overrides))
     conversations = load_prompt_file(prompts)
     head_dir = resolve_head_dir(heads)
+    out_dir = Path(out).expanduser()
+    check_out(head_dir, out_dir)
     saved = load_heads(head_dir)
     family = str(saved.config.head_type)
     target_name = target or saved.config.target
     if not target_name:
         raise ValueError(f"{head_dir} names no target: pass --target")
+    run_dir = out_dir / RUN_DIR
+    data = run_dir / "prompts.jsonl"
+
+    def settings(max_length: int) -> list[str]:
+        return [
+            f"head={family}",
+            f"target={target_name}",
+            f"init_heads={head_dir}",
+            f"data={data}",
+            f"max_conversations={len(conversations)}",
+            f"eval_fraction={heldout_fraction}",
+            f"max_length={max_length}",
+            "self_distill=true",
+            f"distill_conversations={len(conversations)}",
+            f"distill_eval_conversations={len(conversations)}",  # every held-out prompt is answered and evaluated
+            "original_conversations=0",
+            f"distill_max_new_tokens={max_new_tokens}",
+            f"distill_dir={run_dir / 'distill'}",
+            f"output_dir={run_dir}",
+            f"max_train_tokens={'null' if tokens is None else tokens}",
+            f"max_train_minutes={'null' if minutes is None else minutes}",
+            "epochs=1000",
+            f"lr={lr}",
+            "warmup_steps=5",
+            "eval_every=10",
+            "save_every=10",
+            f"seed={seed}",
+            f"threads={'null' if threads is None else threads}",
+            *overrides,
+        ]
+
+    load_config(family_config(family), settings(512))  # the overrides and the recipe, before the target loads
     model, tokenizer = load_target(target_name)
     try:
         load_heads(head_dir, model)  # the fingerprint, before any work
@@ -166,9 +256,7 @@ def adapt(
     context = context_length(model)
     longest = _check_lengths(conversations, tokenizer, context, str(prompts))
     del model
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    data = out_dir / "prompts.jsonl"
+    run_dir.mkdir(parents=True, exist_ok=True)
     # the OpenAI layout, each prompt followed by the empty answer that self-distillation writes (never trained on as
     # it is: every conversation is regenerated)
     slots = [{**c, "messages": [*c["messages"], {"role": "assistant", "content": ""}]} for c in conversations]
@@ -176,41 +264,15 @@ def adapt(
     max_length = max(512, longest + max_new_tokens + 8)
     if context is not None:
         max_length = min(max_length, context)
-    settings = [
-        f"head={family}",
-        f"target={target_name}",
-        f"init_heads={head_dir}",
-        f"data={data}",
-        f"max_conversations={len(conversations)}",
-        f"eval_fraction={heldout_fraction}",
-        f"max_length={max_length}",
-        "self_distill=true",
-        f"distill_conversations={len(conversations)}",
-        f"distill_eval_conversations={len(conversations)}",  # every held-out prompt is answered and evaluated
-        "original_conversations=0",
-        f"distill_max_new_tokens={max_new_tokens}",
-        f"distill_dir={out_dir / 'distill'}",
-        f"output_dir={out_dir}",
-        f"max_train_tokens={'null' if tokens is None else tokens}",
-        f"max_train_minutes={'null' if minutes is None else minutes}",
-        "epochs=1000",
-        f"lr={lr}",
-        "warmup_steps=5",
-        "eval_every=10",
-        "save_every=10",
-        f"seed={seed}",
-        f"threads={'null' if threads is None else threads}",
-        *overrides,
-    ]
-    cfg: TrainConfig = load_config(family_config(family), settings)
+    cfg: TrainConfig = load_config(family_config(family), settings(max_length))
     t0 = time.perf_counter()
-    adapted = run(cfg)
-    summary = json.loads((out_dir / "train_summary.json").read_text())
-    record = adaptation_record(cfg, saved.config, head_dir, conversations, out_dir, summary, tokens, minutes)
+    staged = run(cfg)  # <out>/run/heads
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    record = adaptation_record(cfg, saved.config, head_dir, conversations, run_dir, summary, tokens, minutes)
     record["wall_s"] = round(time.perf_counter() - t0, 1)
-    write_json(adapted / ADAPTATION_FILE, record)
-    anonymise_training_record(adapted, record["prompts_sha256"])
-    return AdaptResult(adapted, record)
+    write_json(staged / ADAPTATION_FILE, record)
+    anonymise_training_record(staged, record["prompts_sha256"])
+    return AdaptResult(replace_dir(staged, out_dir / "heads"), record)  # in place only when complete
 
 
 def adaptation_record(
@@ -313,16 +375,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``selfspec adapt``: prints :func:`report`; bad input exits 2 with the reason before any work."""
+    """``selfspec adapt``: prints :func:`report`.
+
+    Raises:
+        UserError: bad input, before any work (the ``selfspec`` command prints it as one line on stderr and exits
+            with 2); the options and ``--out`` are checked before anything is logged or written.
+    """
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
+    options = vars(args)  # every flag is the keyword of adapt() of the same name
+    where = [options.pop(name) for name in ("heads", "prompts", "out")]
+    options["overrides"] = tuple(options["overrides"])
+    target = options.pop("target")
+    AdaptOptions(**options)
+    heads = Path(where[0]).expanduser()
+    if heads.is_dir():  # a Hub id is checked once resolved, in adapt()
+        check_out(heads, Path(where[2]).expanduser())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        options = vars(args)  # every flag is the keyword of adapt() of the same name
-        where = [options.pop(name) for name in ("heads", "prompts", "out")]
-        result = adapt(*where, **{**options, "overrides": tuple(options["overrides"])})
-    except (ValueError, FileNotFoundError) as err:
-        parser.error(str(err))
+        result = adapt(*where, target=target, **options)
+    except UserError:
+        raise
+    except (ValueError, FileNotFoundError) as err:  # the heads, the prompts, the target: all the user's input
+        raise UserError(str(err)) from err
     print(report(result))
     return 0
 

@@ -50,6 +50,24 @@ def digest(directory) -> str:
     return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file())).hexdigest()
 
 
+def tree(directory) -> dict[str, bytes]:
+    """Every file under ``directory`` and its bytes."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def cli(argv: list[str]) -> tuple[int, str]:
+    """The real ``selfspec`` command in this process: (exit status, its stderr)."""
+    import contextlib
+    import io
+
+    from selfspec.cli import main as selfspec_main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = selfspec_main(argv)
+    return code, err.getvalue()
+
+
 OPTIONS = ("max_length=64", "calibrate_prompts=0", "eagle3.batch_tokens=128", "eval_every=2", "save_every=2")
 
 
@@ -127,7 +145,7 @@ def test_bad_input_is_refused_before_any_work(setup, tmp_path):
     odd.write_text(json.dumps({"question": "hi"}) + "\n")
     with pytest.raises(ValueError, match="record 1 is in no known layout"):
         adapt(heads, odd, out, tokens=10)
-    with pytest.raises(ValueError, match="budget must be positive"):
+    with pytest.raises(ValueError, match=r"--tokens must be an integer >= 1 \(null: no token budget\), got 0"):
         adapt(heads, prompts, out, tokens=0)
     with pytest.raises(ValueError, match="give a budget"):
         adapt(heads, prompts, out)
@@ -141,9 +159,8 @@ def test_bad_input_is_refused_before_any_work(setup, tmp_path):
     with pytest.raises(HeadFormatError, match="pass --target"):
         adapt(heads, prompts, out, tokens=10, target=str(other))
     assert not out.exists()
-    with pytest.raises(SystemExit) as exit_info:
-        main([str(heads), "--prompts", str(empty), "--out", str(out), "--tokens", "5"])
-    assert exit_info.value.code == 2
+    code, err = cli(["adapt", str(heads), "--prompts", str(empty), "--out", str(out), "--tokens", "5"])
+    assert code == 2 and err.count("\n") == 1 and "holds no prompt" in err and not out.exists()
 
 
 def test_a_killed_adapt_resumes_with_the_same_command(setup, tmp_path, monkeypatch, caplog):
@@ -178,7 +195,87 @@ def test_a_killed_adapt_resumes_with_the_same_command(setup, tmp_path, monkeypat
         main(argv)
     assert not (tmp_path / "a" / "heads").exists() and digest(heads) == before
     monkeypatch.setattr(loop, "save_checkpoint", real)
+    from selfspec import adapt as module
+
+    def broken(*args, **kwargs):
+        raise KeyboardInterrupt  # killed after training, while the heads' record is written
+
+    monkeypatch.setattr(module, "anonymise_training_record", broken)
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    assert not (tmp_path / "a" / "heads").exists()  # moved into place only when complete
+    monkeypatch.undo()
     with caplog.at_level(logging.INFO):
         assert main(argv) == 0
     assert "resumed from" in caplog.text and "0 to generate" in caplog.text  # its steps and its answers
     assert load_heads(tmp_path / "a" / "heads") is not None and digest(heads) == before
+    assert (tmp_path / "a" / "heads" / ADAPTATION_FILE).is_file()
+    assert not [p for p in (tmp_path / "a").iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
+BAD_FLAGS = [
+    (["--tokens", "0"], r"--tokens must be an integer >= 1 \(null: no token budget\), got 0"),
+    (["--tokens", "10", "--minutes", "-1"], r"--minutes must be a number > 0 \(null: no time budget\), got -1.0"),
+    (["--tokens", "10", "--lr", "-1"], r"--lr must be a number in \(0, 1\], got -1.0"),
+    (["--tokens", "10", "--lr", "nan"], r"--lr must be a number in \(0, 1\], got nan"),
+    (["--tokens", "10", "--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
+    (["--tokens", "10", "--heldout-fraction", "1.5"], r"--heldout-fraction must be a number in \(0, 1\), got 1.5"),
+    (["--tokens", "10", "--heldout-fraction", "0"], r"--heldout-fraction must be a number in \(0, 1\), got 0.0"),
+    (["--tokens", "10", "--threads", "0"], r"--threads must be an integer >= 1 \(null: torch's default\), got 0"),
+    (["--tokens", "10", "--seed", "-1"], "--seed must be an integer >= 0, got -1"),
+    (["--tokens", "10", "eagle3.ttt_steps"], "training overrides are key=value items"),
+    (["--tokens", "10", "no_such_key=1"], "unknown config keys"),
+    (["--tokens", "10", "eagle3.ttt_steps=0"], "eagle3.ttt_steps must be"),
+    ([], "give a budget"),
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), BAD_FLAGS, ids=[" ".join(f) or "no-budget" for f, _ in BAD_FLAGS])
+def test_every_option_is_refused_through_the_cli_before_any_work(setup, tmp_path, monkeypatch, flags, message):
+    """Each out-of-range option exits 2 with one line naming the flag and its range, before the target loads and
+    before --out is created."""
+    import re
+
+    from selfspec import adapt as module
+
+    target, heads, prompts = setup
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the options were checked")
+
+    monkeypatch.setattr(module, "load_target", no_target)
+    before = tree(heads.parent)
+    out = tmp_path / "out"
+    code, err = cli(["adapt", str(heads), "--prompts", str(prompts), "--out", str(out), *flags])
+    assert code == 2 and err.count("\n") == 1 and err.startswith("selfspec adapt: error: "), err
+    assert re.search(message, err), err
+    assert not out.exists() and tree(heads.parent) == before
+
+
+def test_an_out_that_would_write_over_the_input_heads_is_refused(setup, tmp_path):
+    """``--out RUN`` (the run directory the heads came from), an ``--out`` inside the heads, one whose heads hold the
+    input, and the same through a symbolic link: exit 2, one line on stderr, nothing written."""
+    import shutil
+
+    target, heads, prompts = setup
+    nested = tmp_path / "outer" / "heads" / "inner"
+    shutil.copytree(heads, nested)
+    link = tmp_path / "link"
+    link.symlink_to(heads.parent, target_is_directory=True)
+    cases = [
+        (heads, heads.parent, "which is the input heads"),
+        (heads, heads, "which lies inside the input heads"),
+        (heads, heads / "deeper", "which lies inside the input heads"),
+        (nested, tmp_path / "outer", "which holds the input heads"),
+        (heads, link, "which is the input heads"),
+        (link / heads.name, heads.parent, "which is the input heads"),
+    ]
+    for source, out, how in cases:
+        before = tree(tmp_path), tree(heads.parent)
+        argv = [str(source), "--prompts", str(prompts), "--out", str(out), "--tokens", "10"]
+        code, err = cli(["adapt", *argv])
+        assert code == 2 and err.count("\n") == 1 and how in err and "pass another --out" in err, (out, err)
+        assert (tree(tmp_path), tree(heads.parent)) == before, out
+        with pytest.raises(ValueError, match=how):
+            adapt(source, prompts, out, tokens=10)
+        assert (tree(tmp_path), tree(heads.parent)) == before, out

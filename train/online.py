@@ -41,14 +41,13 @@ import math
 import threading
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from selfspec.base.files import write_json
+from selfspec.base.files import check_fields, in_range, write_json
 from selfspec.heads.io import ADAPTATION_NAME
 from selfspec.train.config import Eagle3Options
 from selfspec.train.eagle3 import UnrolledEagle3, eagle3_step_loss, evaluate
@@ -85,52 +84,24 @@ class OnlineOptions:
         seed: the order of the replay rows.
 
     Raises:
-        ValueError: a field out of its range (:data:`OPTION_RANGES`; the message names the field and the range).
+        ValueError: a field of another type or out of its range (the message names the field and the range).
     """
 
-    buffer_tokens: int = 16_384
-    window: int = 8
-    steps_per_request: int = 2
-    batch_tokens: int = 1024
-    max_length: int = 512
-    lr: float = 3e-4
-    ttt_steps: int = 2
-    cpu_share: float = 0.3
-    heldout_every: int = 4
-    tolerance: float = 0.03
+    buffer_tokens: int = in_range(16_384, ge=1)
+    window: int = in_range(8, ge=1)
+    steps_per_request: int = in_range(2, ge=0)
+    batch_tokens: int = in_range(1024, ge=1)
+    max_length: int = in_range(512, ge=1)
+    lr: float = in_range(3e-4, gt=0)
+    ttt_steps: int = in_range(2, ge=1)
+    cpu_share: float = in_range(0.3, gt=0, lt=1)
+    heldout_every: int = in_range(4, ge=2)
+    tolerance: float = in_range(0.03, ge=0, lt=1)
     background: bool = False
-    seed: int = 0
+    seed: int = in_range(0, ge=0)
 
     def __post_init__(self) -> None:
-        for name, (valid, check) in OPTION_RANGES.items():
-            value = getattr(self, name)
-            if not check(value):
-                raise ValueError(f"OnlineOptions.{name} must be {valid}, got {value!r}")
-
-
-def _integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _real(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-# every OnlineOptions field: (its valid range in words, the check of a value)
-OPTION_RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "buffer_tokens": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
-    "window": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
-    "steps_per_request": ("an integer >= 0", lambda v: _integer(v) and v >= 0),
-    "batch_tokens": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
-    "max_length": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
-    "lr": ("a number > 0", lambda v: _real(v) and v > 0),
-    "ttt_steps": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
-    "cpu_share": ("a number in (0, 1)", lambda v: _real(v) and 0 < v < 1),
-    "heldout_every": ("an integer >= 2", lambda v: _integer(v) and v >= 2),
-    "tolerance": ("a number in [0, 1)", lambda v: _real(v) and 0 <= v < 1),
-    "background": ("True or False", lambda v: isinstance(v, bool)),
-    "seed": ("an integer >= 0", lambda v: _integer(v) and v >= 0),
-}
+        check_fields(self, lambda name: f"OnlineOptions.{name}")
 
 
 @dataclass

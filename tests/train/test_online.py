@@ -274,15 +274,13 @@ BAD_OPTIONS = {
     "cpu_share": (0.0, r"a number in \(0, 1\)"),
     "heldout_every": (1, "an integer >= 2"),
     "tolerance": (float("nan"), r"a number in \[0, 1\)"),
-    "background": ("yes", "True or False"),
+    "background": ("yes", "true or false"),
     "seed": (-3, "an integer >= 0"),
 }
 
 
 def test_every_online_option_is_checked_against_its_range():
-    from selfspec.train.online import OPTION_RANGES
-
-    assert set(BAD_OPTIONS) == set(OPTION_RANGES) == {f.name for f in dataclasses.fields(OnlineOptions)}
+    assert set(BAD_OPTIONS) == {f.name for f in dataclasses.fields(OnlineOptions)}
     for name, (value, valid) in BAD_OPTIONS.items():
         with pytest.raises(ValueError, match=f"OnlineOptions.{name} must be {valid}, got "):
             OnlineOptions(**{name: value})
