@@ -215,7 +215,7 @@ def read_json(path: str | Path) -> Any:
         ValueError: it is not JSON (or not UTF-8); the message names the file.
     """
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        return json.loads(Path(path).read_text(encoding="utf-8-sig"))  # a byte-order mark is no content
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{path} is not JSON: {err}") from err
 

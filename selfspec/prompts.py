@@ -134,7 +134,7 @@ def load_jsonl_prompts(path: str | Path) -> list[BenchPrompt]:
     if not Path(path).is_file():
         raise MissingFileError(f"no such prompt file: {path}: pass a JSONL file of {layout}, or {SHAREGPT_HELDOUT!r}")
     prompts = []
-    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8-sig").splitlines(), start=1):
         if not line.strip():
             continue
         try:

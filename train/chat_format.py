@@ -45,7 +45,7 @@ def read_chat_template(path: str | Path) -> str:
     file = Path(path).expanduser()
     if not file.is_file():
         raise FileNotFoundError(f"no such chat_template file: {file}")
-    text = file.read_text(encoding="utf-8")
+    text = file.read_text(encoding="utf-8-sig")  # a byte-order mark would reach every prompt
     try:
         ImmutableSandboxedEnvironment().parse(text)
     except TemplateSyntaxError as err:

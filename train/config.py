@@ -474,7 +474,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
         if not Path(path).is_file():
             raise ConfigError(f"config file {path} does not exist: pass a YAML file (see configs/) or only key=value")
         try:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8-sig")) or {}
         except yaml.YAMLError as err:
             raise ConfigError(f"{path} is not valid YAML at {_yaml_problem(err)}: fix that line") from err
         if not isinstance(loaded, dict):

@@ -102,7 +102,7 @@ def iter_json_array(path: str | os.PathLike, chunk_chars: int = _READ_CHUNK_CHAR
     decoder = json.JSONDecoder()
     whitespace = " \t\n\r"
     count = 0
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8-sig") as handle:  # a byte-order mark (Windows editors) is no content
         buf = handle.read(chunk_chars)
         eof = not buf
         pos = 0
@@ -239,7 +239,7 @@ class _Normaliser:
 
 
 def _first_char(path: Path) -> str:
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8-sig") as handle:
         while True:
             char = handle.read(1)
             if char == "" or not char.isspace():
@@ -356,7 +356,7 @@ def _prompt_records(path: Path, text: str) -> list[Any] | None:
     for lineno, line in enumerate(text.splitlines(), start=1):
         if line.strip():
             try:
-                records.append(json.loads(line))
+                records.append(json.loads(line.lstrip("\ufeff")))  # files joined with their marks
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{lineno} is not a JSON object ({err}); expected {PROMPT_LAYOUTS}") from err
     return records
@@ -381,7 +381,7 @@ def load_prompt_file(path: str | os.PathLike) -> list[dict]:
     if not file.is_file():
         raise FileNotFoundError(f"no such prompt file: {file}")
     try:
-        text = file.read_text(encoding="utf-8")
+        text = file.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is no content
     except UnicodeDecodeError as err:
         raise ValueError(f"{file} is not UTF-8 text; expected {PROMPT_LAYOUTS}") from err
     records = _prompt_records(file, text)
