@@ -7,6 +7,7 @@ are still read from, and made once into, the real selfspec cache (``$SELFSPEC_BU
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 
 import pytest
@@ -28,6 +29,18 @@ def session_cache(tmp_path_factory):
         cache = tmp_path_factory.mktemp("selfspec-cache")
         env.setenv("SELFSPEC_CACHE", str(cache))
         yield cache
+
+
+@pytest.fixture(scope="session", autouse=True)
+def steady_timings():
+    """Cost measurements of the tiny test targets take one round and are never refused as disturbed: the rule that
+    repeats rounds until the medians settle is unit-tested with synthetic timings (tests/decode/test_timings.py),
+    and a busy test machine must not make caching tests flaky or slow."""
+    from selfspec.decode.tuning import costs
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(costs, "DEFAULT_TIMING_RULE", costs.TimingRule(max_spread=math.inf, max_rounds=1))
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -341,7 +341,7 @@ def test_cost_profile_kernel_plan_and_validation(tmp_path):
         cost([1, 2], [1.0, 2.0], kernel_ms={"linear": (1.0, None)})
     old = {**c.to_dict(), "version": 2, "verify_ms_linear": [1.0] * 5, "weight_first": [2]}
     del old["kernels"], old["kernel_ms"]
-    with pytest.raises(ValueError, match="version-3"):
+    with pytest.raises(ValueError, match="version-4"):
         CostProfile.from_dict(old)  # a version-2 cache file is measured again by get_cost_profile
     with pytest.raises(ValueError, match="kernel_ms"):
         CostProfile.from_dict({**c.to_dict(), "kernel_ms": [1.0]})
@@ -364,13 +364,13 @@ def test_measure_cost_profile_keeps_the_fastest_kernel_per_size(oracle, monkeypa
         fake |= {(1, "packed"): 10.5, (2, "packed"): 12.0, (4, "packed"): 13.5, (40, "packed"): 29.0}
     seen = []
 
-    def medians(fns, repeats, device, desc=None):
+    def medians(fns, repeats, device, rule=None, desc=None):
         seen.append(set(fns))
         for fn in fns.values():
             fn()  # each runs a real verification, with its kernel installed
-        return {k: fake[k] for k in fns}
+        return costs.Timings({k: fake[k] for k in fns}, {k: 0.0 for k in fns}, 1, 0.1, False)
 
-    monkeypatch.setattr(costs, "interleaved_medians", medians)
+    monkeypatch.setattr(costs, "measure_timings", medians)
     before = {name: dict(m.__dict__) for name, m in t.named_modules()}
     p = costs.measure_cost_profile(t, node_counts=(1, 2, 4, 40), context_length=8)
     assert seen[-1] == set(fake)
