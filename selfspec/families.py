@@ -8,39 +8,22 @@ options it takes, the export layouts it has per format, and its model-card text.
 keyed by the one name, so the imports still go downward; code that needs something of a family asks
 :func:`family` / :func:`family_of` and never switches on the name.
 
-A new family is its own files plus one :func:`register_family` call (and, below, its
-:func:`~selfspec.heads.families.register_head_family` and :func:`~selfspec.train.recipes.register_recipe`);
-``tests/helpers/toy_family.py`` is one, defined entirely in the tests.
+The built-in records are :mod:`selfspec.family_records`. A new family is its own files plus one :func:`register_family`
+call (and, below, its :func:`~selfspec.heads.families.register_head_family` and
+:func:`~selfspec.train.recipes.register_recipe`); ``tests/helpers/toy_family.py`` is one, defined entirely in the
+tests.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from selfspec.base.registry import register_once
-from selfspec.card_text import (
-    CardText,
-    block_description,
-    block_engines,
-    eagle3_description,
-    eagle3_engines,
-    eagle_description,
-    eagle_engines,
-    medusa_description,
-    medusa_engines,
-)
-from selfspec.export.gguf import export_gguf
-from selfspec.export.medusa_vllm import export_vllm_medusa
-from selfspec.export.openvino import export_openvino
-from selfspec.export.sglang import export_sglang
-from selfspec.export.sglang_block import export_sglang_block
-from selfspec.export.speculators import export_speculators
-from selfspec.export.speculators_block import export_speculators_block
-from selfspec.head_drafters import block_drafter, eagle_drafter, medusa_drafter
+from selfspec.card_text import CardText
 from selfspec.heads.families import HeadFamily, head_family
 from selfspec.heads.families import family_of as head_family_of
 
@@ -48,10 +31,10 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = [
+    "BUILTIN_RECORDS",
     "EXPORT_FORMATS",
     "Exporter",
     "Family",
-    "gguf_export",
     "family",
     "family_of",
     "register_family",
@@ -61,14 +44,13 @@ __all__ = [
 # The formats ``selfspec export`` writes; a family lists the ones it has a layout in (Family.exports).
 EXPORT_FORMATS = ("speculators", "sglang", "gguf", "openvino")
 
-# ``export(head, out_dir, *, target_name_or_path=...) -> written path``: one family's layout in one format.
+# ``export(head, out_dir, *, target_name_or_path=..., **options) -> written path``: one family's layout in one format
+# (a format's own options pass on: gguf takes ``name``, ``outtype`` and ``llamacpp``).
 Exporter = Callable[..., Path]
 
-
-def gguf_export(head: Any, out_dir: str | Path, *, target_name_or_path: str) -> Path:
-    """The ``gguf`` exporter: :func:`selfspec.export.gguf.export_gguf` with the target's Hugging Face directory (or
-    alias) as ``target_dir`` (llama.cpp's converter reads its tokenizer); returns the written ``.gguf`` file."""
-    return export_gguf(head, out_dir, target_dir=target_name_or_path)
+BUILTIN_RECORDS = "selfspec.family_records"
+"""The module that registers the built-in families' records, imported the first time a family is asked for (so this
+registry imports no exporter: the export package's command asks it, and nothing here imports that package)."""
 
 
 @dataclass(frozen=True)
@@ -143,8 +125,13 @@ def register_family(record: Family) -> Family:
     return register_once(_FAMILIES, record.name, record, "family")
 
 
+def _load_builtins() -> None:
+    importlib.import_module(BUILTIN_RECORDS)  # the module registers the built-in records as it runs
+
+
 def registered_families() -> tuple[str, ...]:
-    """The names of the families registered here, in registration order."""
+    """The names of the families registered here, the built-in ones first, in registration order."""
+    _load_builtins()
     return tuple(_FAMILIES)
 
 
@@ -156,6 +143,8 @@ def family(name: Any) -> Family:
         ValueError: a head family that has no record here (register it with :func:`register_family`).
     """
     heads = head_family(name)
+    if heads.name not in _FAMILIES:
+        _load_builtins()
     record = _FAMILIES.get(heads.name)
     if record is None:
         raise ValueError(
@@ -172,80 +161,3 @@ def family_of(head: nn.Module) -> Family:
         HeadFormatError: not a head of a registered family; ValueError: see :func:`family`.
     """
     return family(head_family_of(head).name)
-
-
-def eagle_export_hint(head: Any) -> str:
-    """Where an EAGLE-1 head goes: SGLang's ``LlamaForCausalLMEagle``, which needs ``fc.bias`` (no engine layout holds
-    a head without one)."""
-    if head.config.fc_bias:
-        return "export with --format sglang (LlamaForCausalLMEagle)"
-    return "export with selfspec's own format (SGLang's LlamaForCausalLMEagle needs fc.bias: retrain with fc_bias=True)"
-
-
-EAGLE_OPTIONS = ("depth", "top_k", "total_tokens")
-BLOCK_OPTIONS = ("block_length", "block_top_k", "confidence_min")
-_BLOCK_EXPORTS = {"speculators": export_speculators_block, "sglang": export_sglang_block, "gguf": gguf_export}
-
-for _record in (
-    Family(
-        "medusa",
-        medusa_drafter,
-        exports={"sglang": export_vllm_medusa},
-        export_hint=lambda head: "export with --format sglang (vLLM's MedusaModel)",
-        card=CardText("Cai et al. 2024, Medusa, https://arxiv.org/abs/2401.10774", medusa_description, medusa_engines),
-        tree_tuning="head_accuracy",
-    ),
-    Family(
-        "eagle",
-        eagle_drafter,
-        EAGLE_OPTIONS,
-        exports={"sglang": export_sglang},
-        export_hint=eagle_export_hint,
-        card=CardText(
-            "Li et al. 2024, EAGLE https://arxiv.org/abs/2401.15077 and EAGLE-2 https://arxiv.org/abs/2406.16858",
-            eagle_description,
-            eagle_engines,
-            title="EAGLE-1 (decoded with the EAGLE-2 dynamic tree)",
-        ),
-        tree_tuning="acceptance_profile",
-    ),
-    Family(
-        "eagle3",
-        eagle_drafter,
-        EAGLE_OPTIONS,
-        exports={
-            "speculators": export_speculators,
-            "sglang": export_sglang,
-            "gguf": gguf_export,
-            "openvino": export_openvino,
-        },
-        card=CardText("Li et al. 2025, EAGLE-3, https://arxiv.org/abs/2503.01840", eagle3_description, eagle3_engines),
-        tree_tuning="acceptance_profile",
-        llamacpp_spec_type="draft-eagle3",
-    ),
-    Family(
-        "dflash",
-        block_drafter,
-        BLOCK_OPTIONS,
-        exports=_BLOCK_EXPORTS,
-        card=CardText(
-            "Chen et al. 2026, DFlash, https://arxiv.org/abs/2602.06036",
-            block_description,
-            partial(block_engines, sglang_class="DFlashDraftModel"),
-        ),
-        llamacpp_spec_type="draft-dflash",
-    ),
-    Family(
-        "dspark",
-        block_drafter,
-        BLOCK_OPTIONS,
-        exports=_BLOCK_EXPORTS,
-        card=CardText(
-            "DeepSeek 2026, DSpark, https://arxiv.org/abs/2607.05147",
-            partial(block_description, markov=True),
-            partial(block_engines, sglang_class="Qwen3DSparkModel", verifies_block_plus_one=True),
-        ),
-        llamacpp_spec_type="draft-dspark",
-    ),
-):
-    register_family(_record)

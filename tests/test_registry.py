@@ -127,3 +127,27 @@ def test_toy_family_card_and_export_refusal(trained, tmp_path, capsys):
     argv = [str(heads_dir), "--format", "gguf", "--out", str(tmp_path / "out"), "--target", str(target_dir)]
     assert main(["export", *argv]) == 2
     assert "the gguf format holds EAGLE-3, DFlash and DSpark heads, not toy" in capsys.readouterr().err
+
+
+def _imports(path) -> set[str]:
+    """The modules a file imports (statements anywhere in it, deferred ones included)."""
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    return found | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+
+
+def test_export_dispatches_once_and_the_family_registry_imports_no_exporter():
+    """The family record names each format's layout; ``selfspec export`` (export/cli.py) asks the record, and neither
+    the registry nor any layout module asks the other side: the registry loads the built-in records by name."""
+    from pathlib import Path
+
+    from selfspec.families import BUILTIN_RECORDS
+
+    root = Path(__file__).resolve().parents[1] / "selfspec"
+    assert not [m for m in _imports(root / "families.py") if m.startswith("selfspec.export")]
+    for path in sorted((root / "export").glob("*.py")):
+        wanted = {"selfspec.families"} if path.name == "cli.py" else set()
+        assert _imports(path) & {"selfspec.families", BUILTIN_RECORDS} == wanted, path.name
+    assert set(BUILT_IN) <= set(registered_families())  # loaded on the first lookup

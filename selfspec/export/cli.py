@@ -15,7 +15,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,16 +32,14 @@ if TYPE_CHECKING:
 __all__ = ["EXPORT_FORMATS", "export_heads", "export_main", "import_main", "load_frozen_target"]
 
 
-def export_heads(head: Head, fmt: str, out_dir: str | Path, *, target_name_or_path: str) -> Path:
+def export_heads(head: Head, fmt: str, out_dir: str | Path, *, target_name_or_path: str, **options: Any) -> Path:
     """Export ``head`` in format ``fmt`` (one of :data:`EXPORT_FORMATS`) to ``out_dir``, with the exporter its
-    family's record has for that format (:attr:`selfspec.families.Family.exports`).
+    family's record has for that format (:attr:`selfspec.families.Family.exports`): the one dispatch of every export.
 
-    ``gguf`` runs :func:`selfspec.export.gguf.export_gguf` with ``target_dir=target_name_or_path`` (the target's
-    Hugging Face directory or an alias; llama.cpp's converter reads its tokenizer) and writes one ``.gguf`` file
-    into ``out_dir``.
-
-    ``openvino`` runs :func:`selfspec.export.openvino.export_openvino` (the target's IR and the head's, converted in
-    the ``openvino`` venv and cached).
+    ``gguf`` runs llama.cpp's converter with the target's Hugging Face directory (or an alias; it reads the tokenizer)
+    and writes one ``.gguf`` file into ``out_dir``; its ``options`` are ``name``, ``outtype`` and ``llamacpp``
+    (:func:`selfspec.export.gguf.export_gguf`). ``openvino`` converts the target's IR and the head's in the
+    ``openvino`` venv (cached; :func:`selfspec.export.openvino.export_openvino`).
 
     Returns:
         ``out_dir`` (``speculators``, ``sglang``, ``openvino``), or the written ``.gguf`` file (``gguf``).
@@ -62,7 +60,7 @@ def export_heads(head: Head, fmt: str, out_dir: str | Path, *, target_name_or_pa
         titles = [family(name).title for name in registered_families() if fmt in family(name).exports]
         held = ", ".join(titles[:-1]) + " and " + titles[-1] if len(titles) > 1 else "".join(titles) or "no"
         raise ExportError(f"the {fmt} format holds {held} heads, not {record.name}; {record.export_hint(head)}")
-    return exporter(head, out_dir, target_name_or_path=target_name_or_path)
+    return exporter(head, out_dir, target_name_or_path=target_name_or_path, **options)
 
 
 def load_frozen_target(name: str) -> tuple[PreTrainedModel, str]:

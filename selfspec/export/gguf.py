@@ -1,8 +1,8 @@
 """EAGLE-3 heads as llama.cpp drafts: the ``eagle3`` GGUF, made by llama.cpp's own converter (DFlash and DSpark
-heads: the ``dflash`` GGUF of :mod:`selfspec.export.gguf_block`, through the same entry point).
+heads: the ``dflash`` GGUF of :mod:`selfspec.export.gguf_block`; each family's record names its own exporter).
 
 The head is first written in the SpecForge / SGLang ``LlamaForCausalLMEagle3`` layout
-(:func:`selfspec.export.sglang.export_sglang`: ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``)
+(:func:`selfspec.export.sglang.export_sglang_eagle3`: ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``)
 into a temporary directory, then converted by the ``convert_hf_to_gguf.py`` of the cached llama.cpp build
 (:mod:`selfspec.llamacpp`)::
 
@@ -37,14 +37,12 @@ import numpy as np
 from gguf import GGUFReader
 
 from selfspec.export.common import ExportError, Head, family_name, gguf_field, refuse_eagle31, require_llama
-from selfspec.export.gguf_block import convert_block_head
-from selfspec.export.sglang import export_sglang
-from selfspec.heads.dflash import BLOCK_HEAD_TYPES
+from selfspec.export.sglang import export_sglang_eagle3
 from selfspec.heads.eagle3 import Eagle3Head
 from selfspec.llamacpp import LlamaCpp, ensure_llamacpp
 from selfspec.target import resolve_target
 
-__all__ = ["GGUF_TENSORS", "check_gguf", "check_llamacpp_eagle31", "export_gguf"]
+__all__ = ["GGUF_TENSORS", "check_gguf", "check_llamacpp_eagle31", "export_gguf", "gguf_destination"]
 
 GGUF_TENSORS = frozenset(
     {
@@ -101,6 +99,36 @@ def _target_config(target_dir: Path) -> dict:
         raise ExportError(f"{target_dir / 'config.json'}: {err}; pass the target's Hugging Face directory") from err
 
 
+def gguf_destination(
+    head: Head, out_dir: str | Path, target_dir: str | Path, name: str | None, llamacpp: LlamaCpp | None
+) -> tuple[Path, Path, LlamaCpp]:
+    """What every GGUF export checks and makes before converting: ``(target directory, the file to write, the
+    build)``. The target must be a local directory of the head's target (hidden size, vocabulary, layer count); the
+    file is ``<out_dir>/<name>.gguf``, by default ``<head's target>-<head_type>``; ``out_dir`` is created; the build
+    is ``llamacpp`` or :func:`selfspec.llamacpp.ensure_llamacpp`'s.
+
+    Raises:
+        ExportError: the target is not a local directory, or not the head's target.
+        RuntimeError: llama.cpp cannot be built.
+    """
+    target_dir = Path(resolve_target(target_dir))
+    if not target_dir.is_dir():
+        raise ExportError(f"target {target_dir} is not a local directory: pass the target's Hugging Face directory")
+    cfg, own = _target_config(target_dir), head.config
+    got = (cfg.get("hidden_size"), cfg.get("vocab_size"), cfg.get("num_hidden_layers"))
+    want = (own.hidden_size, own.vocab_size, own.num_target_layers)
+    if got != want:
+        raise ExportError(
+            f"{target_dir} has hidden size / vocabulary / layers {got}, the head was trained for {want}: "
+            f"pass the directory of the head's target ({own.target or 'see its config.json'})"
+        )
+    llamacpp = llamacpp or ensure_llamacpp()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = name or f"{Path(own.target).name or 'head'}-{family_name(head)}"
+    return target_dir, out_dir / f"{stem}.gguf", llamacpp
+
+
 def export_gguf(
     head: Head,
     out_dir: str | Path,
@@ -138,36 +166,19 @@ def export_gguf(
             Nothing is written then.
         RuntimeError: the converter failed (its output is in the message), or llama.cpp cannot be built.
     """
-    family = family_name(head)
-    if family not in ("eagle3", *BLOCK_HEAD_TYPES):
+    if not isinstance(head, Eagle3Head):  # the family records send DFlash / DSpark heads to export_gguf_block
         raise ExportError(
             f"the gguf format holds EAGLE-3, DFlash and DSpark heads (llama.cpp's eagle3 and dflash draft "
-            f"architectures); this is a {family} head. Train one of those, or export this one with --format sglang."
+            f"architectures; export_gguf writes EAGLE-3); this is a {family_name(head)} head. Train one of those, or "
+            "export this one with --format sglang."
         )
-    if family == "eagle3":
-        require_llama(head, "gguf")
-        check_llamacpp_eagle31(head)
-    target_dir = Path(resolve_target(target_dir))
-    if not target_dir.is_dir():
-        raise ExportError(f"target {target_dir} is not a local directory: pass the target's Hugging Face directory")
-    cfg, own = _target_config(target_dir), head.config
-    got = (cfg.get("hidden_size"), cfg.get("vocab_size"), cfg.get("num_hidden_layers"))
-    want = (own.hidden_size, own.vocab_size, own.num_target_layers)
-    if got != want:
-        raise ExportError(
-            f"{target_dir} has hidden size / vocabulary / layers {got}, the head was trained for {want}: "
-            f"pass the directory of the head's target ({own.target or 'see its config.json'})"
-        )
-    llamacpp = llamacpp or ensure_llamacpp()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = name or f"{Path(own.target).name or 'head'}-{family}"
-    final = out_dir / f"{stem}.gguf"
-    if family in BLOCK_HEAD_TYPES:
-        return convert_block_head(head, final, target_dir, outtype, llamacpp)
-    with tempfile.TemporaryDirectory(prefix=f".{stem}.tmp", dir=out_dir) as tmp:
-        hf_dir = export_sglang(head, Path(tmp) / stem, target_name_or_path=str(target_dir))
-        _pin_layers(Path(hf_dir), own.target_layers)
+    require_llama(head, "gguf")
+    check_llamacpp_eagle31(head)
+    target_dir, final, llamacpp = gguf_destination(head, out_dir, target_dir, name, llamacpp)
+    stem = final.stem
+    with tempfile.TemporaryDirectory(prefix=f".{stem}.tmp", dir=final.parent) as tmp:
+        hf_dir = export_sglang_eagle3(head, Path(tmp) / stem, target_name_or_path=str(target_dir))
+        _pin_layers(Path(hf_dir), head.config.target_layers)
         written = Path(tmp) / final.name
         llamacpp.convert(hf_dir, written, "--target-model-dir", str(target_dir), "--outtype", outtype)
         check_gguf(written, head)

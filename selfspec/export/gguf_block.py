@@ -29,11 +29,12 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFReader
 
-from selfspec.export.common import ExportError, gguf_field
+from selfspec.export.common import ExportError, family_name, gguf_field
+from selfspec.export.gguf import gguf_destination
 from selfspec.heads.dflash import BlockHead
 from selfspec.llamacpp import LlamaCpp
 
-__all__ = ["block_gguf_tensors", "check_block_gguf", "convert_block_head", "spec_type"]
+__all__ = ["block_gguf_tensors", "check_block_gguf", "convert_block_head", "export_gguf_block", "spec_type"]
 
 _LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "ffn_norm",
           "ffn_gate", "ffn_up", "ffn_down")  # fmt: skip
@@ -57,6 +58,32 @@ def block_gguf_tensors(head: BlockHead) -> frozenset[str]:
     if cfg.confidence:
         names |= {"conf_proj.weight", "conf_proj.bias"}
     return frozenset(names)
+
+
+def export_gguf_block(
+    head: BlockHead,
+    out_dir: str | Path,
+    *,
+    target_dir: str | Path,
+    name: str | None = None,
+    outtype: str = "f32",
+    llamacpp: LlamaCpp | None = None,
+) -> Path:
+    """Export a DFlash / DSpark head as llama.cpp's ``dflash`` GGUF, ``<out_dir>/<name>.gguf`` (the ``gguf`` exporter of
+    both families; the arguments are :func:`selfspec.export.gguf.export_gguf`'s).
+
+    Returns:
+        Path of the written ``.gguf`` file.
+
+    Raises:
+        ExportError: not a block head, the target directory is not the head's target
+            (:func:`selfspec.export.gguf.gguf_destination`), or what :func:`convert_block_head` raises.
+        RuntimeError: the converter failed, or llama.cpp cannot be built.
+    """
+    if not isinstance(head, BlockHead):
+        raise ExportError(f"the dflash GGUF holds DFlash and DSpark heads, not {family_name(head)}")
+    target_dir, final, llamacpp = gguf_destination(head, out_dir, target_dir, name, llamacpp)
+    return convert_block_head(head, final, target_dir, outtype, llamacpp)
 
 
 def convert_block_head(head: BlockHead, final: Path, target_dir: Path, outtype: str, llamacpp: LlamaCpp) -> Path:

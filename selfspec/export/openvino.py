@@ -12,9 +12,10 @@ and OpenVINO GenAI runs it as
 
 How (optimum-intel 2.2.0, openvino-genai 2026.4.1.0, in the ``openvino`` venv of :mod:`selfspec.engine_envs`):
 
-* The head is written in the SGLang ``LlamaForCausalLMEagle3`` layout (:func:`selfspec.export.sglang.export_sglang`),
-  which optimum-intel's exporter maps to its own ``LlamaEagle3ForCausalLM`` (``_CUSTOM_DRAFT_MODEL_MAP`` in
-  ``optimum/exporters/openvino/__main__.py``; the class in ``model_patcher.py``: ``fc`` over three target states,
+* The head is written in the SGLang ``LlamaForCausalLMEagle3`` layout
+  (:func:`selfspec.export.sglang.export_sglang_eagle3`), which optimum-intel's exporter maps to its own
+  ``LlamaEagle3ForCausalLM`` (``_CUSTOM_DRAFT_MODEL_MAP`` in ``optimum/exporters/openvino/__main__.py``; the class in
+  ``model_patcher.py``: ``fc`` over three target states,
   ``midlayer`` with ``input_layernorm`` on the embedding and ``hidden_norm`` on the state, ``norm``, ``lm_head`` over
   ``draft_vocab_size``, ``d2t``). It loads that class through ``auto_map``, hence ``--trust-remote-code``. The draft's
   ``embed_tokens`` is not in the file (the exporter reports it missing and initialises it): OpenVINO GenAI replaces
@@ -58,7 +59,7 @@ from typing import Any
 from selfspec.base.files import build_cache_root, replace_dir, staging_dir, write_json
 from selfspec.engine_envs import env_python, env_works
 from selfspec.export.common import ExportError, Head, family_name, refuse_eagle31, require_llama
-from selfspec.export.sglang import export_sglang
+from selfspec.export.sglang import export_sglang_eagle3
 from selfspec.heads.eagle3 import Eagle3Head
 
 __all__ = [
@@ -260,7 +261,7 @@ def prepare_openvino(head: Head, target_dir: str | Path) -> OpenVINOModels:
     files = [p for p in target.iterdir() if p.is_file()]
     target_ir = _convert(python, target, "target", _digest(files, "target"), None)
     with tempfile.TemporaryDirectory(prefix="selfspec-openvino-head-") as tmp:
-        sglang = export_sglang(head, Path(tmp) / "sglang", target_name_or_path=str(target))
+        sglang = export_sglang_eagle3(head, Path(tmp) / "sglang", target_name_or_path=str(target))
         key = _digest([sglang / "config.json", sglang / "model.safetensors"], layer_ids)
         draft_ir = _convert(python, sglang, "draft", key, layer_ids)
     return OpenVINOModels(target_ir, draft_ir, layer_ids, list(head.config.target_layers), dict(FP32_PROPERTIES))

@@ -48,7 +48,6 @@ import torch
 from selfspec.export.common import (
     TOKEN_MAP_NAME,
     ExportError,
-    Head,
     family_name,
     llama_config_dict,
     refuse_eagle31,
@@ -56,12 +55,8 @@ from selfspec.export.common import (
     require_llama,
     write_export,
 )
-from selfspec.export.medusa_vllm import export_vllm_medusa
-from selfspec.export.sglang_block import export_sglang_block
-from selfspec.heads.dflash import BlockHead
 from selfspec.heads.eagle import EagleHead
 from selfspec.heads.eagle3 import Eagle3Head
-from selfspec.heads.medusa import MedusaHeads
 
 __all__ = [
     "EAGLE3_ARCHITECTURE",
@@ -69,7 +64,8 @@ __all__ = [
     "check_sglang_eagle31",
     "eagle3_names",
     "eagle_names",
-    "export_sglang",
+    "export_sglang_eagle",
+    "export_sglang_eagle3",
     "layer_tensors",
     "sglang_aux_layer_ids",
     "token_map_bytes",
@@ -223,20 +219,16 @@ def _eagle(head: EagleHead, target_name_or_path: str) -> tuple[dict[str, Any], d
     return cfg, tensors, extra
 
 
-def export_sglang(head: Head, out_dir: str | Path, *, target_name_or_path: str) -> Path:
-    """Write ``head`` as an SGLang / SpecForge draft directory (``config.json`` + ``model.safetensors``; see the
-    module docstring for the names and shapes), atomically.
+def export_sglang_eagle3(head: Eagle3Head, out_dir: str | Path, *, target_name_or_path: str) -> Path:
+    """Write an EAGLE-3 head as SGLang / SpecForge's ``LlamaForCausalLMEagle3`` draft directory (``config.json`` +
+    ``model.safetensors``; the module docstring has the names and shapes), atomically: the ``sglang`` exporter of the
+    EAGLE-3 family (:mod:`selfspec.family_records`; ``selfspec export`` reaches it through the family's record).
 
-    This is also the Hugging Face layout that llama.cpp's ``convert_hf_to_gguf.py`` reads for an EAGLE-3 draft.
-    An EAGLE-1 head with a reduced draft vocabulary also gets :data:`~selfspec.export.common.TOKEN_MAP_NAME`, for
-    ``--speculative-token-map OUT_DIR/speculative_token_map.pt``.
+    This is also the Hugging Face layout that llama.cpp's ``convert_hf_to_gguf.py`` reads for an EAGLE-3 draft, and the
+    one optimum-intel's OpenVINO exporter converts.
 
     Args:
-        head: an :class:`Eagle3Head` (-> ``LlamaForCausalLMEagle3``), :class:`EagleHead`
-            (-> ``LlamaForCausalLMEagle``), :class:`MedusaHeads` (-> vLLM's ``MedusaModel``,
-            :func:`selfspec.export.medusa_vllm.export_vllm_medusa`) or a DFlash / DSpark :class:`BlockHead`
-            (-> ``DFlashDraftModel`` / ``Qwen3DSparkModel``, :func:`selfspec.export.sglang_block.export_sglang_block`),
-            fp32 or any float dtype (written as it is).
+        head: an :class:`Eagle3Head`, fp32 or any float dtype (written as it is).
         out_dir: the directory to write (created, or a previous export replaced as a whole).
         target_name_or_path: the target model the head drafts for (its Hub id or directory), written as
             ``target_model`` in the config for the user and for converters that ask for it.
@@ -245,22 +237,28 @@ def export_sglang(head: Head, out_dir: str | Path, *, target_name_or_path: str) 
         ``out_dir`` as a Path.
 
     Raises:
-        ExportError: a head whose decoder layer is not Llama's, a tensor the layout does not name or a trainer
-            prefix, an EAGLE-3.1 head (:func:`check_sglang_eagle31`), an EAGLE-1 head without ``fc.bias``, target
-            layers SGLang cannot name, an ``out_dir`` holding other files; what
-            :func:`~selfspec.export.medusa_vllm.export_vllm_medusa` and
-            :func:`~selfspec.export.sglang_block.export_sglang_block` raise. Nothing is written then.
+        ExportError: not an EAGLE-3 head, a decoder layer that is not Llama's, a tensor the layout does not name or a
+            trainer prefix, an EAGLE-3.1 head (:func:`check_sglang_eagle31`), target layers SGLang cannot name, an
+            ``out_dir`` holding other files. Nothing is written then.
     """
-    family = family_name(head)
-    extra: dict[str, bytes] = {}
-    if isinstance(head, MedusaHeads):
-        return export_vllm_medusa(head, out_dir, target_name_or_path=target_name_or_path)
-    if isinstance(head, BlockHead):
-        return export_sglang_block(head, out_dir, target_name_or_path=target_name_or_path)
-    if isinstance(head, Eagle3Head):
-        cfg, tensors = _eagle3(head, target_name_or_path)
-    elif isinstance(head, EagleHead):
-        cfg, tensors, extra = _eagle(head, target_name_or_path)
-    else:
-        raise ExportError(f"the sglang format holds Medusa, EAGLE-1, EAGLE-3, DFlash and DSpark heads, not {family}")
+    if not isinstance(head, Eagle3Head):
+        raise ExportError(f"LlamaForCausalLMEagle3 holds EAGLE-3 heads, not {family_name(head)}")
+    cfg, tensors = _eagle3(head, target_name_or_path)
+    return write_export(out_dir, cfg, tensors, {})
+
+
+def export_sglang_eagle(head: EagleHead, out_dir: str | Path, *, target_name_or_path: str) -> Path:
+    """Write an EAGLE-1 head as SGLang's ``LlamaForCausalLMEagle`` draft directory, atomically, with
+    :data:`~selfspec.export.common.TOKEN_MAP_NAME` for a reduced draft vocabulary (``--speculative-token-map
+    OUT_DIR/speculative_token_map.pt``): the ``sglang`` exporter of the EAGLE-1 family.
+
+    Args and returns: as :func:`export_sglang_eagle3`, for an :class:`EagleHead`.
+
+    Raises:
+        ExportError: not an EAGLE-1 head, no ``fc.bias``, a decoder layer that is not Llama's, a full-size draft
+            vocabulary in another order than the target's, an ``out_dir`` holding other files. Nothing is written.
+    """
+    if not isinstance(head, EagleHead):
+        raise ExportError(f"LlamaForCausalLMEagle holds EAGLE-1 heads, not {family_name(head)}")
+    cfg, tensors, extra = _eagle(head, target_name_or_path)
     return write_export(out_dir, cfg, tensors, extra)

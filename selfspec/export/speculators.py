@@ -50,8 +50,7 @@ from typing import Any
 
 from selfspec.export.common import ExportError, Head, family_name, llama_config_dict, target_embedding, write_export
 from selfspec.export.sglang import eagle3_names, layer_tensors
-from selfspec.export.speculators_block import SPECULATORS_VERSION, export_speculators_block
-from selfspec.heads.dflash import BlockHead
+from selfspec.export.speculators_block import SPECULATORS_VERSION
 from selfspec.heads.eagle3 import Eagle3Head
 
 __all__ = ["SPECULATORS_VERSION", "export_speculators", "speculators_names"]
@@ -86,36 +85,25 @@ def export_speculators(
 
     Args:
         head: an :class:`Eagle3Head` (EAGLE-3 or EAGLE-3.1) whose decoder layer is Llama's, any float dtype (written
-            as it is), or a DFlash / DSpark :class:`BlockHead`
-            (:func:`~selfspec.export.speculators_block.export_speculators_block`).
+            as it is); a DFlash / DSpark head's layout is
+            :func:`~selfspec.export.speculators_block.export_speculators_block` (each family's record names its own).
         out_dir: the directory to write (created, or replaced as a whole).
         target_name_or_path: the verifier (target) Hub id or directory, written as
             ``speculators_config.verifier.name_or_path``; vLLM and speculators read the target's config from it.
-        speculative_tokens: draft tokens per step that ``vllm serve`` proposes (``proposal_methods[0]``); a block
-            head proposes its block's drafts (``block_size - 1`` for DFlash, ``block_size`` for DSpark).
+        speculative_tokens: draft tokens per step that ``vllm serve`` proposes (``proposal_methods[0]``).
 
     Returns:
         ``out_dir`` as a Path.
 
     Raises:
-        ExportError: a head without its target attached (the embedding is written), a Medusa or EAGLE-1
-            head, a block head speculators would compute differently (its module's refusals), a non-Llama decoder
-            layer, a tensor the layout does not name,
+        ExportError: a head without its target attached (the embedding is written), a head that is not EAGLE-3,
+            a non-Llama decoder layer, a tensor the layout does not name,
             repeated target layers (speculators requires distinct ids), ``speculative_tokens < 1``.
     """
-    family = family_name(head)
-    if isinstance(head, BlockHead):
-        return export_speculators_block(head, out_dir, target_name_or_path=target_name_or_path)
-    if not isinstance(head, Eagle3Head):
-        fix = {
-            "medusa": "--format sglang (vLLM's MedusaModel)",
-            "eagle": "--format sglang (LlamaForCausalLMEagle)",
-        }.get(family, "selfspec's own format")
-        if family == "eagle" and not head.config.fc_bias:  # sglang refuses it too: no engine layout holds it
-            fix = "selfspec's own format (SGLang's LlamaForCausalLMEagle needs fc.bias: retrain with fc_bias=True)"
+    if not isinstance(head, Eagle3Head):  # the family records send the others to their own layouts
         raise ExportError(
-            f"the speculators format ({SPECULATORS_VERSION}) holds EAGLE-3, DFlash and DSpark heads, not {family}; "
-            f"export with {fix}"
+            f"export_speculators writes EAGLE-3 heads, not {family_name(head)}: export through "
+            "selfspec.export.cli.export_heads, which takes each family's layout"
         )
     if speculative_tokens < 1:
         raise ExportError(f"speculative_tokens must be >= 1, got {speculative_tokens}")

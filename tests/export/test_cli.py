@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import selfspec.families as families
+import selfspec.family_records as family_records
 from selfspec.cli import main
 from selfspec.export.cli import export_heads
 from selfspec.export.importer import import_heads
@@ -103,7 +103,7 @@ def test_gguf_dispatches_to_llamacpp_export(target, target_dir, tmp_path, monkey
         seen.update(head=head, out_dir=out_dir, target_dir=target_dir)
         return tmp_path / "out" / "x.gguf"
 
-    monkeypatch.setattr(families, "export_gguf", fake_export_gguf)  # the gguf exporter of the EAGLE-3 family
+    monkeypatch.setattr(family_records, "export_gguf", fake_export_gguf)  # the gguf exporter of the EAGLE-3 family
     head = make_eagle3(target)
     written = export_heads(head, "gguf", tmp_path / "out", target_name_or_path=str(target_dir))
     assert written == tmp_path / "out" / "x.gguf"

@@ -14,8 +14,7 @@ import json
 import pytest
 
 from selfspec.export.common import ExportError
-from selfspec.export.gguf import export_gguf
-from selfspec.export.gguf_block import check_block_gguf, spec_type
+from selfspec.export.gguf_block import check_block_gguf, export_gguf_block, spec_type
 from tests.helpers.archs import tiny_target
 from tests.helpers.heads import block_head
 
@@ -38,7 +37,8 @@ def test_a_target_with_scaled_embeddings_is_refused(tmp_path):
             raise AssertionError("the converter must not run")
 
     with pytest.raises(ExportError, match="scaled"):
-        export_gguf(block_head(target, "dflash", 4), tmp_path / "out", target_dir=tmp_path / "t", llamacpp=NoBuild())
+        head = block_head(target, "dflash", 4)
+        export_gguf_block(head, tmp_path / "out", target_dir=tmp_path / "t", llamacpp=NoBuild())
 
 
 @pytest.mark.slow
@@ -59,7 +59,7 @@ def test_llamacpp_runs_our_block_head_exactly(smollm2, smollm2_gguf, llamacpp, t
         for text, plain in zip(texts, plains, strict=True)
     ]
     head = memorising_block_head(model, seqs, head_type)
-    path = export_gguf(head, tmp_path / "gguf", target_dir=resolve_target("smollm2-135m-instruct"), name="draft")
+    path = export_gguf_block(head, tmp_path / "gguf", target_dir=resolve_target("smollm2-135m-instruct"), name="draft")
     check_block_gguf(path, head)
     for text, plain in zip(texts, plains, strict=True):
         ours = speculative_simple(

@@ -49,7 +49,7 @@ from selfspec.bench.report import (
 )
 from selfspec.bench.ties import TIE_MARGIN, is_near_tie
 from selfspec.engines.llamacpp import settings as tuning
-from selfspec.export.gguf import export_gguf
+from selfspec.export.cli import export_heads
 from selfspec.families import family_of
 from selfspec.heads import load_heads
 from selfspec.llamacpp import Generation, LlamaCpp, build_info, completion, forward_costs, speculative_simple
@@ -84,10 +84,11 @@ class _Calls:
     def draft(self, name: str, outtype: str) -> Path:
         """The head ``name`` as llama.cpp's GGUF of ``outtype``, exported once per run."""
         if (name, outtype) not in self.drafts:
-            path = export_gguf(
+            path = export_heads(
                 self.heads[name],
+                "gguf",
                 self.tmp / f"{name}-{outtype}",
-                target_dir=self.target_dir,
+                target_name_or_path=str(self.target_dir),
                 name=name,
                 outtype=outtype,
                 llamacpp=self.build,
