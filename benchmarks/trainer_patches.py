@@ -7,7 +7,7 @@ applies every patch (an upstream change that moves the text is an error naming t
 returns the directory to put first on ``PYTHONPATH``. The installed package is never touched.
 
 Settings the trainers offer as options (attention implementation, loss implementation, dtype, data-loader workers)
-are chosen in :mod:`selfspec.bench.trainer_runs`, not patched.
+are chosen in :mod:`benchmarks.trainer_runs`, not patched.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``python -m selfspec.bench.history_compare PROMPTS``: selfspec's served history beside Arctic Inference's suffix
+"""``python -m benchmarks.history_compare PROMPTS``: selfspec's served history beside Arctic Inference's suffix
 decoding, drafting alone, on the same stream.
 
 Both draft continuations from what was served before (SuffixDecoding, Oliaro et al. 2024, arXiv:2411.04975; Arctic
@@ -103,7 +103,7 @@ def windows(stream: list[tuple[list[int], list[int]]], steps: dict[str, list[int
 
 def main(argv: list[str] | None = None) -> int:
     """Serve the prompts with the target (no drafts), replay both sources, print and write the table."""
-    p = argparse.ArgumentParser(prog="python -m selfspec.bench.history_compare", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.history_compare", description=__doc__.splitlines()[0])
     p.add_argument("prompts", nargs="+", help="MT-bench JSONL files, served in the order given (first turns)")
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--arctic-python", required=True, help="python of a venv with arctic-inference and numpy")

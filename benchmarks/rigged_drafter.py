@@ -2,14 +2,14 @@
 
 :class:`RiggedDrafter` proposes a fixed tree whose main path holds the target's own greedy continuation up to a
 depth chosen per step, so the acceptance per depth is set by the caller rather than by a head's quality. Used
-by :mod:`selfspec.bench.gpu_cycle`.
+by :mod:`benchmarks.gpu_cycle`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from selfspec.bench.host_syncs import Probe
+from benchmarks.host_syncs import Probe
 from selfspec.decode.drafters.base import AcceptedPath, Drafter, DrafterInfo, DraftLimit
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import DraftTree, greedy_tree_from_accuracy, static_tree, tree_depths

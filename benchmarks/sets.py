@@ -5,7 +5,7 @@ A bench over several prompt sets in one run takes one JSONL whose categories nam
 prints a Markdown table: per set, each method's median over prompts of (its tokens/s / the reference's on
 the same prompt) and its mean tau, then the mean of the set medians.
 
-    python -m selfspec.bench.sets runs/combo/out/report.json [--reference baseline]
+    python -m benchmarks.sets runs/combo/out/report.json [--reference baseline]
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def set_table(report: dict, reference: str = "baseline") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m selfspec.bench.sets REPORT [--reference NAME]``: print the table; returns 0."""
-    p = argparse.ArgumentParser(prog="python -m selfspec.bench.sets", description=__doc__.splitlines()[0])
+    """``python -m benchmarks.sets REPORT [--reference NAME]``: print the table; returns 0."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sets", description=__doc__.splitlines()[0])
     p.add_argument("report", help="a selfspec bench report.json")
     p.add_argument("--reference", default="baseline", help="the method every speedup is taken against")
     args = p.parse_args(argv)

@@ -1,10 +1,10 @@
-"""``python -m selfspec.bench.sets``: per prompt set, the median per-prompt speedup and the mean tau of each method."""
+"""``python -m benchmarks.sets``: per prompt set, the median per-prompt speedup and the mean tau of each method."""
 
 from __future__ import annotations
 
 import json
 
-from selfspec.bench.sets import main, set_table
+from benchmarks.sets import main, set_table
 
 
 def _sample(category: str, base: float, head: float, tau: float) -> dict:

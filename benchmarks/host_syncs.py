@@ -10,7 +10,7 @@ Two counters, both active only while a :class:`Probe` says the run's steps have 
   torch is restored on exit.
 
 :func:`count_syncs` runs a function under them and returns the counts per step. Used by
-:mod:`selfspec.bench.gpu_cycle`.
+:mod:`benchmarks.gpu_cycle`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Why: a tree of N nodes is worth verifying only while one target forward over N nodes costs little more
 than over 1 node (memory-bound decoding). This measures that curve on real target shapes, built in place
-with random weights (no download; :mod:`selfspec.bench.random_targets`: ``135m`` SmolLM2-135M, ``1b``
+with random weights (no download; :mod:`benchmarks.random_targets`: ``135m`` SmolLM2-135M, ``1b``
 Llama-3.2-1B's shape, ``8b`` Llama-3.1-8B's shape), through selfspec's own ``Verifier.forward_tree`` after a
 cached prefix.
 
@@ -15,8 +15,8 @@ reported, not asserted (bf16 tree forwards may round differently from one-token 
 
 Usage (docs/GPU.md has the GPU machine's set-up)::
 
-    python -m selfspec.bench.gpu_curves --out runs/gpu_cost_curves.json  # CUDA, bf16, all sizes, < 5 min on an H200
-    python -m selfspec.bench.gpu_curves --device cpu --sizes 135m --quick  # CPU smoke test
+    python -m benchmarks.gpu_curves --out runs/gpu_cost_curves.json  # CUDA, bf16, all sizes, < 5 min on an H200
+    python -m benchmarks.gpu_curves --device cpu --sizes 135m --quick  # CPU smoke test
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.random_targets import REAL_SIZES, SIZES, build_target, machine_record
 from selfspec.base.files import write_json
-from selfspec.bench.random_targets import REAL_SIZES, SIZES, build_target, machine_record
 from selfspec.decode import kv
 from selfspec.decode.drafters import DraftLimit, MedusaDrafter, PromptLookupDrafter
 from selfspec.decode.loop import speculative_generate
@@ -214,8 +214,8 @@ def _free(device: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m selfspec.bench.gpu_curves [options]``: measure, print, write ``--out``; returns 0."""
-    p = argparse.ArgumentParser(prog="python -m selfspec.bench.gpu_curves", description=__doc__.split("\n\n")[0])
+    """``python -m benchmarks.gpu_curves [options]``: measure, print, write ``--out``; returns 0."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_curves", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--sizes", nargs="+", default=list(REAL_SIZES), choices=list(SIZES))

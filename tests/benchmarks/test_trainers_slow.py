@@ -1,4 +1,4 @@
-"""``python -m selfspec.bench.trainers`` end to end with the real trainers' code: a small selfspec EAGLE-3 run on the
+"""``python -m benchmarks.trainers`` end to end with the real trainers' code: a small selfspec EAGLE-3 run on the
 SmolLM2 target, then selfspec, SpecForge and speculators trained again on its data for a tiny token budget, their heads
 imported and scored by selfspec's held-out evaluation. Needs both venvs (``python -m selfspec.engine_envs specforge
 speculators``); minutes on 2 cores."""
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from selfspec.bench.trainers import main
+from benchmarks.trainers import main
 from selfspec.engine_envs import env_works
 from tests.helpers.engines import engine_missing
 

@@ -8,7 +8,7 @@ The shapes (:data:`SIZES`):
 * ``tiny``: 2 layers, hidden 64, vocab 512 (CPU dry runs; a wide init gives well-separated logits, so fp32
   greedy paths have no near-ties)
 
-Used by :mod:`selfspec.bench.gpu_curves` and :mod:`selfspec.bench.gpu_cycle`, whose reports open with
+Used by :mod:`benchmarks.gpu_curves` and :mod:`benchmarks.gpu_cycle`, whose reports open with
 :func:`machine_record`.
 """
 

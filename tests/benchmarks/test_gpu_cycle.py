@@ -1,4 +1,4 @@
-"""``python -m selfspec.bench.gpu_cycle``: its CPU dry run writes real, positive figures of the right shape and
+"""``python -m benchmarks.gpu_cycle``: its CPU dry run writes real, positive figures of the right shape and
 decodes exactly; its rigged drafter has the acceptance it claims; its sync counters attribute what they count and
 leave torch as they found it."""
 
@@ -17,8 +17,8 @@ from unittest import mock
 import pytest
 import torch
 
-from selfspec.bench import gpu_cycle, host_syncs
-from selfspec.bench.rigged_drafter import RiggedDrafter, tree_parents
+from benchmarks import gpu_cycle, host_syncs
+from benchmarks.rigged_drafter import RiggedDrafter, tree_parents
 from selfspec.decode.drafters.base import DraftLimit
 from selfspec.decode.tree import tree_depths
 from selfspec.decode.verify import verify_greedy
@@ -32,7 +32,7 @@ def dry_run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("cycle") / "cycle.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "selfspec.bench.gpu_cycle", "--dry-run", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.gpu_cycle", "--dry-run", "--out", str(out)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -142,7 +142,7 @@ def test_cuda_sync_counter_attributes_warnings():
             warnings.warn("something else", UserWarning, stacklevel=1)
     assert [c.args for c in mode.call_args_list] == [("warn",), ("default",)]
     assert len(sites) == 1 and sum(sites.values()) == 2
-    assert next(iter(sites)).startswith("tests/test_gpu_cycle.py:")
+    assert next(iter(sites)).startswith("tests/benchmarks/test_gpu_cycle.py:")
 
 
 def test_host_read_counter_restores_torch():
@@ -158,4 +158,4 @@ def test_host_read_counter_restores_torch():
     assert {name: torch.Tensor.__dict__.get(name) for name in before} == before and torch.tensor is tensor_fn
     kinds = sorted(site.rsplit(" ", 1)[1] for site in sites)
     assert kinds == ["__int__", "tensor(device=)", "to(device)", "tolist"]
-    assert all(site.startswith("tests/test_gpu_cycle.py:") for site in sites)
+    assert all(site.startswith("tests/benchmarks/test_gpu_cycle.py:") for site in sites)

@@ -1,12 +1,12 @@
-"""``python -m selfspec.bench.gpu_curves``: the Medusa draft-cost rows on the tiny target of the CPU dry runs, whose
+"""``python -m benchmarks.gpu_curves``: the Medusa draft-cost rows on the tiny target of the CPU dry runs, whose
 vocabulary (512) is smaller than the 8,192-token draft vocabulary of the real sizes."""
 
 from __future__ import annotations
 
 import torch
 
-from selfspec.bench.gpu_curves import medusa_draft_cost
-from selfspec.bench.random_targets import build_target
+from benchmarks.gpu_curves import medusa_draft_cost
+from benchmarks.random_targets import build_target
 
 
 def test_medusa_draft_cost_fits_the_draft_vocabulary_to_a_small_target():

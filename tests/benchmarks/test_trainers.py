@@ -1,4 +1,4 @@
-"""selfspec/bench/trainers.py and its parts, without the trainers' venvs: the feature files other trainers read hold
+"""benchmarks/trainers.py and its parts, without the trainers' venvs: the feature files other trainers read hold
 the tokens, masks and target states selfspec trained on, in the meaning their readers give them (a tiny random
 target's own logits come back out of them); the step plans count tokens as selfspec does over the trainers' own data
 orders; the written-down patches apply exactly or fail loudly; the table renders."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from selfspec.bench.trainer_data import (
+from benchmarks.trainer_data import (
     StepPlan,
     answer_counts,
     pair_counts,
@@ -22,8 +22,8 @@ from selfspec.bench.trainer_data import (
     write_specforge,
     write_speculators,
 )
-from selfspec.bench.trainer_patches import PATCHES, Patch, apply_patches
-from selfspec.bench.trainers import eagle31, kept_trainers, markdown
+from benchmarks.trainer_patches import PATCHES, Patch, apply_patches
+from benchmarks.trainers import eagle31, kept_trainers, markdown
 from selfspec.engine_envs import ENGINE_ENVS
 from selfspec.train.eagle_data import PairStore
 from selfspec.train.features import hidden_features
