@@ -369,6 +369,10 @@ def target_features(run: RunInputs, layers: Sequence[int] | None = None) -> tupl
     rank, world = accelerator.process_index, accelerator.num_processes
     identity = store_identity(target, run.train_convs, run.eval_convs, cfg.max_length, layers)
     mine = store_path(cfg.output_dir, rank, world)
+    legacy = mine.with_name(mine.name + ".safetensors")
+    if legacy.is_file():  # the single-file store of earlier versions
+        size = legacy.stat().st_size / 2**30
+        logger.warning("%s is a feature store of an earlier layout, not read: remove it to free %.2f GiB", legacy, size)
     own = load_features(mine, identity)
     if own is None:
         t0 = time.perf_counter()

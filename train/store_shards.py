@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,7 +270,7 @@ class StoreWriter:
         listed = {s.file for s in shards}
         for path in directory.iterdir():  # temporary files, unlisted or broken shards, another store's
             if path.name != MANIFEST and path.name not in listed:
-                path.unlink()
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
         self.kept = {split: set() for split in SPLITS}
         for s in shards:
             path = directory / s.file
