@@ -1,5 +1,5 @@
-"""The ``selfspec`` command: ``train``, ``adapt``, ``bench``, ``tune-tree``, ``quickstart``, ``export``, ``import``,
-``push``, ``scaling-curve``."""
+"""The ``selfspec`` command: ``train``, ``distill``, ``adapt``, ``bench``, ``tune-tree``, ``quickstart``, ``export``,
+``import``, ``push``, ``scaling-curve``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from selfspec.base.errors import run_command
 # matplotlib, and `selfspec --help` should need none of them. (Nothing imports this module, so the import graph of
 # tests/test_layers.py, which does not read this table, loses no edge that could point upward or close a cycle.)
 RUNNERS = {
-    "train": ("selfspec.train.__main__", "main"),
+    "train": ("selfspec.distill", "train_main"),  # train.__main__'s, after the vLLM stage when the config names vLLM
+    "distill": ("selfspec.distill", "main"),
     "bench": ("selfspec.bench", "main"),
     "adapt": ("selfspec.adapt", "main"),
     "tune-tree": ("selfspec.tune", "main"),
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         "import": "read heads of the speculators or SGLang layouts into a selfspec head directory",
         "push": "push heads with their model card to the Hugging Face Hub (--dry-run: show, upload nothing)",
         "scaling-curve": "train a head family at growing data and time budgets, bench each, tabulate and plot",
+        "distill": "only the self-distillation stage of a training config: the target writes the answers (HF or vLLM)",
     }
     if argv and argv[0] not in ("-h", "--help") and argv[0] not in commands:
         print(f"selfspec: error: unknown command {argv[0]!r}; choose one of {', '.join(commands)}", file=sys.stderr)

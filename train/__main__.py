@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import logging
 import sys
@@ -22,7 +21,7 @@ from selfspec.train.chat_format import apply_reasoning, bind_chat_format, read_c
 from selfspec.train.config import TrainConfig, load_config
 from selfspec.train.data import check_data_source, load_conversations, split_conversations
 from selfspec.train.distill_states import CapturedStates
-from selfspec.train.features import self_distill
+from selfspec.train.features import distill_split
 from selfspec.train.inputs import RunInputs
 from selfspec.train.recipes import recipe_for, warm_started
 from selfspec.train.tracking import accelerator_kwargs
@@ -72,24 +71,9 @@ def run(cfg: TrainConfig) -> Path:
         t1 = time.perf_counter()
         rank, world = accelerator.process_index, accelerator.num_processes
         to_distill, to_distill_eval, written = distill_plan(cfg, train_convs, eval_convs)
-        shard_dir = Path(cfg.distill_dir) if cfg.distill_dir else out_dir / "distill"
+        quiet = not accelerator.is_local_main_process
         distilled = {
-            split: self_distill(
-                target,
-                tokenizer,
-                part[rank::world],
-                shard_dir / f"{split}{distill_variant(cfg)}-rank{rank}-of{world}.jsonl",
-                cfg.distill_max_new_tokens,
-                cfg.distill_batch_size,
-                max_prompt_tokens=cfg.distill_prompt_cap(),
-                disable_progress=not accelerator.is_local_main_process,
-                capture=capture,
-                turns=cfg.distill_turns,
-                temperature=cfg.distill_temperature,
-                top_p=cfg.distill_top_p,
-                system_prompt=cfg.distill_system_prompt,
-                reasoning=cfg.reasoning,
-            )
+            split: distill_split(cfg, target, tokenizer, split, part[rank::world], rank, world, capture, quiet)
             for split, part in (("train", to_distill), ("eval", to_distill_eval))
         }
         logger.info("self-distillation done in %.1fs", time.perf_counter() - t1)
@@ -119,16 +103,6 @@ def distill_plan(
     return train_convs[:start], eval_convs[:n], train_convs[start : start + cfg.original_conversations]
 
 
-def distill_variant(cfg: TrainConfig) -> str:
-    """The part of a self-distillation cache file's name that tells its answers apart: ``""`` for the first turn,
-    greedy, with no system prompt (today's files); else ``"-"`` and 12 hex digits of a hash of the turns, the
-    sampling settings and the system prompt, so a run never reads answers written under other settings."""
-    settings = (cfg.distill_turns, cfg.distill_temperature, cfg.distill_top_p, cfg.distill_system_prompt)
-    if settings == ("first", 0.0, 1.0, None):
-        return ""
-    return "-" + hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:12]
-
-
 def capture_for(cfg: TrainConfig, target: torch.nn.Module) -> CapturedStates | None:
     """Where self-distillation keeps the target features it computes: None without self-distillation or with
     ``distill_capture_gb`` 0; else what the recipe keeps (:class:`~selfspec.train.recipes.RecipeEntry`: none for
@@ -139,7 +113,18 @@ def capture_for(cfg: TrainConfig, target: torch.nn.Module) -> CapturedStates | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="selfspec train", description=__doc__)
+    run(command_config(argv))
+    return 0
+
+
+def command_config(argv: list[str] | None, prog: str = "selfspec train") -> TrainConfig:
+    """The config of a command line ``[CONFIG.yaml] [key=value ...]`` (``selfspec train``, ``selfspec distill``),
+    with the files it names checked before any work.
+
+    Raises:
+        UserError: a config, override, adapter or chat template the user must fix (the message says what).
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("config", nargs="?", help="YAML config (see configs/); omit to use the defaults")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of TrainConfig fields")
     args = parser.parse_args(argv)
@@ -159,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except (ValueError, FileNotFoundError) as err:  # the adapter and template the config names: the user's to fix
         raise UserError(str(err)) from err
-    run(cfg)
-    return 0
+    return cfg
 
 
 if __name__ == "__main__":

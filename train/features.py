@@ -28,9 +28,18 @@ from selfspec.train.distill_states import (
     recorded_features,
     template_tail,
 )
+from selfspec.train.regenerate import (
+    answers_file,
+    check_regeneration,
+    engine_answers,
+    regenerate_turns,
+    with_system_prompt,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from selfspec.train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -155,26 +164,42 @@ def self_distill(
     return [done[c["id"]] for c in conversations if c["id"] in done]
 
 
-TURNS = ("first", "all")
+def distill_split(
+    cfg: TrainConfig,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    split: str,
+    part: list[dict],
+    rank: int = 0,
+    world: int = 1,
+    capture: CapturedStates | None = None,
+    quiet: bool = False,
+) -> list[dict]:
+    """One split's self-distillation as ``cfg`` says (process ``rank`` of ``world``, ``part`` its share): with
+    ``distill_engine: hf`` :func:`self_distill` into :func:`~selfspec.train.regenerate.answers_file`; with another
+    engine the answers it wrote (:func:`~selfspec.train.regenerate.engine_answers`, which refuses unfinished ones).
 
-
-def check_regeneration(conversations: Sequence[dict], turns: str, temperature: float, top_p: float) -> None:
-    """Refuse regeneration settings before any answer is written.
-
-    Raises:
-        ValueError: ``turns`` not in :data:`TURNS`, ``temperature`` < 0, ``top_p`` outside (0, 1], or
-            ``turns="all"`` where no conversation has an assistant turn (prompts only: nothing to regenerate
-            turn by turn).
+    Returns:
+        ``[{"id", "messages"}]``, in ``part``'s order.
     """
-    if turns not in TURNS:
-        raise ValueError(f"self-distillation turns must be one of {TURNS}, got {turns!r}")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"self-distillation needs temperature >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
-    if turns == "all" and conversations and not any(_assistant_turns(c["messages"]) for c in conversations):
-        raise ValueError(
-            f"distill_turns: all regenerates every assistant turn, but none of the {len(conversations)} "
-            "conversations has one (prompts only): use distill_turns: first, or data with assistant turns"
-        )
+    if cfg.distill_engine != "hf":
+        return engine_answers(cfg, split, part)
+    return self_distill(
+        model,
+        tokenizer,
+        part,
+        answers_file(cfg, split, rank, world),
+        cfg.distill_max_new_tokens,
+        cfg.distill_batch_size,
+        max_prompt_tokens=cfg.distill_prompt_cap(),
+        disable_progress=quiet,
+        capture=capture,
+        turns=cfg.distill_turns,
+        temperature=cfg.distill_temperature,
+        top_p=cfg.distill_top_p,
+        system_prompt=cfg.distill_system_prompt,
+        reasoning=cfg.reasoning,
+    )
 
 
 def sampling_kwargs(temperature: float, top_p: float) -> dict:
@@ -183,18 +208,6 @@ def sampling_kwargs(temperature: float, top_p: float) -> dict:
     if temperature == 0:
         return {"do_sample": False}
     return {"do_sample": True, "temperature": float(temperature), "top_p": float(top_p), "top_k": 0}
-
-
-def with_system_prompt(messages: list[dict], system_prompt: str | None) -> list[dict]:
-    """``messages`` with ``system_prompt`` as a first system message, unless they already open with one (or it is
-    None)."""
-    if system_prompt is None or (messages and messages[0]["role"] == "system"):
-        return messages
-    return [{"role": "system", "content": system_prompt}, *messages]
-
-
-def _assistant_turns(messages: Sequence[dict]) -> list[int]:
-    return [i for i, m in enumerate(messages) if m["role"] == "assistant"]
 
 
 def _generate(
@@ -231,94 +244,30 @@ def regenerate_all_turns(
     sampling: dict,
     system_prompt: str | None,
     reasoning: str = "keep",
-    chunk_conversations: int = 0,
 ) -> list[dict]:
-    """:func:`self_distill` with ``turns="all"``: every assistant turn regenerated on the regenerated history.
-
-    Conversations go in chunks (``chunk_conversations``, default ``8 * batch_size``); within a chunk, round k
-    answers the k-th assistant turn of every conversation that has one, in length-sorted batches of
-    ``batch_size``, the prompt being the messages before that turn with every earlier answer replaced by the
-    target's. A conversation whose next prompt exceeds ``max_prompt_tokens`` ends with the turns before it (none:
-    skipped). A chunk's records are appended to ``cache_file`` once all its rounds are done: a killed run loses at
-    most one chunk. With ``capture`` (greedy only) each round's capture replaces the previous one, so the last round
-    holds the whole regenerated conversation.
+    """:func:`self_distill` with ``turns="all"``: :func:`~selfspec.train.regenerate.regenerate_turns` answering with
+    the target's ``generate`` (left-padded batches; with ``capture``, greedy only, each round's capture replaces the
+    previous one, so the last round holds the whole regenerated conversation).
 
     Returns:
         ``[{"id", "messages"}]``: the conversations' messages up to their last regenerated answer, in input order.
     """
-    cache_file = Path(cache_file)
-    done: dict[str, dict] = {}
-    if cache_file.exists():
-        for line in cache_file.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                break  # a line cut by a kill: regenerate from here
-            done[rec["id"]] = rec
-    todo = [c for c in conversations if c["id"] not in done and _assistant_turns(c["messages"])]
-    chunk = chunk_conversations or 8 * batch_size
-    logger.info("self-distillation, every turn: %d cached, %d to generate", len(done), len(todo))
+
+    def answer(texts: list[str], prompts: list[list[dict]], batch: list[dict]) -> list[torch.Tensor]:
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        return _generate(model, tokenizer, enc, max_new_tokens, sampling, capture, prompts, texts, batch)
+
     pad_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    skipped = 0
     try:
-        with cache_file.open("a") as fh:
-            for start in tqdm(range(0, len(todo), chunk), desc="self-distill (turns)", disable=disable_progress):
-                part = todo[start : start + chunk]
-                history: dict[str, list[dict]] = {c["id"]: [] for c in part}
-                cursor = {c["id"]: 0 for c in part}  # next original message to copy
-                answered = {c["id"]: 0 for c in part}
-                live = list(part)
-                while live:
-                    rows = []
-                    for conv in live:
-                        msgs, i = conv["messages"], cursor[conv["id"]]
-                        turn = next(j for j in _assistant_turns(msgs) if j >= i)
-                        prompt = with_system_prompt(
-                            history[conv["id"]] + [dict(m) for m in msgs[i:turn]], system_prompt
-                        )
-                        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-                        n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-                        if n <= max_prompt_tokens:
-                            rows.append((n, conv, prompt, text, turn))
-                    rows.sort(key=lambda item: item[0])
-                    for b in range(0, len(rows), batch_size):
-                        group = rows[b : b + batch_size]
-                        texts = [r[3] for r in group]
-                        prompts = [r[2] for r in group]
-                        batch = [r[1] for r in group]
-                        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-                        enc = enc.to(model.device)
-                        answers = _generate(
-                            model, tokenizer, enc, max_new_tokens, sampling, capture, prompts, texts, batch
-                        )
-                        for (_, conv, prompt, _, turn), row in zip(group, answers, strict=True):
-                            answer = tokenizer.decode(row, skip_special_tokens=True).strip()
-                            history[conv["id"]] = prompt + [answer_message(tokenizer, answer, reasoning)]
-                            cursor[conv["id"]] = turn + 1
-                            answered[conv["id"]] += 1
-                    advanced = {r[1]["id"] for r in rows}
-                    live = [
-                        c
-                        for c in live
-                        if c["id"] in advanced and any(j >= cursor[c["id"]] for j in _assistant_turns(c["messages"]))
-                    ]
-                for conv in part:
-                    if answered[conv["id"]] == 0:
-                        skipped += 1
-                        continue
-                    rec = {"id": conv["id"], "messages": history[conv["id"]]}
-                    done[conv["id"]] = rec
-                    fh.write(json.dumps(rec) + "\n")
-                fh.flush()
+        return regenerate_turns(
+            answer, tokenizer, conversations, cache_file, batch_size, max_prompt_tokens,
+            turns="all", system_prompt=system_prompt, reasoning=reasoning, disable_progress=disable_progress,
+        )  # fmt: skip
     finally:
         tokenizer.padding_side = pad_side
-    if skipped:
-        logger.info("self-distillation: %d skipped (first prompt over %d tokens)", skipped, max_prompt_tokens)
-    return [done[c["id"]] for c in conversations if c["id"] in done]
 
 
 def _generate_capturing(

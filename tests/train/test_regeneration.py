@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from selfspec.train.__main__ import distill_variant
+from selfspec.train.regenerate import distill_variant
 from selfspec.train.config import TrainConfig, load_config
 from selfspec.train.distill_states import CapturedStates
 from selfspec.train.features import self_distill

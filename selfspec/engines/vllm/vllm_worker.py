@@ -13,7 +13,9 @@ Protocol (:mod:`selfspec.engines.vllm.bench` is the other side):
 * then per stdin line ``{"ids": [...], "max_tokens": N, "stop_ids": [...], "temperature": T, "top_p": P,
   "seed": S}`` one line ``{"tokens": [...], "finish_reason": "stop" | "length", "wall_s": SECONDS, "prefill_s":
   SECONDS | null, "peak_rss_mb": MIB, "counters": {...}}`` (:func:`spec_counters`, vLLM's cumulative totals after the
-  call), or ``{"error": TEXT}`` and exit status 1. End of stdin ends the process (status 0).
+  call), or ``{"error": TEXT}`` and exit status 1. A request with ``"prompts": [[...], ...]`` instead of ``"ids"``
+  is one batched call: ``{"outputs": [{"tokens", "finish_reason"}, ...], "wall_s", "peak_rss_mb"}``.
+  End of stdin ends the process (status 0).
 """
 
 from __future__ import annotations
@@ -93,6 +95,30 @@ def _generate(llm: Any, sampling_params: Any, request: dict[str, Any]) -> dict[s
     }
 
 
+def _generate_batch(llm: Any, sampling_params: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """One ``LLM.generate`` over many prompts (``"prompts"``: token id lists), batched by the engine; the reply's
+    ``outputs`` in the prompts' order (self-distillation, :mod:`selfspec.distill`)."""
+    params = sampling_params(
+        max_tokens=int(request["max_tokens"]),
+        temperature=float(request.get("temperature", 0.0)),
+        top_p=float(request.get("top_p", 1.0)),
+        seed=request.get("seed"),
+        stop_token_ids=list(request.get("stop_ids", [])),
+        detokenize=False,
+    )
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": list(ids)} for ids in request["prompts"]], params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    return {
+        "outputs": [
+            {"tokens": [int(t) for t in o.outputs[0].token_ids], "finish_reason": o.outputs[0].finish_reason}
+            for o in outputs
+        ],
+        "wall_s": wall,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+    }
+
+
 def main(argv: list[str]) -> int:
     """Load ``vllm.LLM(**config["llm"])`` and answer requests (the module docstring). Returns the exit status."""
     config = json.loads(argv[1])
@@ -106,7 +132,9 @@ def main(argv: list[str]) -> int:
         _send(out, {"ready": True, "vllm": vllm.__version__, "load_s": time.perf_counter() - start})
         for line in sys.stdin:
             if line.strip():
-                _send(out, _generate(llm, vllm.SamplingParams, json.loads(line)))
+                request = json.loads(line)
+                reply = _generate_batch if "prompts" in request else _generate
+                _send(out, reply(llm, vllm.SamplingParams, request))
     except Exception as err:  # noqa: BLE001 - every failure is reported to the parent, then the process ends
         print(traceback.format_exc(), file=sys.stderr)
         _send(out, {"error": f"{type(err).__name__}: {err}"})
