@@ -22,12 +22,16 @@ Run it with ``selfspec train configs/dflash-smollm2.yaml`` (or ``head=dspark``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from selfspec.base.fingerprint import target_fingerprint
 from selfspec.heads.block_layers import draft_layer_config
@@ -113,14 +117,36 @@ def sample_anchors(loss_mask: torch.Tensor, length: int, count: int, drafts: int
 
 
 class BlockTrainer(torch.nn.Module):
-    """The trained module: the head, whose one forward per step is :func:`block_logits` (for ``accelerate``)."""
+    """The trained module: the head, whose one forward per step is :func:`block_logits` (for ``accelerate``).
 
-    def __init__(self, head: BlockHead) -> None:
+    With ``checkpointing`` (``activation_checkpointing: true``), each draft layer's activations are recomputed in the
+    backward pass (``torch.utils.checkpoint``, non-reentrant) instead of kept from the forward: the same gradients,
+    activation memory of one layer instead of all of them, one more forward of the layers per step.
+    """
+
+    def __init__(self, head: BlockHead, checkpointing: bool = False) -> None:
         super().__init__()
-        self.head = head
+        self.head, self.checkpointing = head, checkpointing
 
     def forward(self, states, tokens, valid, anchors) -> torch.Tensor:
-        return block_logits(self.head, states, tokens, valid, anchors)
+        if not (self.checkpointing and torch.is_grad_enabled()):
+            return block_logits(self.head, states, tokens, valid, anchors)
+        with recomputed(self.head.layers):
+            return block_logits(self.head, states, tokens, valid, anchors)
+
+
+@contextlib.contextmanager
+def recomputed(layers: torch.nn.ModuleList) -> Iterator[None]:
+    """Within the block, a call of any of ``layers`` keeps only its inputs for the backward pass and runs the layer
+    again there (``torch.utils.checkpoint.checkpoint``, non-reentrant); the layers' own forwards after."""
+    originals = [layer.forward for layer in layers]
+    try:
+        for layer, forward in zip(layers, originals, strict=True):
+            layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, forward, use_reentrant=False)
+        yield
+    finally:
+        for layer, forward in zip(layers, originals, strict=True):
+            layer.forward = forward
 
 
 def _labels(batch: dict[str, torch.Tensor], drafts: int, D: int):
@@ -367,8 +393,10 @@ class BlockRecipe(FeatureRecipe):
         self.head = self.head.float()
         copy_head(self.head, warm)
 
+    recomputes_layers = True
+
     def module(self) -> torch.nn.Module:
-        return BlockTrainer(self.head)
+        return BlockTrainer(self.head, self.cfg.activation_checkpointing)
 
     def batches(self, epoch: int) -> list[list[Any]]:
         g = torch.Generator().manual_seed(self.epoch_seed(epoch))

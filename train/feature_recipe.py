@@ -27,13 +27,25 @@ class FeatureRecipe(Recipe):
         signature: of the features (:func:`~selfspec.train.feature_store.feature_signature`).
         batch_tokens: tokens per optimiser step (the family's option).
 
+    Attributes:
+        recomputes_layers: the recipe honours ``activation_checkpointing`` (DFlash, DSpark); one that does not
+            refuses it.
+
     Raises:
-        ValueError: no answer token in the training data (empty data, or every answer truncated away).
+        ValueError: no answer token in the training data (empty data, or every answer truncated away), or
+            ``activation_checkpointing`` for a recipe that does not recompute its layers.
     """
+
+    recomputes_layers = False
 
     def __init__(
         self, run: RunInputs, train: FeatureStore, held: FeatureStore, signature: str, batch_tokens: int
     ) -> None:
+        if run.cfg.activation_checkpointing and not self.recomputes_layers:
+            raise ValueError(
+                f"activation_checkpointing recomputes DFlash and DSpark draft layers; {run.cfg.head} heads train "
+                "without it (their training-time test grows one KV cache through its steps): drop the option"
+            )
         self.cfg, self.target, self.tokenizer, self.signature = run.cfg, run.target, run.tokenizer, signature
         self.eval_convs = run.eval_convs
         self.train, self.held = train, held

@@ -272,6 +272,8 @@ def train_medusa(run: RunInputs) -> Path:
         ValueError: no training positions (empty data or all answers truncated away), or ``features: online``
             (Medusa draws single positions from the whole store).
     """
+    if run.cfg.activation_checkpointing:
+        raise ValueError("Medusa heads have no attention layer to recompute: drop activation_checkpointing")
     if run.cfg.features == "online":
         raise ValueError(
             "Medusa heads train on single positions drawn from the whole data set, so their features are not computed "
