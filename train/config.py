@@ -232,25 +232,26 @@ class TrainConfig:
         distill_conversations: how many training conversations to regenerate.
         distill_eval_conversations: how many held-out conversations to regenerate (None:
             ``max(8, distill_conversations // 10)``); ``selfspec adapt`` answers every held-out prompt.
-        distill_max_new_tokens / distill_batch_size: generation budget for self-distillation (the answer cap, in
-            tokens per assistant turn, and the prompts per ``generate`` call).
-        distill_max_prompt_tokens: prompts longer than this (in tokens, the history included with
-            ``distill_turns: all``) are not answered; None: ``max_length - distill_max_new_tokens``.
-        distill_turns: ``"first"`` regenerates the first assistant answer of each conversation (the rest is dropped);
-            ``"all"`` every assistant turn, each on the regenerated history
-            (:func:`selfspec.train.features.self_distill`).
-        distill_temperature / distill_top_p: the regeneration's sampling: temperature 0 is greedy (and the only
-            setting under which features are captured); above 0 samples with nucleus mass ``distill_top_p``.
-        distill_system_prompt: a system message given to every regenerated conversation that has none.
+        distill_max_new_tokens / distill_batch_size: the answer cap (tokens per assistant turn) and the prompts per
+            ``generate`` call. distill_max_prompt_tokens: longer prompts (the history included) are not answered;
+            None: ``max_length - distill_max_new_tokens``.
+        distill_turns: ``"first"``: the first assistant answer of each conversation (the rest dropped); ``"all"``:
+            every assistant turn, each on the regenerated history (:func:`selfspec.train.features.self_distill`).
+        distill_temperature / distill_top_p: sampling: temperature 0 is greedy (the only setting whose features are
+            captured). distill_system_prompt: a system message for every conversation that has none.
+        distill_engine: what writes the answers: ``"hf"`` (the target's ``generate`` in the training processes) or
+            ``"vllm"`` (vLLM in the environment ``python -m selfspec.engine_envs vllm`` builds, run by ``selfspec
+            distill`` and ``selfspec train``: :mod:`selfspec.distill`); never a silent fall back between them.
+        distill_tensor_parallel_size / distill_data_parallel_size: vLLM's ``tensor_parallel_size`` and
+            ``data_parallel_size`` (GPUs per replica, replicas), passed through.
         original_conversations: with ``self_distill``, also train on this many further training
             conversations as written (not regenerated; they come after the distilled ones). Target features
             of written text cost about a fifth of a regenerated token each, so they stretch a time budget.
-        chat_template: a Jinja chat-template file that replaces the target's own, for every rendering of the run
-            (:mod:`selfspec.train.chat_format`); a file that does not render is refused before any generation.
-        chat_template_kwargs: template variables (``{enable_thinking: false}``) bound into the run's template, so
-            self-distillation's prompts, the training conversations and their loss masks render with them alike.
-        reasoning: ``"keep"`` or ``"drop"`` the reasoning traces of the data (``reasoning_content``, inline ``<think>
-            ... </think>`` spans) and of the regenerated answers; a kept trace is in the loss mask.
+        chat_template: a Jinja template file replacing the target's for every rendering of the run; and
+            chat_template_kwargs (``{enable_thinking: false}``): variables bound into it, so prompts, training text
+            and loss masks render alike (:mod:`selfspec.train.chat_format`; a template that does not render is refused).
+        reasoning: ``"keep"`` or ``"drop"`` reasoning traces (``reasoning_content``, ``<think>`` spans) of the data and
+            of the regenerated answers; a kept trace is in the loss mask.
         distill_dir: where regenerated answers are cached (JSONL per rank); default ``<output_dir>/distill``.
             Point several runs at one directory to train different heads on the same answers.
         distill_capture_gb: memory (GiB) for the target features self-distillation captures while it generates
@@ -264,6 +265,10 @@ class TrainConfig:
             (:func:`selfspec.train.online_features.feature_source`, said in the log).
         feature_shard_mb: a store shard is written (and a stopped run resumes after it) every this many MiB of
             features.
+        activation_checkpointing: recompute the draft's layers in the backward pass instead of keeping their
+            activations (``torch.utils.checkpoint``), for long rows: DFlash and DSpark heads. EAGLE heads refuse it
+            (their training-time test grows one KV cache through its steps, which a recomputation would extend
+            twice), and Medusa's have no layer to recompute.
         activation_checkpointing: recompute the draft's layers in the backward pass instead of keeping their
             activations (``torch.utils.checkpoint``), for long rows: DFlash and DSpark heads. EAGLE heads refuse it
             (their training-time test grows one KV cache through its steps, which a recomputation would extend
@@ -292,9 +297,8 @@ class TrainConfig:
         eval_topk: top-k accuracies recorded (per head for Medusa; used to build the static tree).
         output_dir: checkpoints, features and the final ``heads/`` directory go here.
         seed: all randomness.
-        report_to: the experiment tracker the run logs to through ``accelerate``: ``"tensorboard"``, ``"wandb"``,
-            ``"mlflow"`` or ``"trackio"`` (an optional extra: ``pip install 'selfspec[tensorboard]'``); None or
-            ``"none"``: none (:mod:`selfspec.train.tracking`).
+        report_to: the tracker logged to through ``accelerate`` (:mod:`selfspec.train.tracking`): ``"tensorboard"``,
+            ``"wandb"``, ``"mlflow"``, ``"trackio"`` (optional extras: ``pip install 'selfspec[wandb]'``); None: none.
         threads: torch intra-op threads (None: torch's default).
         calibrate_prompts / calibrate_max_new_tokens: after training an EAGLE head, decode this many
             held-out prompts (the last ones of the held-out split) greedily with a large draft tree and save
@@ -322,6 +326,9 @@ class TrainConfig:
     distill_temperature: float = in_range(0.0, ge=0)
     distill_top_p: float = in_range(1.0, gt=0, le=1)
     distill_system_prompt: str | None = None
+    distill_engine: Literal["hf", "vllm"] = "hf"
+    distill_tensor_parallel_size: int = in_range(1, ge=1)
+    distill_data_parallel_size: int = in_range(1, ge=1)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning: Literal["keep", "drop"] = "keep"
@@ -332,6 +339,7 @@ class TrainConfig:
     feature_batch_tokens: int = 4096
     features: str = "auto"
     feature_shard_mb: float = 256.0
+    activation_checkpointing: bool = False
     activation_checkpointing: bool = False
     draft_vocab_size: int | None = in_range(8192, ge=1, unset="the full vocabulary")
     lr: float = in_range(1e-3, gt=0)
