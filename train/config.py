@@ -269,10 +269,6 @@ class TrainConfig:
             activations (``torch.utils.checkpoint``), for long rows: DFlash and DSpark heads. EAGLE heads refuse it
             (their training-time test grows one KV cache through its steps, which a recomputation would extend
             twice), and Medusa's have no layer to recompute.
-        activation_checkpointing: recompute the draft's layers in the backward pass instead of keeping their
-            activations (``torch.utils.checkpoint``), for long rows: DFlash and DSpark heads. EAGLE heads refuse it
-            (their training-time test grows one KV cache through its steps, which a recomputation would extend
-            twice), and Medusa's have no layer to recompute.
         dtype: target compute dtype for features and distillation (``"bfloat16"`` or ``"float32"``).
         feature_batch_tokens: padded tokens per target forward when the feature store is computed (examples
             sorted by length, :func:`selfspec.train.features.hidden_features`); 0 runs one example at a time.
@@ -339,7 +335,6 @@ class TrainConfig:
     feature_batch_tokens: int = 4096
     features: str = "auto"
     feature_shard_mb: float = 256.0
-    activation_checkpointing: bool = False
     activation_checkpointing: bool = False
     draft_vocab_size: int | None = in_range(8192, ge=1, unset="the full vocabulary")
     lr: float = in_range(1e-3, gt=0)
