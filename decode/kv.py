@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from selfspec.decode.masks import attention_layout
+from selfspec.decode.state import STATE_LAYER_TYPES, is_state_layer, state_cache_layer
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
@@ -33,9 +34,13 @@ def new_cache(model: PreTrainedModel) -> DynamicCache:
     :func:`selfspec.decode.masks.tree_attention_masks` for trees. Masked keys get zero weight, so attention
     is the one a windowed cache gives; the memory of a sliding layer grows with the context, like a full one.
 
+    A layer with a recurrent / convolution state (:data:`~selfspec.decode.state.STATE_LAYER_TYPES`) gets a
+    ``LinearAttentionLayer`` that records its past (:func:`~selfspec.decode.state.state_cache_layer`), so a crop rolls
+    its state back; such a cache is only ever cropped (a chain's accepted prefix), never reordered.
+
     Raises:
-        selfspec.decode.masks.UnsupportedLayoutError: a layer type whose cache is not keys and values
-            (linear or recurrent attention, KV-sharing layers, chunked attention, ...); see
+        selfspec.decode.masks.UnsupportedLayoutError: a layer type whose cache is neither keys and values nor a
+            state past recording rolls back (KV-sharing layers, chunked attention, ...); see
             :func:`selfspec.decode.masks.attention_layout`.
     """
     from transformers import DynamicCache  # heavy import, only when a cache is made
@@ -43,7 +48,7 @@ def new_cache(model: PreTrainedModel) -> DynamicCache:
 
     layout = attention_layout(model.config)
     cache = DynamicCache()
-    cache.layers = [DynamicLayer() for _ in layout.layer_types]
+    cache.layers = [state_cache_layer() if t in STATE_LAYER_TYPES else DynamicLayer() for t in layout.layer_types]
     return cache
 
 
@@ -66,17 +71,19 @@ def call_with_cache(module: torch.nn.Module, cache: DynamicCache, **kwargs):
     return module(use_cache=True, **kwargs)
 
 
-def full_layers(cache: DynamicCache) -> list:
-    """The cache's layers, each checked to keep every key (a plain ``DynamicLayer``, as :func:`new_cache` makes)."""
+def full_layers(cache: DynamicCache, states: bool = True) -> list:
+    """The cache's layers, each checked to keep every key (a plain ``DynamicLayer``, as :func:`new_cache` makes);
+    with ``states`` False, its layers of keys and values only (its state layers are edited by crops alone)."""
     from transformers.cache_utils import DynamicLayer  # heavy import, only when a cache is edited
 
-    for i, layer in enumerate(cache.layers):
+    layers = cache.layers if states else [layer for layer in cache.layers if not is_state_layer(layer)]
+    for i, layer in enumerate(layers):
         if type(layer) is not DynamicLayer:
             raise TypeError(
                 f"cache layer {i} is a {type(layer).__name__}, which does not keep every key by position; "
                 "make the cache with selfspec.decode.kv.new_cache"
             )
-    return cache.layers
+    return layers
 
 
 def compact_cache(
@@ -107,8 +114,13 @@ def compact_cache(
         contiguous = all(node == j for j, node in enumerate(path))
     keep = past_length + a
     src = None if contiguous else (accepted_nodes + past_length)
+    states = [layer for layer in cache.layers if is_state_layer(layer)]
+    if states and not contiguous:
+        raise TypeError("a cache with recurrent / convolution states keeps a chain's prefix only, never other nodes")
+    for layer in states:
+        layer.crop(keep - int(layer.get_seq_length()))  # restores the recorded state of the kept prefix
     moved: dict[torch.device, torch.Tensor] = {}  # src on each device the layers live on, moved once
-    for layer in full_layers(cache):
+    for layer in full_layers(cache, states=False):
         if layer.keys is None or not layer.keys.numel():
             continue
         if src is not None:
@@ -134,6 +146,10 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # heavy import, only when used
 
     for i, layer in enumerate(cache.layers):
+        if is_state_layer(layer):  # rolled back to its recorded state of ``length`` tokens
+            if length < int(layer.get_seq_length()):
+                layer.crop(length - int(layer.get_seq_length()))
+            continue
         if not isinstance(layer, DynamicLayer):
             raise TypeError(f"cache layer {i} is a {type(layer).__name__}, which cannot be cropped by position")
         if layer.keys is None or not layer.keys.numel():

@@ -12,6 +12,9 @@ A tree node at depth d sits at position ``past_length + d`` (:func:`~selfspec.de
 exactly where plain decoding of its branch puts it; the window is applied to those positions, so deep
 trees also drop their own oldest ancestors once the branch outgrows the window.
 
+Layers with a recurrent or convolution state (:mod:`selfspec.decode.state`) take no mask; a target with such layers
+is verified on chains only (:attr:`AttentionLayout.chains_only`), where the model builds its own masks.
+
 ``transformers`` models with mixed layer types (Qwen2, Gemma-2, Gemma-3, ...) take a mapping
 ``{layer type: 4-D mask}`` as ``attention_mask``; models of one layer type take the 4-D mask itself.
 :func:`tree_attention_masks` returns whichever the layout calls for. Pure functions of tensors.
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from selfspec.decode.host import to_device
+from selfspec.decode.state import STATE_LAYER_TYPES
 from selfspec.decode.tree import ancestor_mask, tree_depths
 
 if TYPE_CHECKING:
@@ -41,7 +45,8 @@ class AttentionLayout:
     """How a target's layers attend, as far as the tree mask is concerned.
 
     Attributes:
-        layer_types: one entry per decoder layer, each in :data:`SUPPORTED_LAYER_TYPES`.
+        layer_types: one entry per decoder layer, each in :data:`SUPPORTED_LAYER_TYPES` or
+            :data:`~selfspec.decode.state.STATE_LAYER_TYPES` (a layer with a recurrent / convolution state).
         sliding_window: W, tokens a sliding layer sees (the query included); None without sliding layers.
     """
 
@@ -50,8 +55,14 @@ class AttentionLayout:
 
     @property
     def kinds(self) -> tuple[str, ...]:
-        """The layer types present, in :data:`SUPPORTED_LAYER_TYPES` order."""
+        """The attention layer types present, in :data:`SUPPORTED_LAYER_TYPES` order (those the masks are for)."""
         return tuple(t for t in SUPPORTED_LAYER_TYPES if t in self.layer_types)
+
+    @property
+    def chains_only(self) -> bool:
+        """Whether some layer keeps a state (:mod:`selfspec.decode.state`): drafts are then verified as a chain, one
+        prompt at a time, the state rolled back after a rejection; never a tree."""
+        return any(t in STATE_LAYER_TYPES for t in self.layer_types)
 
 
 class UnsupportedLayoutError(ValueError):
@@ -73,14 +84,17 @@ def attention_layout(config: PretrainedConfig) -> AttentionLayout:
     """The :class:`AttentionLayout` of a target's config.
 
     Raises:
-        UnsupportedLayoutError: a layer type other than full or sliding attention (chunked, linear or
-            recurrent attention, KV-sharing ``"dummy"`` layers, ...), or sliding layers of different windows.
+        UnsupportedLayoutError: a layer type other than full or sliding attention or a state layer of
+            :data:`~selfspec.decode.state.STATE_LAYER_TYPES` (chunked attention, KV-sharing ``"dummy"`` layers,
+            attention and a state in one layer (Falcon-H1's ``"hybrid"``), ...), or sliding layers of different
+            windows.
     """
     types, kwargs = config_layer_types(config)
-    other = sorted({t for t in types if t not in SUPPORTED_LAYER_TYPES})
+    other = sorted({t for t in types if t not in SUPPORTED_LAYER_TYPES + STATE_LAYER_TYPES})
     if other:
         raise UnsupportedLayoutError(
-            f"layer types {other} (only {' and '.join(SUPPORTED_LAYER_TYPES)} layers can be verified exactly)"
+            f"layer types {other} (only {' and '.join(SUPPORTED_LAYER_TYPES)} layers, and "
+            f"{' or '.join(STATE_LAYER_TYPES)} layers verified as chains, can be verified exactly)"
         )
     windows = {int(kw["sliding_window"]) for t, kw in zip(types, kwargs, strict=True) if t == SLIDING}
     if len(windows) > 1:

@@ -15,6 +15,10 @@ Two checks, both cheap:
    does not read by position, or logits the model computes differently (scaling, soft-capping) fail it.
    Six forwards of at most 11 tokens: milliseconds on tiny models, under a second for a 135M model on
    a CPU.
+
+A target with recurrent or convolution state layers (:mod:`selfspec.decode.state`) is verified on chains only; its
+probe is a chain verified, rolled back to its first two nodes as after a rejection, and continued: every node's
+logits must equal the model's own, or the target is refused naming its state layer types.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 
 from selfspec.decode.kv import compact_cache
 from selfspec.decode.masks import UnsupportedLayoutError, attention_layout
+from selfspec.decode.state import STATE_LAYER_TYPES
 from selfspec.decode.verifier import Verifier
 
 if TYPE_CHECKING:
@@ -35,6 +40,7 @@ PROBE_PREFIX = 6
 PROBE_PARENTS = (-1, 0, 1, 0, 3, 4)
 PROBE_ACCEPTED = (0, 3, 4)  # the path the cache is compacted to (not the first nodes: entries move)
 PROBE_CHAIN = 2
+PROBE_CHAIN_DRAFTS = 4  # the chain a target with state layers verifies before its rollback (module docstring)
 
 
 class UnsupportedTargetError(ValueError):
@@ -80,16 +86,25 @@ def check_target(target: PreTrainedModel) -> None:
     if getattr(config, "is_encoder_decoder", False):
         raise _refuse(target, "it is an encoder-decoder model (only decoder-only causal LMs are verified)")
     try:
-        attention_layout(config)
+        layout = attention_layout(config)
     except UnsupportedLayoutError as err:
         raise _refuse(target, f"it has {err}") from err
     if target.get_output_embeddings() is None:
         raise _refuse(target, "it has no output embeddings (lm_head) to compute logits from")
+    probe = _chain_probe_error if layout.chains_only else _probe_error
     try:
-        error = _probe_error(target)
+        error = probe(target)
     except Exception as err:  # any failure of the model's forward on the decode's inputs is a refusal
         raise _refuse(target, f"its forward fails on a tree verification ({type(err).__name__}: {err})") from err
     dtype = next(target.parameters()).dtype
+    if layout.chains_only and error > probe_tolerance(dtype):
+        states = sorted({t for t in layout.layer_types if t in STATE_LAYER_TYPES})
+        raise _refuse(
+            target,
+            f"its {states} layers' state, rolled back after a rejected chain, gives other logits than running the "
+            f"accepted tokens alone (relative error {error:.2g} > {probe_tolerance(dtype):.0e}): the state cannot be "
+            "rolled back exactly",
+        )
     if error > probe_tolerance(dtype):
         raise _refuse(
             target,
@@ -98,6 +113,35 @@ def check_target(target: PreTrainedModel) -> None:
             "mask, explicit position ids or its cache by position as the decode needs, or computes its logits "
             "differently from its lm_head",
         )
+
+
+def _chain_probe_error(target: PreTrainedModel) -> float:
+    """The probe of a target with state layers (:attr:`~selfspec.decode.masks.AttentionLayout.chains_only`): a
+    :data:`PROBE_PREFIX`-token prefix, a chain of :data:`PROBE_CHAIN_DRAFTS` nodes verified in one forward, the cache
+    rolled back to its first two nodes (a rejection), then a :data:`PROBE_CHAIN`-token chain; the largest relative
+    difference of every node's logits from the model's own for the same tokens run alone."""
+    device = next(target.parameters()).device
+    vocab = target.get_input_embeddings().num_embeddings
+    g = torch.Generator().manual_seed(0)
+    n, kept = PROBE_CHAIN_DRAFTS, 2
+    ids = torch.randint(0, vocab, (PROBE_PREFIX + n + PROBE_CHAIN,), generator=g).to(device)
+    prefix, chain, more = ids[:PROBE_PREFIX], ids[PROBE_PREFIX : PROBE_PREFIX + n], ids[PROBE_PREFIX + n :]
+    verifier = Verifier(target)
+    cache = verifier.new_cache()
+    verifier.prefill(prefix, cache)
+    got = [
+        verifier.lm_logits(verifier.forward_tree(chain, torch.arange(-1, n - 1, device=device), cache, PROBE_PREFIX))
+    ]
+    want = [target(input_ids=ids[None, : PROBE_PREFIX + n]).logits[0, PROBE_PREFIX:].float()]
+    compact_cache(cache, PROBE_PREFIX, torch.arange(kept, device=device), list(range(kept)))
+    past = PROBE_PREFIX + kept
+    got.append(
+        verifier.lm_logits(verifier.forward_tree(more, torch.arange(-1, PROBE_CHAIN - 1, device=device), cache, past))
+    )
+    seq = torch.cat([prefix, chain[:kept], more])
+    want.append(target(input_ids=seq.unsqueeze(0)).logits[0, -PROBE_CHAIN:].float())
+    got_all, want_all = torch.cat(got), torch.cat(want)
+    return float((got_all - want_all).abs().max() / (1.0 + want_all.abs().max()))
 
 
 def _probe_error(target: PreTrainedModel) -> float:

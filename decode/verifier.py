@@ -60,6 +60,8 @@ class Verifier:
         self._shared: tuple[tuple[dict, str, torch.Tensor], ...] = ()  # what the twins share, see _in_sync
         self._built_for: tuple[torch.device, torch.dtype] | None = None
         self._tree_blocks: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # see _tree_block
+        # a target with recurrent / convolution state layers is verified on chains, one prompt at a time
+        self.chains_only = attention_layout(target.config).chains_only  # (selfspec.decode.state)
         if plan:
             self.set_plan(plan)
 

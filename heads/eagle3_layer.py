@@ -96,20 +96,25 @@ def draft_layer_arch(
     (``"target"`` or ``"llama"``), its one-layer config and its class.
 
     Raises:
-        HeadFormatError: ``kind`` ``"target"`` and an attention with projections the widening does not cover (the
-            message names the layer class, them, and ``draft_layer: "llama"``).
+        HeadFormatError: ``kind`` ``"target"`` and a layer that cannot be widened: an attention with projections the
+            widening does not cover, or no ``input_layernorm`` for :class:`FusedInputNorm` to stand in for (LFM2's
+            ``operator_norm``); the message names the layer class, why, and ``draft_layer: "llama"``.
     """
     if kind != "llama":
         one_layer = one_layer_config(arch_config)
         layer_cls = decoder_layer_class(one_layer, target)
         with torch.device("meta"):  # no memory: only its module names are read
-            extra = unwidened_inputs(layer_cls(one_layer, layer_idx=0).self_attn)
-        if not extra:
+            probe = layer_cls(one_layer, layer_idx=0)
+        extra = unwidened_inputs(probe.self_attn)
+        why = f"reads the hidden states through {extra} besides {QKV_NAMES}" if extra else None
+        if "input_layernorm" not in dict(probe.named_children()):
+            why = "has no input_layernorm (the norm of the attention input that EAGLE-3 doubles)"
+        if why is None:
             return "target", arch_config, layer_cls
         if kind == "target":
             raise HeadFormatError(
-                f"{layer_cls.__name__} reads the hidden states through {extra} besides {QKV_NAMES}: its layer "
-                'cannot be widened into an EAGLE-3 layer; use draft_layer: "llama" (a Llama layer of its sizes)'
+                f"{layer_cls.__name__} {why}: its layer cannot be widened into an EAGLE-3 layer; use "
+                'draft_layer: "llama" (a Llama layer of its sizes)'
             )
     llama = llama_layer_config(arch_config)
     return "llama", llama, decoder_layer_class(one_layer_config(llama))

@@ -38,7 +38,7 @@ from selfspec.decode.masks import (
 from selfspec.decode.target_check import UnsupportedTargetError, check_target
 from selfspec.decode.tree import static_tree, tree_position_ids
 from selfspec.decode.verifier import Verifier
-from tests.helpers.archs import ARCHS, CONFIGS, WINDOW, tiny_target
+from tests.helpers.archs import ARCHS, CONFIGS, SERVED_ARCHS, WINDOW, tiny_target
 from tests.helpers.drafters import OracleDrafter, TargetTopKDrafter
 from tests.helpers.heads import make_eagle3, random_heads
 from tests.helpers.sampling import N_SAMPLES, SAMPLING, processed_probs
@@ -274,12 +274,17 @@ def test_soft_capped_logits_are_the_models_own():
 # ------------------------------------------------------------------ sampling
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize(
+    "arch",
+    ["llama", "gemma3"] + [pytest.param(a, marks=pytest.mark.slow) for a in SERVED_ARCHS],
+)
 def test_sampling_keeps_the_target_distribution(arch):
     """Seeded Pearson chi-square goodness of fit of the first two sampled tokens (temperature 0.7, top-k 6)
     against the target's exact distribution, after a 12-token prompt (past the window, so Gemma-3's
-    sliding layers mask keys): N = 400 samples, pairs with expected count >= 5 (the rest pooled),
-    alpha = 0.001. Both acceptance and rejection of drafts occur."""
+    sliding layers mask keys; the served architectures: experts routed per token, latent attention, sinks):
+    N = 400 samples, pairs with expected count >= 5 (the rest pooled), alpha = 0.001. Both acceptance and
+    rejection of drafts occur. The served architectures run in the slow tier (400 decodes of a tiny target with
+    experts take ~10-30 s)."""
     t = target(arch)
     ids = torch.randint(3, V, (12,), generator=torch.Generator().manual_seed(7))
     p1 = processed_probs(t, ids)
@@ -330,30 +335,23 @@ def test_a_forward_that_ignores_the_mask_is_refused_at_load():
         selfspec.load(mask_dropping_llama(), prompt_lookup=True, tune="off")
 
 
-def tiny_lfm2():
-    """A tiny LFM2 (short-convolution layers next to attention): its conv layers keep a state, not keys."""
-    transformers = pytest.importorskip("transformers")
-    if not hasattr(transformers, "Lfm2Config"):
-        pytest.skip("this transformers has no LFM2")
-    config = transformers.Lfm2Config(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        layer_types=["conv", "full_attention"],
-        max_position_embeddings=512,
+def tiny_falcon_h1():
+    """A tiny Falcon-H1: each layer runs attention and a Mamba-2 mixer side by side, a cache layer of keys and a
+    state in one (``"hybrid"``), which is not verified."""
+    from transformers import AutoModelForCausalLM, FalconH1Config
+
+    config = FalconH1Config(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
     )
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    return AutoModelForCausalLM.from_config(config).eval()
 
 
 def test_an_unsupported_cache_layer_type_is_refused():
-    model = tiny_lfm2()
-    with pytest.raises(UnsupportedTargetError, match=r"Lfm2ForCausalLM cannot be .*layer types \['conv'\]"):
+    model = tiny_falcon_h1()
+    with pytest.raises(UnsupportedTargetError, match=r"FalconH1ForCausalLM cannot be .*layer types \['hybrid'\]"):
         selfspec.load(model, prompt_lookup=True, tune="off")
-    with pytest.raises(UnsupportedLayoutError, match="conv"):
+    with pytest.raises(UnsupportedLayoutError, match="hybrid"):
         DraftModelDrafter(model)
-    with pytest.raises(UnsupportedLayoutError, match="conv"):
+    with pytest.raises(UnsupportedLayoutError, match="hybrid"):
         new_cache(model)

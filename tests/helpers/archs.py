@@ -166,6 +166,63 @@ def _gemma4() -> PretrainedConfig:
     )
 
 
+_LINEAR = dict(
+    head_dim=8,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    layer_types=["linear_attention", "linear_attention", "full_attention"],
+)
+
+
+def _qwen3_next() -> PretrainedConfig:
+    from transformers import Qwen3NextConfig
+
+    # gated delta net / gated delta net / gated full attention, 4 experts (2 per token) with a shared one
+    return Qwen3NextConfig(
+        **_COMMON,
+        **_LINEAR,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+
+
+def _qwen3_5() -> PretrainedConfig:
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(**_COMMON, **_LINEAR)  # gated delta nets and full attention, dense MLPs
+
+
+def _lfm2() -> PretrainedConfig:
+    from transformers import Lfm2Config
+
+    # short convolution / attention / short convolution
+    return Lfm2Config(
+        **{k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
+        layer_types=["conv", "full_attention", "conv"],
+    )
+
+
+def _granite4() -> PretrainedConfig:
+    from transformers import GraniteMoeHybridConfig
+
+    # Mamba-2 / attention / Mamba-2, no RoPE
+    return GraniteMoeHybridConfig(
+        **_COMMON,
+        layer_types=["mamba", "attention", "mamba"],
+        mamba_n_heads=4,
+        mamba_d_head=8,
+        mamba_d_state=8,
+        mamba_n_groups=1,
+        mamba_expand=1,
+        num_local_experts=0,
+    )
+
+
 CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "llama": _llama,
     "mistral": _mistral,
@@ -180,12 +237,19 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "deepseek_v3": _deepseek_v3,
     "smollm3": _smollm3,
     "gemma4": _gemma4,
+    "qwen3_next": _qwen3_next,
+    "qwen3_5": _qwen3_5,
+    "lfm2": _lfm2,
+    "granite4": _granite4,
 }
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 """The families every decode and training test of the matrix runs (the exhaustive matrix)."""
 SERVED_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "smollm3", "gemma4")
 """The architectures served in 2026 (mixture-of-experts, latent attention, attention sinks, no-RoPE layers, per-layer
 head sizes and inputs): their own, leaner matrix (tests/decode/test_served_architectures.py)."""
+STATE_ARCHS = ("qwen3_next", "qwen3_5", "lfm2", "granite4")
+"""Hybrid targets whose layers keep a recurrent or convolution state (gated delta nets, short convolutions, Mamba-2),
+verified as chains with the state rolled back (tests/decode/test_state_targets.py)."""
 
 
 def tiny_target(arch: str, seed: int = 0) -> PreTrainedModel:
