@@ -5,6 +5,7 @@ skipped turns, later turns conditioned on the reference's answer, a report that 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 
 import pytest
@@ -93,3 +94,12 @@ def test_an_engine_call_s_result_leaves_the_driver_s_fields_unset():
     assert Result.of_call([], 0.0, "stop").tokens_per_s == 0.0
     with pytest.raises(TypeError, match="no fields \\['acceptance'\\]"):
         Result.of_call([1], 1.0, "stop", acceptance=0.5)
+
+
+def test_the_driver_shows_prompts_done_of_all_with_the_time_left_on_stderr(capsys):
+    settings = BenchSettings(max_new_tokens=4, warmup=0, eos_token_ids=(), seed=5)
+    prompts = [BenchPrompt(str(i), "a", ("hi",)) for i in range(3)]
+    run_engine(ToyEngine(), torch.nn.Linear(1, 1), None, prompts, settings)
+    out, err = capsys.readouterr()
+    assert out == "" and "bench (4 methods)" in err
+    assert re.search(r" 3/3 \[\d\d:\d\d<\d\d:\d\d", err), err  # done of all [elapsed<left]

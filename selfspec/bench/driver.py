@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
+from tqdm.auto import tqdm
 
 from selfspec.base.files import now_utc
 from selfspec.bench.methods import BenchSettings
@@ -215,10 +216,11 @@ def play_turns(
     limit: int | None,
 ) -> Played:
     """Every method of ``engine`` once on every prompt turn, in an order rotated from turn to turn; a later turn of a
-    question is conditioned on the reference's answer, and a turn over ``limit`` tokens ends its question."""
+    question is conditioned on the reference's answer, and a turn over ``limit`` tokens ends its question. A ``tqdm``
+    bar on stderr counts the prompts done of all, with the time left."""
     names = list(engine.names)
     played = Played()
-    for prompt in prompts:
+    for prompt in tqdm(prompts, desc=f"bench ({len(names)} methods)", unit="prompt"):
         history: list[Message] = list(prompt.preamble)
         for number, content in enumerate(prompt.turns, start=1):
             messages = history + [{"role": "user", "content": content}]
