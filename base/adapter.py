@@ -10,8 +10,9 @@ merged model's own greedy ``generate``. The merged weights differ from the unmer
 forward by float rounding only (about 1e-6 relative in float32); the merge is done in float32 and the model
 cast to the requested dtype after.
 
-The merged model's fingerprint names base and adapter (:func:`selfspec.base.fingerprint.register_adapter`),
-so heads trained on it are refused on the bare base and the other way round.
+The merged model's fingerprint names base and adapter (:func:`selfspec.base.fingerprint.register_adapter`), the
+base part taken from the base's weights before the merge changed them, so heads trained on it are refused on the
+bare base and the other way round.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from peft import PeftModel
 
 from selfspec.base.errors import UserError
-from selfspec.base.fingerprint import adapter_fingerprint, register_adapter
+from selfspec.base.fingerprint import register_adapter, target_fingerprint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -147,13 +148,14 @@ def _merge(peft_model: PeftModel, dtype: torch.dtype | None) -> PreTrainedModel:
     kinds = {str(c.peft_type).split(".")[-1].upper() for c in peft_model.peft_config.values()}
     if not kinds <= set(MERGEABLE):
         raise AdapterError(f"{sorted(kinds)} adapters do not merge into a target; only {MERGEABLE} do")
-    fp = adapter_fingerprint(peft_model)
+    fingerprint = target_fingerprint(peft_model)  # the base's weights before the merge changes them, + the adapter
     base_dtype = next(peft_model.get_base_model().parameters()).dtype
     merged = peft_model.float().merge_and_unload()
     merged = merged.to(dtype or base_dtype).eval()
     merged.requires_grad_(False)
-    register_adapter(merged, fp)
-    logger.info("merged the %s adapter (fingerprint %s) into the target", "/".join(sorted(kinds)), fp)
+    register_adapter(merged, fingerprint)
+    adapter = fingerprint.partition("+")[2]
+    logger.info("merged the %s adapter (fingerprint %s) into the target", "/".join(sorted(kinds)), adapter)
     return merged
 
 

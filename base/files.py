@@ -10,10 +10,9 @@
   swapped only once the new one is complete.
 * :func:`read_dataclass` builds a dataclass from parsed JSON (or YAML) strictly, from its type hints: a missing,
   unknown or mistyped key is refused, and every problem is listed at once with its path and the fix; a number
-  field declared with :func:`in_range` is checked against its :class:`Range` there too (and by
-  :func:`check_fields` in a dataclass built in code). Profiles
-  (:mod:`selfspec.decode.tuning`), bench reports (:mod:`selfspec.bench.report`), head configs
-  (:mod:`selfspec.heads.config`) and training configs (:mod:`selfspec.train.config`) are all read by it.
+  field declared with :func:`in_range` is checked against its :class:`Range` there too (by :func:`check_fields` in
+  one built in code). Profiles (:mod:`selfspec.decode.tuning`), bench reports (:mod:`selfspec.bench.report`), head
+  configs (:mod:`selfspec.heads.config`) and training configs (:mod:`selfspec.train.config`) are all read by it.
 * :func:`read_cached` and :func:`write_cached` read and write a measurement's cache file, where a bad or unwritable
   file is a warning and a new measurement, never an error.
 
@@ -271,27 +270,14 @@ def in_range(
 
 
 def check_fields(record: Any, name: Callable[[str], str]) -> None:
-    """Check a dataclass built in code as :func:`read_dataclass` checks one it reads: each field's value against its
-    type hint and its declared :class:`Range` (:func:`in_range`). Called from ``__post_init__``.
-
-    Args:
-        record: the dataclass instance.
-        name: how the user names a field in the message (``lambda f: f"OnlineOptions.{f}"``, ``"--max-new-tokens"``).
-
-    Raises:
-        ValueError: the first field that does not hold: ``"--lr must be a number > 0, got -1.0"``.
-    """
-    rules = _Rules("", True, False, {})
-    hints = _hints(type(record))
+    """Check a dataclass built in code (from ``__post_init__``) as :func:`read_dataclass` checks what it reads: each
+    field's type hint and :class:`Range` (``name(field)`` names it). Raises ValueError ("--lr must be a number > 0")."""
     for f in dataclasses.fields(record):
-        value, kind, bounds = getattr(record, f.name), hints[f.name], f.metadata.get("range")
-        errors: list[str] = []
-        _read(kind, value, f.name, rules, errors)
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if errors or (bounds is not None and number and not bounds.holds(value)):
-            union = typing.get_origin(kind) in (typing.Union, types.UnionType)
-            kinds = [k for k in typing.get_args(kind) if k is not type(None)] if union and bounds else [kind]
-            words = " or ".join(_describe(k) for k in kinds) + (f" {bounds.describe()}" if bounds else "")
+        value, kind, bounds, errors = getattr(record, f.name), _hints(type(record))[f.name], f.metadata.get("range"), []
+        _read(kind, value, f.name, _Rules("", True, False, {}), errors)
+        if errors or (bounds and not isinstance(value, bool | None) and not bounds.holds(value)):
+            kinds = [k for k in typing.get_args(kind) if k is not type(None)] if bounds and value is not None else []
+            words = " or ".join(_describe(k) for k in kinds or [kind]) + (f" {bounds.describe()}" if bounds else "")
             raise ValueError(f"{name(f.name)} must be {words}, got {value!r:.60}")
 
 

@@ -39,7 +39,7 @@ from safetensors.torch import save as safetensors_bytes
 from selfspec.base import files
 from selfspec.base.errors import UserError
 from selfspec.base.files import fsync_dir, replace_dir, staging_dir
-from selfspec.base.fingerprint import mismatch_hint
+from selfspec.base.fingerprint import fingerprint_as_stored, fingerprint_version, mismatch_hint
 
 logger = logging.getLogger(__name__)
 
@@ -219,11 +219,20 @@ def check_fingerprint(
         if unrecorded_warning:
             logger.warning("heads in %s carry no target fingerprint; cannot check they belong to this target", where)
         return
-    if stored != given:
+    ours = fingerprint_as_stored(stored, given)
+    if stored != ours:
         name = f"target {trained_on!r}" if trained_on else "another target"
         raise HeadFormatError(
             f"heads in {where} were trained on {name} (fingerprint {stored}), not on the target given (fingerprint "
-            f"{given}); load them with their own target, or retrain." + mismatch_hint(stored, given)
+            f"{ours}); load them with their own target, or retrain." + mismatch_hint(stored, ours)
+        )
+    if ours is not given:
+        logger.warning(
+            "heads in %s carry a version-%d target fingerprint (sizes and embedding rows only): checked the old "
+            "way, which tells neither a fine-tuned decoder nor a dtype apart; save them again (or retrain) to store "
+            "today's",
+            where,
+            fingerprint_version(stored),
         )
 
 

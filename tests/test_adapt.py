@@ -279,3 +279,25 @@ def test_an_out_that_would_write_over_the_input_heads_is_refused(setup, tmp_path
         with pytest.raises(ValueError, match=how):
             adapt(source, prompts, out, tokens=10)
         assert (tree(tmp_path), tree(heads.parent)) == before, out
+
+
+def test_heads_are_refused_on_a_fine_tune_of_their_target_that_kept_the_embeddings(setup, tmp_path):
+    """One decoder layer moved a little, the embeddings as they were: another target, refused through the CLI before
+    anything is written (the version-1 fingerprint, of the embeddings only, took it for the same one)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    target, heads, prompts = setup
+    tuned = AutoModelForCausalLM.from_pretrained(target)
+    weight = tuned.model.layers[1].mlp.down_proj.weight
+    with torch.no_grad():
+        weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)) * weight.std() * 0.05)
+    tuned.save_pretrained(tmp_path / "tuned")
+    tiny_tokenizer().save_pretrained(tmp_path / "tuned")
+    out = tmp_path / "out"
+    argv = ["adapt", str(heads), "--prompts", str(prompts), "--out", str(out), "--tokens", "10"]
+    code, err = cli([*argv, "--target", str(tmp_path / "tuned")])
+    line = err.strip().splitlines()[-1]  # after the target's loading bar
+    assert code == 2 and line.startswith("selfspec adapt: error: heads in") and err.count("error:") == 1, err
+    assert "not on the target given" in line and "pass --target" in line
+    assert not out.exists()

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from selfspec.base.files import now_utc, read_dataclass, read_json, write_json
-from selfspec.base.fingerprint import target_fingerprint
+from selfspec.base.fingerprint import fingerprint_as_stored, target_fingerprint
 from selfspec.decode.drafters.eagle import EagleDrafter, num_candidates
 from selfspec.decode.loop import speculative_generate
 from selfspec.decode.verifier import Verifier
@@ -305,7 +305,8 @@ def load_acceptance_profile(head_dir: str | Path, target: PreTrainedModel | None
         )
         return None
     if target is not None and profile.target_fingerprint:
-        if profile.target_fingerprint != target_fingerprint(target):
+        stored = profile.target_fingerprint
+        if stored != fingerprint_as_stored(stored, target_fingerprint(target)):
             logger.warning("%s was measured on another target: ignoring it", path)
             return None
     return profile

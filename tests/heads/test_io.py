@@ -299,8 +299,8 @@ def test_heads_of_another_target_are_refused(target, tmp_path, family):
     other = tiny_llama(seed=1)  # same shapes, other weights
     with pytest.raises(
         HeadFormatError,
-        match=r"trained on target 'tiny' \(fingerprint [0-9a-f]{16}\), not on the "
-        r"target given \(fingerprint [0-9a-f]{16}\); load them with their own",
+        match=r"trained on target 'tiny' \(fingerprint v2-[0-9a-f]{16}\), not on the "
+        r"target given \(fingerprint v2-[0-9a-f]{16}\); load them with their own",
     ):
         load_heads(tmp_path, target=other)
 
