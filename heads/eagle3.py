@@ -28,9 +28,10 @@ functions of the ``speculators`` package's ``Eagle3DraftModel`` with the flags o
 The decoder layer is built through ``transformers`` from a one-layer, full-attention copy of the target's config
 (:func:`selfspec.heads.eagle.decoder_layer_class`), so norms, q/k norms and scalings are the family's own; only its
 q/k/v (or fused qkv) projections are rebuilt with 2D inputs, and its ``input_layernorm`` becomes
-:class:`FusedInputNorm` (the two norms above, each of the family's norm class). A target whose attention reads the hidden states
-through other projections too (DeepSeek's latent attention) gets a Llama layer of its sizes instead, with RoPE of
-its own (``draft_layer``, :mod:`selfspec.heads.eagle3_layer`). The token embedding and the rotary
+:class:`FusedInputNorm` (the two norms above, each of the family's norm class). A target whose attention reads the
+hidden states through other projections too (DeepSeek's latent attention), or whose layer has no
+``input_layernorm`` (LFM2), gets a Llama layer of its sizes instead, with RoPE of its own (``draft_layer``,
+:mod:`selfspec.heads.eagle3_layer`). The token embedding and the rotary
 embedding are the target's, frozen, referenced through :meth:`Eagle3Head.attach_target`, never saved.
 
 Files (``save_pretrained``), tensor names as the EAGLE-3 serving layouts use them (``docs/ARCHITECTURE.md``,
@@ -229,7 +230,8 @@ class Eagle3Head(nn.Module, HubMixin):
             ``hidden_norm(h)`` (the embedding columns keep their random init), its input norm as
             ``hidden_norm``. None: random (the published start).
         init_lm_head: with a target, start ``lm_head`` from the target's lm_head rows ``draft_ids`` and ``norm``
-            from the target's final norm, so the untrained head's output map is the target's.
+            from the target's final norm (with the target's own layer class), so the untrained head's output map is the
+            target's.
 
     Raises:
         HeadFormatError: the architecture disagrees with ``config``, or the vocabulary maps are invalid.
@@ -289,7 +291,8 @@ class Eagle3Head(nn.Module, HubMixin):
                 own.input_layernorm.hidden_norm.weight.copy_(norm_w)
         if init_lm_head:
             self.lm_head.weight.copy_(target.get_output_embeddings().weight[self.draft_ids.to(self.d2t.device)])
-            self.norm.load_state_dict(target.base_model.norm.state_dict())
+            if self.config.draft_layer == "target":  # a Llama layer's norm is its own class (starts at ones)
+                self.norm.load_state_dict(target.base_model.norm.state_dict())
 
     # ---------------------------------------------------------------- target
     @property

@@ -1,7 +1,8 @@
-"""Training on the architectures served in 2026 (tests/helpers/archs.py ``SERVED_ARCHS``): one optimiser step of an
-EAGLE-3 head on each (DeepSeek-V3's with a Llama draft layer, the target's latent attention cannot be widened), the
-head saved, reloaded and decoding exactly like the target's ``generate``; and one step of every other family on a
-mixture-of-experts target (Qwen3-MoE) and on Gemma-4 (per-layer head sizes)."""
+"""Training on the architectures served in 2026 (tests/helpers/archs.py ``SERVED_ARCHS``, and the hybrid Qwen3-Next
+and LFM2): one optimiser step of an EAGLE-3 head on each (DeepSeek-V3's and LFM2's with a Llama draft layer: latent
+attention, and a layer without ``input_layernorm``, cannot be widened), the head saved, reloaded and decoding exactly
+like the target's ``generate``; and one step of every other family on a mixture-of-experts target (Qwen3-MoE) and on
+Gemma-4 (per-layer head sizes)."""
 
 from __future__ import annotations
 
@@ -60,14 +61,16 @@ def decodes_exactly(target, heads_dir) -> None:
     assert speculative_generate(target, drafter, ids, max_new_tokens=NEW).tokens == ref[0, 12:].tolist()
 
 
-@pytest.mark.parametrize("arch", SERVED_ARCHS)
+# Granite-4 (no RoPE) takes no EAGLE head: refused at build (tests/decode/test_state_targets.py)
+@pytest.mark.parametrize("arch", SERVED_ARCHS + ("qwen3_next", "lfm2"))
 def test_eagle3_trains_a_step_reloads_and_decodes_exactly(arch, tmp_path):
     from selfspec.heads import load_heads
 
     target = tiny_target(arch)
     heads_dir = train_one_step(tmp_path, target, "eagle3")
     head = load_heads(heads_dir, target=target)
-    assert head.config.draft_layer == ("llama" if arch == "deepseek_v3" else "target")
+    # latent attention, and LFM2's layer without input_layernorm: a Llama draft layer
+    assert head.config.draft_layer == ("llama" if arch in ("deepseek_v3", "lfm2") else "target")
     assert head.config.n_draft == 64
     decodes_exactly(target, heads_dir)
 
