@@ -130,14 +130,51 @@ def speed_line(report_path: Path, method: str) -> str:
     return f"{engine}: {method} tau {agg.tau:.2f}, {agg.speedup:.2f}x vs {s.reference}{gain}"
 
 
+# Minutes each stage took for the EAGLE-3 quickstart on the 2-core CPU the figures of docs/RESULTS.md come from
+# (docs/journal/round-19.md .. round-22.md): a faster machine takes less, a slower one more.
+STAGE_MINUTES = {"target": 1.0, "distill": 6.0, "features": 5.0, "training": 11.0, "calibration": 0.5, "bench": 4.0}
+
+
+def stage_plan(cfg: Any, bench_prompts: int, llamacpp: bool) -> list[str]:
+    """The quickstart's stages, one line each with its expected minutes (:data:`STAGE_MINUTES`), after a line with
+    their sum, for ``cfg``: the training clock caps the training stage, and a stage the config turns off is left out."""
+    m = STAGE_MINUTES
+    distill_dir = cfg.distill_dir or Path(cfg.output_dir) / "distill"
+    budget = f"{cfg.max_train_tokens:,} trained tokens" if cfg.max_train_tokens else f"{cfg.epochs} epochs"
+    clock = f", at most {cfg.max_train_minutes:g} min" if cfg.max_train_minutes else ""
+    training = m["training"] if cfg.max_train_minutes is None else min(m["training"], cfg.max_train_minutes)
+    calibrated = cfg.calibrate_prompts > 0 and family(cfg.head).tree_tuning == "acceptance_profile"
+    stages = [
+        (f"the target {cfg.target}, converted once into the selfspec cache (the first time)", m["target"]),
+        (
+            f"self-distillation: the target answers {cfg.distill_conversations} prompts, cached in {distill_dir}",
+            m["distill"],
+        )
+        if cfg.self_distill
+        else None,
+        ("target features of the training conversations", m["features"]),
+        (f"training the {cfg.head} head: {budget}{clock}", training),
+        (f"its acceptance on {cfg.calibrate_prompts} held-out prompts", m["calibration"]) if calibrated else None,
+        (f"bench on {bench_prompts} held-out prompts against generate and no drafts", m["bench"]),
+        ("the same bench in llama.cpp (a first build adds 5-12 min)", m["bench"]) if llamacpp else None,
+    ]
+    kept = [stage for stage in stages if stage is not None]
+    head = f"quickstart: {len(kept)} stages, about {sum(minutes for _, minutes in kept):.0f} min on a 2-core CPU"
+    return [head] + [f"  {i}. {text} (~{minutes:g} min)" for i, (text, minutes) in enumerate(kept, start=1)]
+
+
 def main(argv: list[str] | None = None) -> int:
     """``selfspec quickstart ...``: train, then bench; returns the bench's exit code (0 on success)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     cfg = load_config(args.config or default_config(args.head), training_overrides(args))
+    in_llamacpp = family(cfg.head).llamacpp_spec_type is not None and cfg.target in ALIASES
+    llamacpp = in_llamacpp and (args.llamacpp or find_llamacpp() is not None)
+    print("\n".join(stage_plan(cfg, args.bench_prompts, llamacpp)), file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     heads_dir = run(cfg)
     train_min = (time.perf_counter() - t0) / 60
+    print(f"quickstart: training done in {train_min:.1f} min; now the bench", file=sys.stderr, flush=True)
     out = Path(cfg.output_dir) / "bench"
     code = bench_main(
         [

@@ -250,3 +250,17 @@ def test_every_package_directory_is_listed_for_setuptools():
             dotted = ".".join((name, *sub))
             assert dotted in packages, f"{init.parent} is not listed in [tool.setuptools] packages"
     assert importlib.metadata.version("selfspec")
+
+
+def test_the_quickstart_names_its_stages_with_their_expected_minutes():
+    from selfspec.quickstart import STAGE_MINUTES, stage_plan
+
+    lines = stage_plan(load_config(default_config("eagle3"), ["max_train_minutes=3"]), 12, llamacpp=False)
+    m = STAGE_MINUTES
+    total = m["target"] + m["distill"] + m["features"] + 3 + m["calibration"] + m["bench"]
+    assert lines[0] == f"quickstart: 6 stages, about {total:.0f} min on a 2-core CPU"
+    assert [line.split(".")[0].strip() for line in lines[1:]] == ["1", "2", "3", "4", "5", "6"]
+    assert all(line.endswith(" min)") for line in lines[1:])
+    assert lines[4] == "  4. training the eagle3 head: 900,000 trained tokens, at most 3 min (~3 min)"
+    block = stage_plan(load_config(default_config("dflash"), ["self_distill=false"]), 12, llamacpp=True)
+    assert len(block) == 6 and "acceptance" not in "".join(block) and "llama.cpp" in block[-1]
