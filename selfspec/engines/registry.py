@@ -42,6 +42,7 @@ __all__ = [
     "engine_title",
     "register_engine",
     "registered_engines",
+    "runtime_error_of",
 ]
 
 DEFAULT_ENGINE = "selfspec"
@@ -185,6 +186,16 @@ def engine(name: str) -> Engine:
     if name not in _ENGINES:
         raise ValueError(f"unknown engine {name!r}; choose one of {list(registered_engines())}")
     return _ENGINES[name]
+
+
+def runtime_error_of(check: Callable[[], object]) -> str | None:
+    """The message of the ``RuntimeError`` that ``check()`` raises, or None when it returns: an engine's
+    :attr:`Engine.missing` made from a check that raises when the engine is not built."""
+    try:
+        check()
+    except RuntimeError as err:
+        return str(err)
+    return None
 
 
 def engine_title(name: str) -> str:

@@ -100,7 +100,7 @@ def _target_config(target_dir: Path) -> dict:
 
 
 def gguf_destination(
-    head: Head, out_dir: str | Path, target_dir: str | Path, name: str | None, llamacpp: LlamaCpp | None
+    head: Head, out_dir: str | Path, target_dir: str | Path, name: str | None = None, llamacpp: LlamaCpp | None = None
 ) -> tuple[Path, Path, LlamaCpp]:
     """What every GGUF export checks and makes before converting: ``(target directory, the file to write, the
     build)``. The target must be a local directory of the head's target (hidden size, vocabulary, layer count); the

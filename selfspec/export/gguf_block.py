@@ -25,6 +25,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGUFReader
@@ -61,16 +62,11 @@ def block_gguf_tensors(head: BlockHead) -> frozenset[str]:
 
 
 def export_gguf_block(
-    head: BlockHead,
-    out_dir: str | Path,
-    *,
-    target_dir: str | Path,
-    name: str | None = None,
-    outtype: str = "f32",
-    llamacpp: LlamaCpp | None = None,
+    head: BlockHead, out_dir: str | Path, *, target_dir: str | Path, outtype: str = "f32", **destination: Any
 ) -> Path:
     """Export a DFlash / DSpark head as llama.cpp's ``dflash`` GGUF, ``<out_dir>/<name>.gguf`` (the ``gguf`` exporter of
-    both families; the arguments are :func:`selfspec.export.gguf.export_gguf`'s).
+    both families; the arguments are :func:`selfspec.export.gguf.export_gguf`'s: ``destination`` its ``name`` and
+    ``llamacpp``, as :func:`selfspec.export.gguf.gguf_destination` takes them).
 
     Returns:
         Path of the written ``.gguf`` file.
@@ -82,7 +78,7 @@ def export_gguf_block(
     """
     if not isinstance(head, BlockHead):
         raise ExportError(f"the dflash GGUF holds DFlash and DSpark heads, not {family_name(head)}")
-    target_dir, final, llamacpp = gguf_destination(head, out_dir, target_dir, name, llamacpp)
+    target_dir, final, llamacpp = gguf_destination(head, out_dir, target_dir, **destination)
     return convert_block_head(head, final, target_dir, outtype, llamacpp)
 
 

@@ -74,39 +74,22 @@ def chains(run: EngineRun, lengths: Mapping[str, int]) -> BenchReport:
     )  # fmt: skip
 
 
-ENGINE = register_engine(
-    Engine(
-        name="llamacpp",
-        title="llama.cpp",
-        bench=bench,
-        chains=chains,
-        missing=missing,
-        export_format="gguf",
-        families=("eagle3", "dflash", "dspark"),
-        eagle31=False,
-        sweep="selfspec.engines.llamacpp.settings",
-        options=(
-            EngineOption(
-                "--ngram",
-                {
-                    "nargs": "*",
-                    "default": ["ngram_simple", "ngram_mod"],
-                    "metavar": "METHOD",
-                    "help": "--engine llamacpp: llama.cpp n-gram drafters to run (ngram_simple, ngram_mod; none: "
-                    "--ngram)",
-                },
-            ),
-            EngineOption(
-                "--target-gguf",
-                {
-                    "default": None,
-                    "help": "--engine llamacpp: the target's GGUF (default: the file the smollm2-135m-instruct alias "
-                    "is made from)",
-                },
-            ),
-        ),
-        help="llamacpp: plain llama.cpp against each --heads (EAGLE-3, DFlash or DSpark, exported to GGUF) and "
-        "llama.cpp's n-gram drafts, with settings swept once per machine (needs `python -m selfspec.llamacpp` and "
-        "selfspec[llamacpp])",
-    )
+OPTIONS = (
+    EngineOption("--ngram", {
+        "nargs": "*", "default": ["ngram_simple", "ngram_mod"], "metavar": "METHOD",
+        "help": "--engine llamacpp: llama.cpp n-gram drafters to run (ngram_simple, ngram_mod; none: --ngram)",
+    }),
+    EngineOption("--target-gguf", {
+        "default": None,
+        "help": "--engine llamacpp: the target's GGUF (default: the file the smollm2-135m-instruct alias is made from)",
+    }),
+)  # fmt: skip
+HELP = (
+    "llamacpp: plain llama.cpp against each --heads (EAGLE-3, DFlash or DSpark, exported to GGUF) and llama.cpp's "
+    "n-gram drafts, with settings swept once per machine (needs `python -m selfspec.llamacpp` and selfspec[llamacpp])"
 )
+
+ENGINE = register_engine(Engine(
+    "llamacpp", "llama.cpp", bench, chains, missing, export_format="gguf", families=("eagle3", "dflash", "dspark"),
+    eagle31=False, sweep="selfspec.engines.llamacpp.settings", options=OPTIONS, help=HELP,
+))  # fmt: skip

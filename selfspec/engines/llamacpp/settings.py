@@ -25,10 +25,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfspec.base.files import cache_root, read_dataclass, write_json
-from selfspec.base.files import read_cached as read_cache_file
+from selfspec.base.files import cache_root, write_json
 from selfspec.bench.report import CostDecomposition, LlamaCppSetting, SweepPoint
-from selfspec.engines.calibration import CALIBRATION_PROMPTS, CALIBRATION_TOKENS
+from selfspec.engines.sweep import CALIBRATION_PROMPTS, CALIBRATION_TOKENS, SweepRecord, read_sweep
 from selfspec.llamacpp import Generation, LlamaCpp, build_info, completion, forward_costs
 
 logger = logging.getLogger(__name__)
@@ -105,11 +104,9 @@ def candidate_settings(spec_type: str, best: LlamaCppSetting | None, stage: int)
 
 
 @dataclass(frozen=True)
-class SettingsChoice:
+class SettingsChoice(SweepRecord):
     """A finished sweep: ``chosen`` and ``sweep`` per method, and the cost decomposition (the cache file)."""
 
-    version: int
-    key: str
     chosen: dict[str, LlamaCppSetting]
     sweep: dict[str, list[SweepPoint]]
     token_ms: float
@@ -138,11 +135,7 @@ def cache_path(key: str) -> Path:
 
 def read_cached(key: str) -> SettingsChoice | None:
     """The cached sweep for ``key``, or None (none, or one this selfspec cannot read: it is measured again)."""
-    path = cache_path(key)
-    choice = read_cache_file(
-        path, lambda d: read_dataclass(SettingsChoice, d, str(path), root="choice"), "llama.cpp sweep"
-    )
-    return choice if choice is not None and choice.version == SWEEP_VERSION and choice.key == key else None
+    return read_sweep(SettingsChoice, cache_path(key), key, SWEEP_VERSION, "llama.cpp sweep")
 
 
 Runner = Callable[[LlamaCppSetting, str], Generation]

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from selfspec.engines.registry import Engine, EngineOption, EngineOutput, EngineRun, register_engine
+from selfspec.engines.registry import Engine, EngineOption, EngineOutput, EngineRun, register_engine, runtime_error_of
 
 if TYPE_CHECKING:
     from selfspec.bench.report import BenchReport
@@ -21,11 +21,7 @@ def missing() -> str | None:
     """Why OpenVINO GenAI cannot run here (its venv is not built; the message names the command), or None."""
     from selfspec.export.openvino import openvino_python
 
-    try:
-        openvino_python()
-    except RuntimeError as err:
-        return str(err)
-    return None
+    return runtime_error_of(openvino_python)
 
 
 def _run(run: EngineRun, given: Mapping[str, int] | None) -> tuple[BenchReport, dict[str, Any]]:
@@ -52,30 +48,19 @@ def chains(run: EngineRun, lengths: Mapping[str, int]) -> BenchReport:
     return _run(run, dict(lengths))[0]
 
 
-ENGINE = register_engine(
-    Engine(
-        name="openvino",
-        title="OpenVINO GenAI",
-        bench=bench,
-        chains=chains,
-        missing=missing,
-        env="openvino",
-        export_format="openvino",
-        families=("eagle3",),
-        eagle31=False,
-        worker="selfspec/engines/openvino/openvino_worker.py",
-        sweep="selfspec.engines.openvino.settings",
-        options=(
-            EngineOption(
-                "--assistant-tokens",
-                {
-                    "type": int,
-                    "default": None,
-                    "help": "--engine openvino: num_assistant_tokens for every head instead of the swept draft length",
-                },
-            ),
-        ),
-        help="openvino: plain OpenVINO GenAI against each --heads (EAGLE-3, converted by optimum-intel), draft "
-        "length swept once per machine (needs `python -m selfspec.engine_envs openvino`)",
-    )
+OPTIONS = (
+    EngineOption("--assistant-tokens", {
+        "type": int, "default": None,
+        "help": "--engine openvino: num_assistant_tokens for every head instead of the swept draft length",
+    }),
+)  # fmt: skip
+HELP = (
+    "openvino: plain OpenVINO GenAI against each --heads (EAGLE-3, converted by optimum-intel), draft length swept "
+    "once per machine (needs `python -m selfspec.engine_envs openvino`)"
 )
+
+ENGINE = register_engine(Engine(
+    "openvino", "OpenVINO GenAI", bench, chains, missing, env="openvino", export_format="openvino",
+    families=("eagle3",), eagle31=False, worker="selfspec/engines/openvino/openvino_worker.py",
+    sweep="selfspec.engines.openvino.settings", options=OPTIONS, help=HELP,
+))  # fmt: skip

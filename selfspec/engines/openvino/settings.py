@@ -2,7 +2,7 @@
 
 OpenVINO GenAI drafts a chain of exactly ``num_assistant_tokens`` tokens per cycle (its EAGLE-3 pipeline takes no
 confidence cut: ``assistant_confidence_threshold`` must be 0), so the length is the one setting. As the llama.cpp
-settings are (:mod:`selfspec.engines.llamacpp.settings`, on the same prompts: :mod:`selfspec.engines.calibration`),
+settings are (:mod:`selfspec.engines.llamacpp.settings`, on the same prompts: :mod:`selfspec.engines.sweep`),
 every length of :data:`DRAFT_LENGTHS` runs on the calibration prompts, each run right after plain OpenVINO GenAI on
 the same prompt, and the best median speedup wins. The choice and every point are cached under
 ``<cache root>/openvino-settings/`` per OpenVINO GenAI version, thread count, target IR and draft IR (their cache
@@ -20,9 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfspec.base.files import cache_root, read_dataclass, write_json
-from selfspec.base.files import read_cached as read_cache_file
-from selfspec.engines.calibration import CALIBRATION_PROMPTS, CALIBRATION_TOKENS
+from selfspec.base.files import cache_root, write_json
+from selfspec.engines.sweep import CALIBRATION_PROMPTS, CALIBRATION_TOKENS, SweepRecord, read_sweep
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +47,9 @@ class DraftLengthPoint:
 
 
 @dataclass(frozen=True)
-class DraftLengthChoice:
+class DraftLengthChoice(SweepRecord):
     """A finished sweep (the cache file): ``chosen`` and ``sweep`` per method."""
 
-    version: int
-    key: str
     chosen: dict[str, int]
     sweep: dict[str, list[DraftLengthPoint]]
 
@@ -76,11 +73,7 @@ def cache_path(key: str) -> Path:
 
 def read_cached(key: str) -> DraftLengthChoice | None:
     """The cached sweep for ``key``, or None (none, or one this selfspec cannot read: it is measured again)."""
-    path = cache_path(key)
-    choice = read_cache_file(
-        path, lambda d: read_dataclass(DraftLengthChoice, d, str(path), root="choice"), "OpenVINO sweep"
-    )
-    return choice if choice is not None and choice.version == SWEEP_VERSION and choice.key == key else None
+    return read_sweep(DraftLengthChoice, cache_path(key), key, SWEEP_VERSION, "OpenVINO sweep")
 
 
 def steps_of(reply: dict) -> tuple[int, int, int]:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from selfspec.bench.methods import DEFAULT_METHODS, build_methods
 from selfspec.bench.report import BenchReport
 from selfspec.bench.run import run_bench
-from selfspec.engines.registry import Engine, EngineOutput, EngineRun, register_engine
+from selfspec.engines.registry import DEFAULT_ENGINE, Engine, EngineOutput, EngineRun, register_engine
 
 __all__ = ["ENGINE", "bench", "chains"]
 
@@ -67,11 +67,7 @@ def chains(run: EngineRun, lengths: Mapping[str, int]) -> BenchReport:
 
 ENGINE = register_engine(
     Engine(
-        name="selfspec",
-        title="selfspec",
-        bench=bench,
-        chains=chains,
-        takes_methods=True,
+        DEFAULT_ENGINE, "selfspec", bench, chains, takes_methods=True,
         help="selfspec (default): its own decoder against transformers generate and its no-draft decoding",
     )
-)
+)  # fmt: skip

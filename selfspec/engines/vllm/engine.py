@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from selfspec.engines.registry import Engine, EngineOption, EngineOutput, EngineRun, register_engine
+from selfspec.engines.registry import Engine, EngineOption, EngineOutput, EngineRun, register_engine, runtime_error_of
 
 if TYPE_CHECKING:
     from selfspec.bench.report import BenchReport
@@ -18,11 +18,7 @@ def missing() -> str | None:
     """Why vLLM cannot run here (its venv is not built; the message names the command), or None."""
     from selfspec.engines.vllm.bench import require_env
 
-    try:
-        require_env()
-    except RuntimeError as err:
-        return str(err)
-    return None
+    return runtime_error_of(require_env)
 
 
 def _run(run: EngineRun, num_speculative_tokens: int | Mapping[str, int] | None) -> BenchReport:
@@ -45,28 +41,14 @@ def chains(run: EngineRun, lengths: Mapping[str, int]) -> BenchReport:
     return _run(run, dict(lengths))
 
 
-ENGINE = register_engine(
-    Engine(
-        name="vllm",
-        title="vLLM",
-        bench=bench,
-        chains=chains,
-        missing=missing,
-        env="vllm",
-        export_format="speculators",
-        families=("eagle3", "dflash"),
-        worker="selfspec/engines/vllm/vllm_worker.py",
-        options=(
-            EngineOption(
-                "--spec-tokens",
-                {
-                    "type": int,
-                    "default": None,
-                    "help": "--engine vllm: num_speculative_tokens for every head (default: each export's own)",
-                },
-            ),
-        ),
-        help="vllm: plain vLLM (CPU build) against each --heads (EAGLE-3, EAGLE-3.1 or DFlash, exported to the "
-        "speculators layout), with vLLM's own acceptance counters (needs `python -m selfspec.engine_envs vllm`)",
-    )
+SPEC_TOKENS = "--engine vllm: num_speculative_tokens for every head (default: each export's own)"
+HELP = (
+    "vllm: plain vLLM (CPU build) against each --heads (EAGLE-3, EAGLE-3.1 or DFlash, exported to the speculators "
+    "layout), with vLLM's own acceptance counters (needs `python -m selfspec.engine_envs vllm`)"
 )
+
+ENGINE = register_engine(Engine(
+    "vllm", "vLLM", bench, chains, missing, env="vllm", export_format="speculators", families=("eagle3", "dflash"),
+    worker="selfspec/engines/vllm/vllm_worker.py", help=HELP,
+    options=(EngineOption("--spec-tokens", {"type": int, "default": None, "help": SPEC_TOKENS}),),
+))  # fmt: skip
