@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from selfspec.train.regenerate import distill_variant
 from selfspec.train.config import TrainConfig, load_config
 from selfspec.train.distill_states import CapturedStates
 from selfspec.train.features import self_distill
+from selfspec.train.regenerate import distill_variant
 from tests.helpers.archs import tiny_target
 from tests.helpers.tokenizers import tiny_tokenizer
 
