@@ -42,7 +42,6 @@ from selfspec.decode.drafters.base import AcceptedPath, Drafter, DraftLimit
 from selfspec.decode.host import HostTree, cut_tree, read_tree, to_device
 from selfspec.decode.request import GenerationOutput, GenerationRequest, GenerationStats, room_in_context, single_prompt
 from selfspec.decode.sampling import probs_from_logits, sample
-from selfspec.decode.state import first_chain, one_at_a_time
 from selfspec.decode.step import argmax_with_check, check_finite, target_distributions, verify_step
 from selfspec.decode.stopping import Stopper
 from selfspec.decode.streaming import as_streamer
@@ -79,8 +78,9 @@ class TreeCap:
 
 
 class TreePolicy(Protocol):
-    """Sizes the rows' trees by the number of rows still decoding (the tuning layer's batch tree rule,
-    :class:`selfspec.decode.tuning.batch_rule.BatchTreeRule`, is one)."""
+    """Sizes the rows' trees by the number of rows still decoding and the acceptance observed (the tuning layer's
+    tree rule, :class:`selfspec.decode.tuning.batch_rule.BatchTreeRule`, is one); called once per step, at batch 1
+    too."""
 
     def __call__(self, batch: int) -> TreeCap:
         """The cap for a step with ``batch`` rows decoding."""
@@ -218,8 +218,9 @@ def decode_rows(
             VerifyResult)``, before the drafter is told what was accepted (so drafter diagnostics such as
             ``EagleDrafter.last_candidates`` still describe this tree). For measurements
             (:func:`selfspec.decode.tuning.calibration.calibrate_acceptance`); it must not modify its arguments.
-        tree_policy: sizes every row's tree from the number of rows still decoding, and turns speculation off
-            where it does not pay (:class:`TreePolicy`); None drafts each drafter's own tree.
+        tree_policy: sizes every row's tree from the number of rows still decoding and the acceptance the
+            drafters get, and turns speculation off where it does not pay (:class:`TreePolicy`; the steps it
+            switched off are counted in each row's ``stats.drafting_off_steps``); None drafts each drafter's own tree.
 
     Returns:
         One :class:`~selfspec.decode.request.GenerationOutput` per prompt, in the prompts' order; each row's
@@ -240,8 +241,6 @@ def decode_rows(
             raise ValueError(f"got {len(items)} {name} for {len(prompts)} prompts: pass one per prompt")
     verifier = as_verifier(verifier)
     target = verifier.target
-    if len(prompts) > 1 and verifier.chains_only:  # a state per row (decode/state.py): one prompt at a time
-        return one_at_a_time(decode_rows, verifier, drafters, prompts, request, streamers, step_callback, tree_policy)
     vocab = target.get_output_embeddings().weight.shape[0]
     infos = [d.info() for d in drafters]
     if len({i.target_layers for i in infos}) > 1:
@@ -373,12 +372,14 @@ class _Loop:
         host = read_tree(tree.tokens, tree.parents)  # the step's one read of this row's tree
         if deepest is not None and host.max_depth > deepest:
             tree, host = cut_tree(tree, host, deepest)
-        return first_chain(tree, host) if self.verifier.chains_only else (tree, host)  # state targets: chains
+        return tree, host
 
     def _step(self, active: list[_Row]) -> list[_Row]:
         self.steps += 1
         req = self.request
+        t_step = time.perf_counter()
         cap = self.policy(len(active)) if self.policy is not None else None
+        off = cap is not None and cap.depth == 0  # the rule switched drafting off for this step
         trees, hosts = [], []
         for row in active:
             t1 = time.perf_counter()
@@ -413,6 +414,9 @@ class _Loop:
             )
             row.stats.verify_s += t3 - t2
             row.stats.count_step(host.num_nodes, host.max_depth, len(path) - 1)
+            if off and row.drafts:
+                row.stats.drafting_off_steps += 1
+                row.stats.drafting_off_s += time.perf_counter() - t_step
             if self.policy is not None:
                 self.policy.observe(torch.tensor(host.depths), len(path) - 1, row.draft_s)
             before = len(row.out)

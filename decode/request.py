@@ -115,6 +115,10 @@ class GenerationStats:
         accepted_by_depth: ``accepted_by_depth[d]`` = steps whose accepted path reached depth d+1.
         drafted_by_depth: ``drafted_by_depth[d]`` = steps whose tree had a node at depth d+1.
         tree_nodes: nodes verified over all steps (roots included).
+        plain_steps: steps that verified the root alone (nothing drafted: no continuation found, the end of the
+            output or context, or drafting switched off).
+        drafting_off_steps: of those, the steps a tree rule switched drafting off (live acceptance that did not pay,
+            or a batch too large for any tree); ``drafting_off_s``: their wall seconds.
         prefill_s, draft_s, verify_s, total_s: wall seconds (``total_s`` of a batch is the whole call's).
         tokens_per_s: ``new_tokens / total_s`` (prefill included, like plain generate).
         finish_reason: ``"stop"`` (EOS or stop string) or ``"length"``.
@@ -127,6 +131,9 @@ class GenerationStats:
     accepted_by_depth: list[int] = field(default_factory=list)
     drafted_by_depth: list[int] = field(default_factory=list)
     tree_nodes: int = 0
+    plain_steps: int = 0
+    drafting_off_steps: int = 0
+    drafting_off_s: float = 0.0
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -152,6 +159,7 @@ class GenerationStats:
         """Record one verification step: its tree's node count and depth, how deep its accepted path went."""
         self.steps += 1
         self.tree_nodes += nodes
+        self.plain_steps += int(nodes == 1)
         self.accepted_per_step.append(accepted_depth + 1)
         while len(self.drafted_by_depth) < max_depth:
             self.drafted_by_depth.append(0)

@@ -36,10 +36,10 @@ def steady_timings():
     """Cost measurements of the tiny test targets take one round and are never refused as disturbed: the rule that
     repeats rounds until the medians settle is unit-tested with synthetic timings (tests/decode/test_timings.py),
     and a busy test machine must not make caching tests flaky or slow."""
-    from selfspec.decode.tuning import costs
+    from selfspec.decode.tuning import timing
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(costs, "DEFAULT_TIMING_RULE", costs.TimingRule(max_spread=math.inf, max_rounds=1))
+        patch.setattr(timing, "DEFAULT_TIMING_RULE", timing.TimingRule(max_spread=math.inf, max_rounds=1))
         yield
 
 

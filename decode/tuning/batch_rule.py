@@ -1,4 +1,4 @@
-"""How big each row's draft tree should be at batch size B, measured on this machine, down to no tree at all.
+"""How big each row's draft tree should be at batch size B and the acceptance the traffic gives, down to no tree.
 
 At batch 1 verifying a tree costs little more than one plain step, because a decode step is bound by
 reading the weights; as the batch grows the target's forward fills with real work and the extra tree nodes
@@ -7,14 +7,19 @@ verification cost by batch size and tree size, measured here: :class:`BatchCostP
 of one :meth:`~selfspec.decode.verifier.Verifier.forward_block` plus the logits, for B rows of N nodes each.
 
 Per row, a step at batch B costs ``verify_ms(B, N) / B + draft_ms`` (rows draft one after another) and
-yields tau tokens; plain decoding costs ``verify_ms(B, 1) / B`` a token. :class:`BatchTreeRule` picks, for
-each batch size, the tree that maximises tokens per second per row, or no speculation (depth 0) when
-nothing beats plain decoding:
+yields tau tokens; plain decoding costs ``verify_ms(B, 1) / B`` a token (at batch 1 the batch-1 cost profile of
+the verifier that decodes). :class:`BatchTreeRule` picks, each step, the tree that maximises tokens per second per
+row, or no speculation (depth 0) when nothing beats plain decoding, from the acceptance the drafter is getting
+(counted with a decay, per request and across requests, blended with a prior):
 
 * for an EAGLE head with an acceptance profile, the EAGLE-2 budget (depth, total_tokens) of
-  :func:`~selfspec.decode.tuning.budget.choose_tree` over the EAGLE budgets on the per-row cost curve of batch B;
-* for any other drafter, a depth cap chosen from the acceptance by depth measured so far in the same
-  call (how often the accepted path reached each depth) and the measured draft time.
+  :func:`~selfspec.decode.tuning.budget.choose_tree` over the EAGLE budgets, their tau scaled by the live
+  acceptance against the profile's, on the per-row cost curve of batch B;
+* for any other drafter, a depth cap chosen from the acceptance by depth measured so far (how often the accepted
+  path reached each depth) and the measured draft time.
+
+A drafter whose live acceptance does not pay is switched off for a bounded back-off and probed again (adaptive
+speculation: shrink the tree, or switch speculation off, as the load and the acceptance change).
 
 Profiles are cached as JSON under ``<cache root>/profiles`` like the batch-1 cost profile.
 """
@@ -33,7 +38,8 @@ import torch
 from selfspec.base.files import now_utc, profiles_dir, read_cached, read_dataclass, record_dict, write_cached
 from selfspec.decode.loop import TreeCap
 from selfspec.decode.tuning.budget import choose_tree, eagle_trees
-from selfspec.decode.tuning.costs import CostProfile, cost_key, interleaved_medians, profile_stem
+from selfspec.decode.tuning.costs import CostProfile, cost_key, profile_stem
+from selfspec.decode.tuning.timing import interleaved_medians
 from selfspec.decode.verifier import Verifier
 
 if TYPE_CHECKING:
@@ -196,78 +202,219 @@ def get_batch_cost_profile(
     return profile
 
 
+# The live acceptance estimate: each drafted row-step multiplies what was counted before by LIVE_DECAY (a memory of
+# about 1 / (1 - LIVE_DECAY) = 100 drafted row-steps, across requests), and the head's offline acceptance profile
+# counts as PRIOR_STEPS steps of its own expectation; a drafter without a profile starts from one pseudo-step in which
+# depth d is reached with probability PRIOR_REACH ** d.
+LIVE_DECAY = 0.99
+PRIOR_STEPS = 4.0
+PRIOR_REACH = 0.5
+# When the live acceptance cannot pay for a tree, drafting is switched off for BACKOFF_MIN steps, then one step
+# probes with the prior's tree; each probe that still does not pay doubles the pause, up to BACKOFF_MAX steps (so
+# probing costs at most one drafted step in BACKOFF_MAX + 1 once a drafter has stopped paying).
+BACKOFF_MIN = 4
+BACKOFF_MAX = 64
+# Drafting switched off resumes only where the live estimate expects at least this gain over plain decoding.
+RESUME_MARGIN = 0.05
+_OFF = TreeCap(depth=0, expected_speedup=1.0)
+
+
 class BatchTreeRule:
-    """Per-batch-size tree sizes from the measured costs (see module docstring); a
-    :class:`~selfspec.decode.loop.TreePolicy` of the decode loop.
+    """The one tree rule of the decode loop (a :class:`~selfspec.decode.loop.TreePolicy`): each step's tree from the
+    verification cost at the number of rows still decoding and the acceptance the drafter is getting on the current
+    traffic, down to no tree at all.
+
+    The acceptance is live: every verified row-step is counted with a decay (:data:`LIVE_DECAY`), per request and
+    across the requests the rule serves, blended with a prior:
+
+    * for an EAGLE head with an acceptance profile: the accepted drafts against the drafts the profile expected of
+      the trees drafted give a scale ``s = (accepted + w) / (expected + w)`` (``w``: :data:`PRIOR_STEPS` steps of the
+      profile's expectation), and the EAGLE-2 budget is chosen (:func:`~selfspec.decode.tuning.budget.choose_tree`)
+      over the profile's budgets with ``tau = 1 + s (tau_profile - 1)`` on the per-row cost curve of batch B;
+    * for any other drafter (prompt lookup, the hybrid, Medusa, block heads, a draft model): a depth cap from how
+      often the accepted path reached each depth (:data:`PRIOR_REACH` as a one-step prior) and the measured draft
+      time.
+
+    When no tree pays (expected tokens per cycle over the cycle's cost in plain steps <= 1) but the prior's tree
+    would, drafting is switched off for a bounded back-off, then probed again with the prior's tree
+    (:data:`BACKOFF_MIN`, :data:`BACKOFF_MAX`), and resumes once the estimate expects a clear gain
+    (:data:`RESUME_MARGIN`); where not even the prior pays (an EAGLE budget at a large batch), plain decoding without
+    probes.
 
     Args:
-        cost: the :class:`BatchCostProfile` of the target here.
-        acceptance: an EAGLE head's acceptance profile (then ``draft_ms_by_depth`` too); None = the online
-            rule for any drafter.
+        cost: the :class:`BatchCostProfile` of the target here; None = batch 1 only (then ``single``).
+        acceptance: an EAGLE head's acceptance profile (then ``draft_ms_by_depth`` too); None = the per-depth rule.
         draft_ms_by_depth: ``{depth: ms}`` of one EAGLE draft per row.
-        max_depth: deepest depth the online rule may allow (the drafter's own depth).
+        max_depth: deepest depth the per-depth rule may allow (the drafter's own depth).
+        single: the batch-1 cost profile of the verifier that decodes
+            (:class:`~selfspec.decode.tuning.costs.CostProfile`, its kernel plan's curve): batch 1 verifies one
+            tree after the row's own cache, as that profile measured; None = the batch profile's batch-1 row.
+
+    Raises:
+        ValueError: an acceptance profile without drafting costs, or neither cost profile.
     """
 
     def __init__(
         self,
-        cost: BatchCostProfile,
+        cost: BatchCostProfile | None,
         acceptance: AcceptanceProfile | None = None,
         draft_ms_by_depth: Mapping[int, float] | None = None,
         max_depth: int | None = None,
+        single: CostProfile | None = None,
     ) -> None:
         if acceptance is not None and not draft_ms_by_depth:
             raise ValueError("an acceptance profile needs the drafting cost by depth (draft_ms_by_depth)")
+        if cost is None and single is None:
+            raise ValueError("a tree rule needs a cost profile: the batch one, or the batch-1 one (single=)")
         self.cost = cost
+        self.single = single
         self.acceptance = acceptance
         self.draft_ms_by_depth = dict(draft_ms_by_depth or {})
         self.max_depth = max_depth
-        self._fixed: dict[int, TreeCap] = {}
-        self._drafted: list[int] = []  # steps whose tree reached depth d + 1
-        self._reached: list[int] = []  # steps whose accepted path reached depth d + 1
-        self._nodes_upto: list[float] = []  # sum over trees of nodes at depth <= d + 1
-        self._nodes_sum = 0.0  # sum over trees of their draft nodes
-        self._trees = 0
-        self._draft_ms = 0.0
+        self._choices: dict[tuple[int, float], TreeCap] = {}
+        self._prior_weight: float | None = None
+        self._accepted = 0.0  # EAGLE: decayed accepted drafts
+        self._expected = 0.0  # EAGLE: decayed drafts the profile expected of the same trees
+        self._drafted: list[float] = []  # decayed steps whose tree reached depth d + 1
+        self._reached: list[float] = []  # decayed steps whose accepted path reached depth d + 1
+        self._nodes_upto: list[float] = []  # decayed sum over trees of nodes at depth <= d + 1
+        self._nodes_sum = 0.0  # decayed sum over trees of their draft nodes
+        self._trees = 0.0
+        self._draft_ms = 0.0  # decayed mean ms of drafting one tree
+        self._seen = 0  # drafted row-steps observed
+        self._off_left = 0
+        self._backoff = BACKOFF_MIN
+        self._probe_due = False
+        self._paused = False  # drafting was switched off and has not resumed
 
+    def with_batch_cost(self, cost: BatchCostProfile) -> BatchTreeRule:
+        """Give a batch-1 rule the cost by batch size (what it learnt is kept). Returns the rule."""
+        if self.cost is None:
+            self.cost = cost
+            self._choices.clear()
+        return self
+
+    # ---------------------------------------------------------------- costs
+    def per_row_profile(self, batch: int) -> CostProfile:
+        """The verification cost of one row at ``batch`` rows by its tree's nodes."""
+        if batch == 1 and self.single is not None:
+            return self.single
+        if self.cost is None:
+            raise ValueError(f"a batch of {batch} needs the cost by batch size (with_batch_cost)")
+        return self.cost.per_row_profile(batch)
+
+    def _step_ms(self, batch: int, nodes: float) -> float:
+        return self.per_row_profile(batch).verify_cost_ms(nodes)
+
+    # ---------------------------------------------------------------- the decision
     def __call__(self, batch: int) -> TreeCap:
-        """The cap for a step with ``batch`` rows decoding."""
+        """The cap for a step with ``batch`` rows decoding (the back-off advances: call it once per step)."""
+        if self._off_left > 0:
+            self._off_left -= 1
+            return _OFF
+        if self._probe_due:
+            self._probe_due = False
+            probe = self.prior_cap(batch)
+            if probe.depth != 0:
+                return probe
+        cap = self.cap_at(batch)
+        # after a switch-off, drafting resumes only on a clear gain (hysteresis: an estimate at break-even, where the
+        # prior's weight holds it, would otherwise toggle at every probe)
+        needed = 1.0 + RESUME_MARGIN if self._paused else 1.0
+        if cap.depth != 0 and (cap.expected_speedup is None or cap.expected_speedup >= needed):
+            self._paused = False
+            self._backoff = BACKOFF_MIN
+            return cap
+        if self.prior_cap(batch).depth == 0:
+            return _OFF  # not even the prior's acceptance pays here: plain decoding, nothing to probe
+        self._paused = True
+        self._off_left = self._backoff - 1
+        self._backoff = min(2 * self._backoff, BACKOFF_MAX)
+        self._probe_due = True
+        return _OFF
+
+    def cap_at(self, batch: int) -> TreeCap:
+        """The cap the live acceptance chooses at ``batch`` rows now (no back-off; changes nothing)."""
         if self.acceptance is not None:
-            if batch not in self._fixed:
-                self._fixed[batch] = self._eagle_cap(batch)
-            return self._fixed[batch]
-        return self._online_cap(batch)
+            return self._eagle_cap(batch, self.scale())
+        return self._depth_cap(batch)
 
-    def _eagle_cap(self, batch: int) -> TreeCap:
-        trees = eagle_trees(self.acceptance, self.draft_ms_by_depth)
-        size = choose_tree(self.cost.per_row_profile(batch), trees)
-        if size.expected_speedup <= 1.0:
-            return TreeCap(depth=0, expected_speedup=1.0)
-        return TreeCap(size.shape.depth, size.shape.tokens, expected_speedup=size.expected_speedup)
+    def prior_cap(self, batch: int) -> TreeCap:
+        """The cap of the prior alone (a probe's tree): an EAGLE head's offline choice, else the drafter's own tree."""
+        if self.acceptance is not None:
+            return self._eagle_cap(batch, 1.0)
+        return TreeCap(depth=self.max_depth)
 
-    def _online_cap(self, batch: int) -> TreeCap:
+    @property
+    def drafting_off(self) -> bool:
+        """True while a back-off holds drafting off."""
+        return self._off_left > 0
+
+    def scale(self) -> float:
+        """EAGLE: the live acceptance over the profile's, ``(accepted + w) / (expected + w)`` (1.0 before any step)."""
+        w = self._prior_drafts()
+        return (self._accepted + w) / (self._expected + w)
+
+    def _prior_drafts(self) -> float:
+        """PRIOR_STEPS steps of the drafts the profile expects of its batch-1 choice."""
+        if self._prior_weight is None:
+            size = choose_tree(self.per_row_profile(1), self._trees_at(1.0))
+            self._prior_weight = PRIOR_STEPS * max(size.expected_tau - 1.0, 0.1)
+        return self._prior_weight
+
+    def _trees_at(self, scale: float):
+        return [
+            (shape, min(float(shape.depth + 1), 1.0 + scale * (tau - 1.0)), ms)
+            for shape, tau, ms in eagle_trees(self.acceptance, self.draft_ms_by_depth)
+        ]
+
+    def _eagle_cap(self, batch: int, scale: float) -> TreeCap:
+        key = (batch, round(scale, 2))  # the choice moves in steps of 1 % of the profile's acceptance
+        if key not in self._choices:
+            size = choose_tree(self.per_row_profile(batch), self._trees_at(key[1]))
+            self._choices[key] = (
+                _OFF
+                if size.expected_speedup <= 1.0
+                else TreeCap(size.shape.depth, size.shape.tokens, expected_speedup=size.expected_speedup)
+            )
+        return self._choices[key]
+
+    def _depth_cap(self, batch: int) -> TreeCap:
         if not self._trees:
             return TreeCap(depth=self.max_depth)  # nothing measured yet: the drafter's own tree
-        plain = self.cost.step_ms(batch, 1) / batch
+        plain = self._step_ms(batch, 1)
         best, best_rate, tokens = 0, 1.0 / plain, 1.0
         for d in range(1, len(self._drafted) + 1):
-            if self._drafted[d - 1] == 0:
+            if self._drafted[d - 1] <= 1e-9 or (self.max_depth is not None and d > self.max_depth):
                 break
-            tokens += self._reached[d - 1] / self._drafted[d - 1]
+            tokens += (self._reached[d - 1] + PRIOR_REACH**d) / (self._drafted[d - 1] + 1.0)
             nodes = 1.0 + self._nodes_upto[d - 1] / self._trees
-            rate = tokens / (self.cost.step_ms(batch, nodes) / batch + self._draft_ms)
+            rate = tokens / (self._step_ms(batch, nodes) + self._draft_ms)
             if rate > best_rate:
                 best, best_rate = d, rate
         return TreeCap(depth=best, expected_speedup=best_rate * plain)
 
+    # ---------------------------------------------------------------- what the traffic gives
     def observe(self, depths: torch.Tensor, accepted_depth: int, draft_s: float) -> None:
-        """Record one drafted row-step: its tree's node depths ``[N]`` (CPU), how deep its accepted path
-        went, and the seconds its drafting took (a tree of the root alone tells nothing and is skipped)."""
+        """Record one verified row-step: its tree's node depths ``[N]`` (CPU), how deep its accepted path went, and
+        the seconds its drafting took. A tree of the root alone (nothing drafted) tells nothing and is skipped; a
+        drafted one decays what was counted before (the estimate forgets by evidence, not by time, so a pause
+        does not drift it back to the prior: only probes move it)."""
         deepest = int(depths.max())
         if deepest == 0:
             return
+        for name in ("_accepted", "_expected", "_nodes_sum", "_trees"):
+            setattr(self, name, getattr(self, name) * LIVE_DECAY)
+        for counts in (self._drafted, self._reached, self._nodes_upto):
+            counts[:] = [c * LIVE_DECAY for c in counts]
+        if self.acceptance is not None:
+            a = self.acceptance
+            n = min(depths.numel() - 1, a.total_tokens_max)
+            self._expected += a.tau_at(min(deepest, a.depth_max), n) - 1.0
+            self._accepted += accepted_depth
         while len(self._drafted) < deepest:
-            self._drafted.append(0)
-            self._reached.append(0)
+            self._drafted.append(0.0)
+            self._reached.append(0.0)
             self._nodes_upto.append(self._nodes_sum)  # every earlier tree was shallower: all its nodes fit
         counts = torch.bincount(depths, minlength=deepest + 1).tolist()
         upto = 0
@@ -279,12 +426,14 @@ class BatchTreeRule:
             self._nodes_upto[d - 1] += upto
         self._nodes_sum += upto
         self._trees += 1
-        self._draft_ms += (draft_s * 1e3 - self._draft_ms) / self._trees
+        self._draft_ms += (draft_s * 1e3 - self._draft_ms) * (1.0 - LIVE_DECAY if self._seen else 1.0)
+        self._seen += 1
 
     def table(self, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES) -> list[dict[str, Any]]:
-        """The cap at each batch size, for reports: ``[{"batch", "depth", "total_tokens", "expected_speedup"}]``."""
+        """The cap the live acceptance chooses at each batch size now, for reports:
+        ``[{"batch", "depth", "total_tokens", "expected_speedup"}]``."""
         return [
             {"batch": b, "depth": c.depth, "total_tokens": c.total_tokens, "expected_speedup": c.expected_speedup}
             for b in batch_sizes
-            for c in [self(b)]
+            for c in [self.cap_at(b)]
         ]

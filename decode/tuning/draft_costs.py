@@ -24,7 +24,8 @@ from selfspec.base.files import now_utc, profiles_dir, read_cached, read_datacla
 from selfspec.decode.drafters.base import AcceptedPath, DraftCostKey, Drafter, DraftLimit
 from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tree import DraftTree
-from selfspec.decode.tuning.costs import DEFAULT_CONTEXT_LENGTH, cost_key, interleaved_medians, profile_stem
+from selfspec.decode.tuning.costs import DEFAULT_CONTEXT_LENGTH, cost_key, profile_stem
+from selfspec.decode.tuning.timing import interleaved_medians
 from selfspec.decode.verifier import Verifier
 
 if TYPE_CHECKING:

@@ -22,6 +22,7 @@ from selfspec.decode.sampling import SamplingConfig
 from selfspec.decode.tuning import budget, calibration, costs, draft_costs
 from selfspec.decode.tuning.calibration import AcceptanceProfile
 from selfspec.decode.tuning.costs import CostProfile
+from selfspec.decode.tuning.timing import Timings
 from selfspec.decode.verifier import Verifier
 from selfspec.decode.verify import verify_greedy
 from selfspec.heads import load_heads
@@ -368,7 +369,7 @@ def test_measure_cost_profile_keeps_the_fastest_kernel_per_size(oracle, monkeypa
         seen.append(set(fns))
         for fn in fns.values():
             fn()  # each runs a real verification, with its kernel installed
-        return costs.Timings({k: fake[k] for k in fns}, {k: 0.0 for k in fns}, 1, 0.1, False)
+        return Timings({k: fake[k] for k in fns}, {k: 0.0 for k in fns}, 1, 0.1, False)
 
     monkeypatch.setattr(costs, "measure_timings", medians)
     before = {name: dict(m.__dict__) for name, m in t.named_modules()}

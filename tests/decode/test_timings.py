@@ -14,13 +14,8 @@ import torch
 
 from selfspec.base.files import read_json, write_json
 from selfspec.decode.tuning import costs
-from selfspec.decode.tuning.costs import (
-    CostProfile,
-    TimingRule,
-    measure_timings,
-    median_spread,
-    monotone_fit,
-)
+from selfspec.decode.tuning.costs import CostProfile
+from selfspec.decode.tuning.timing import TimingRule, Timings, measure_timings, median_spread, monotone_fit
 
 
 class Clock:
@@ -140,9 +135,7 @@ def test_measured_profile_is_the_monotone_fit_of_its_medians(tiny_target, monkey
     def timings(fns, repeats, device, rule=None, desc=None):
         for fn in fns.values():
             fn()
-        return costs.Timings(
-            {k: fake[k[0]] for k in fns}, {k: 0.01 for k in fns}, rounds=2, seconds=3.25, disturbed=False
-        )
+        return Timings({k: fake[k[0]] for k in fns}, {k: 0.01 for k in fns}, rounds=2, seconds=3.25, disturbed=False)
 
     monkeypatch.setattr(costs, "measure_timings", timings)
     p = costs.measure_cost_profile(tiny_target, node_counts=(1, 2, 3, 4), context_length=8, kernels=("linear",))
