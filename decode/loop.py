@@ -42,6 +42,7 @@ from selfspec.decode.drafters.base import AcceptedPath, Drafter, DraftLimit
 from selfspec.decode.host import HostTree, cut_tree, read_tree, to_device
 from selfspec.decode.request import GenerationOutput, GenerationRequest, GenerationStats, room_in_context, single_prompt
 from selfspec.decode.sampling import probs_from_logits, sample
+from selfspec.decode.state import first_chain, one_at_a_time
 from selfspec.decode.step import argmax_with_check, check_finite, target_distributions, verify_step
 from selfspec.decode.stopping import Stopper
 from selfspec.decode.streaming import as_streamer
@@ -241,6 +242,8 @@ def decode_rows(
             raise ValueError(f"got {len(items)} {name} for {len(prompts)} prompts: pass one per prompt")
     verifier = as_verifier(verifier)
     target = verifier.target
+    if len(prompts) > 1 and verifier.chains_only:  # a state per row (decode/state.py): one prompt at a time
+        return one_at_a_time(decode_rows, verifier, drafters, prompts, request, streamers, step_callback, tree_policy)
     vocab = target.get_output_embeddings().weight.shape[0]
     infos = [d.info() for d in drafters]
     if len({i.target_layers for i in infos}) > 1:
@@ -372,7 +375,7 @@ class _Loop:
         host = read_tree(tree.tokens, tree.parents)  # the step's one read of this row's tree
         if deepest is not None and host.max_depth > deepest:
             tree, host = cut_tree(tree, host, deepest)
-        return tree, host
+        return first_chain(tree, host) if self.verifier.chains_only else (tree, host)  # state targets: chains
 
     def _step(self, active: list[_Row]) -> list[_Row]:
         self.steps += 1

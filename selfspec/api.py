@@ -24,9 +24,17 @@ from selfspec.decode.tuning.batch_rule import BatchTreeRule, get_batch_cost_prof
 from selfspec.decode.tuning.costs import get_cost_profile
 from selfspec.decode.tuning.draft_costs import get_draft_cost
 from selfspec.decode.verifier import Verifier
+from selfspec.generate_args import (
+    SequencesOutput,
+    build_sequences,
+    check_vocab,
+    new_token_budget,
+    prompt_rows,
+    resolve_generation_config,
+)
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import GenerationConfig, PreTrainedModel
     from transformers.generation.streamers import BaseStreamer
 
     from selfspec.train.online import OnlineAdapter, OnlineOptions
@@ -113,17 +121,22 @@ class SpeculativeModel:
     # ------------------------------------------------------------------ generate
     def generate(
         self,
-        prompt: Any,
-        max_new_tokens: int = 128,
+        prompt: Any = None,
+        max_new_tokens: int | None = None,
         *,
-        min_new_tokens: int = 0,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        generation_config: GenerationConfig | None = None,
+        max_length: int | None = None,
+        min_new_tokens: int | None = None,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
         eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
         stop_strings: Sequence[str] = (),
         logits_processor=None,
         seed: int | None = None,
@@ -131,26 +144,39 @@ class SpeculativeModel:
         acceptance: str = "exact",
         streamer: BaseStreamer | Callable[[list[int]], None] | None = None,
         batch_tree: str = "auto",
-    ) -> GenerationOutput | list[GenerationOutput]:
+        return_dict_in_generate: bool | None = None,
+    ) -> GenerationOutput | list[GenerationOutput] | SequencesOutput:
         """Generate like ``transformers`` ``generate``, with speculative decoding, for one prompt or a batch.
 
         Output is exactly the target's: token-identical under greedy, distribution-identical under
-        sampling (``acceptance="typical"`` is the one lossy opt-in, flagged in ``stats.lossy``).
+        sampling (``acceptance="typical"`` is the one lossy opt-in, flagged in ``stats.lossy``). The settings a call
+        leaves unset come from ``generation_config``, then the target's ``generation_config``, then ``generate``'s
+        defaults (``top_k`` 50), as ``target.generate`` takes them
+        (:func:`selfspec.generate_args.resolve_generation_config`): the same call samples from the same distribution.
 
         Args:
             prompt: ids, a string or chat messages (see :meth:`encode`); or a batch: a list of such prompts
-                (of any lengths) or a LongTensor ``[B, T]`` (every row a whole prompt: no padding), decoded
-                together (:func:`selfspec.decode.loop.decode_rows`).
-            max_new_tokens: cap on new tokens (never exceeded).
+                (of any lengths) or a LongTensor ``[B, T]`` (every row a whole prompt unless ``attention_mask``
+                says otherwise), decoded together (:func:`selfspec.decode.loop.decode_rows`).
+            max_new_tokens: cap on new tokens (never exceeded); unset: ``max_length`` less the prompt's (padded)
+                length, else the generation config's, else 128.
+            input_ids, attention_mask: ``transformers``' form of the prompt (``model.generate(**tokenizer(texts,
+                return_tensors="pt", padding=True))``): LongTensor ``[B, T]`` (or ``[T]``), left- or right-padded, and
+                its mask of 1 for prompt tokens; give ``input_ids`` or ``prompt``, not both.
+            generation_config: a ``transformers.GenerationConfig`` for the call (the arguments given win over it).
+            max_length: total length cap, prompt (its padded width) included, where ``max_new_tokens`` is unset.
             min_new_tokens: EOS suppressed until this many tokens exist.
-            do_sample, temperature, top_k, top_p, min_p, repetition_penalty: as in ``transformers``
-                (``top_k=0`` means off here).
-            eos_token_id: one id or several; default: the target's generation config.
+            do_sample, temperature, top_k, top_p, min_p, repetition_penalty: as in ``transformers``, defaults
+                included (``top_k=0`` turns top-k off).
+            eos_token_id: one id or several; default: the generation config's (the target's, else the tokenizer's).
+            pad_token_id: fills ``sequences`` past a row's end (default: the generation config's, else the first EOS).
             stop_strings: stop at the token that completes any of them.
             logits_processor: extra ``transformers`` ``LogitsProcessor`` objects.
             seed: seed for a fresh ``torch.Generator`` (same seed, same output).
             generator: an explicit ``torch.Generator`` (wins over ``seed``).
             acceptance: ``"exact"`` or ``"typical"`` (lossy).
+            return_dict_in_generate: return a :class:`~selfspec.generate_args.SequencesOutput` whose ``sequences``
+                (LongTensor ``[B, T + N]``, prompt and new tokens, padded) are laid out as ``generate``'s.
             streamer: a ``transformers`` streamer (``TextStreamer``, ``TextIteratorStreamer``, any
                 ``BaseStreamer``), fed like ``generate`` feeds it (prompt, then each step's accepted tokens,
                 never a token later withdrawn, then ``end()``); or a callable given each step's new token ids.
@@ -164,42 +190,60 @@ class SpeculativeModel:
         Returns:
             :class:`~selfspec.decode.request.GenerationOutput` (``tokens``, ``text``, ``stats`` with
             ``steps``, ``mean_accepted_tokens`` (tau), ``tokens_per_s``, ``finish_reason``); for a batch, a
-            list of them in the prompts' order.
+            list of them in the prompts' order; with ``return_dict_in_generate``, a
+            :class:`~selfspec.generate_args.SequencesOutput` (``sequences`` and every row's output).
 
         Raises:
             ValueError: invalid sampling values (temperature <= 0, top_p outside (0, 1], top_k < 0, min_p
-                outside [0, 1], ...), an empty prompt, a prompt that leaves no room in the target's context,
+                outside [0, 1], ...), a generation config that sets a processor selfspec does not reproduce
+                (``num_beams``, ``no_repeat_ngram_size`` ...), an empty prompt, a token id outside the target's
+                vocabulary, an ``attention_mask`` that is not one run of ones per row, both ``prompt`` and
+                ``input_ids``, a prompt that leaves no room in the target's context (or under ``max_length``),
                 ``max_new_tokens < 1``, a batch given one streamer instead of one per prompt, an unknown
                 ``batch_tree``; nothing has run.
             selfspec.decode.step.NonFiniteLogitsError: NaN or inf in the target's logits (names the step).
         """
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("pass the prompt (ids, text or chat messages) or input_ids=[B, T], one of the two")
+        tensor_input = input_ids if input_ids is not None else prompt if isinstance(prompt, torch.Tensor) else None
+        if attention_mask is not None and tensor_input is None:
+            raise ValueError("attention_mask goes with a tensor of ids (input_ids=[B, T]); text and messages have none")
+        if tensor_input is not None and (attention_mask is not None or input_ids is not None):
+            rows = prompt_rows(tensor_input, attention_mask)
+            prompt = rows[0] if len(rows) == 1 else rows
         batch = _as_batch(prompt)
         if batch_tree not in ("auto", "fixed"):
             raise ValueError(f"batch_tree must be 'auto' or 'fixed', got {batch_tree!r}")
         prompts = [prompt] if batch is None else batch
         streamers = _streamers(streamer, len(prompts), batch is not None)
-        sampling = SamplingConfig(
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-        )
+        explicit = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k, "top_p": top_p}
+        explicit |= {"min_p": min_p, "repetition_penalty": repetition_penalty}
+        explicit |= {"pad_token_id": pad_token_id, "return_dict_in_generate": return_dict_in_generate}
+        config = resolve_generation_config(self.target, generation_config, **explicit)
+        sampling = SamplingConfig.from_generation_config(config)
+        if eos_token_id is None and generation_config is not None:
+            eos_token_id = generation_config.eos_token_id
+        eos = self.default_eos() if eos_token_id is None else eos_token_id
         if generator is None and seed is not None:
             generator = torch.Generator(device=next(self.target.parameters()).device).manual_seed(seed)
+        ids = [self.encode(p) for p in prompts]
+        check_vocab(ids, self.target.get_input_embeddings().num_embeddings)
+        width = tensor_input.shape[-1] if tensor_input is not None else max(row.numel() for row in ids)
         request = GenerationRequest(
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=min_new_tokens,
+            max_new_tokens=new_token_budget(
+                config.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                config.max_length if max_length is None else max_length,
+                width,
+            ),
+            min_new_tokens=(config.min_new_tokens or 0) if min_new_tokens is None else min_new_tokens,
             sampling=sampling,
-            eos_ids=self.default_eos() if eos_token_id is None else eos_token_id,
-            stop_strings=stop_strings,
+            eos_ids=eos,
+            stop_strings=(stops,) if isinstance(stops := stop_strings or config.stop_strings or (), str) else stops,
             tokenizer=self.tokenizer,
             logits_processor=logits_processor,
             generator=generator,
             acceptance=acceptance,
         )
-        ids = [self.encode(p) for p in prompts]
         drafters = [self.drafter] if batch is None else [self.drafter.fork() for _ in ids]
         policy = None
         if batch_tree == "auto" and self.tune == "auto" and self.drafter.info().max_depth > 0:
@@ -216,6 +260,10 @@ class SpeculativeModel:
         if self.history is not None:  # served outputs become a drafting source for the next requests
             for out in outs:
                 self.history.add(out.tokens)
+        if config.return_dict_in_generate:
+            first_eos = [eos] if isinstance(eos, int) else list(eos)
+            pad = config.pad_token_id if config.pad_token_id is not None else (first_eos or [0])[0]
+            return build_sequences(tensor_input if tensor_input is not None else ids, outs, pad)
         return outs if batch is not None else outs[0]
 
     def save_heads(self, directory: str | Path) -> Path:
