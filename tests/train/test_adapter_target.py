@@ -158,7 +158,7 @@ def test_missing_or_foreign_adapter_stops_before_compute(setup, tmp_path):
     tok, base_dir, adapter_dir, data = setup
     with pytest.raises(AdapterError, match="does not exist"):
         selfspec.load(base_dir, adapter=tmp_path / "nope", prompt_lookup=True)
-    with pytest.raises(SystemExit):  # the CLI refuses it before loading anything
+    with pytest.raises(AdapterError, match="does not exist"):  # refused before loading anything (selfspec: exit 2)
         main([f"target={base_dir}", f"target_adapter={tmp_path / 'nope'}", f"output_dir={tmp_path / 'o'}"])
     assert not (tmp_path / "o").exists()
     # an adapter of another shape (hidden 48) on this base

@@ -164,7 +164,7 @@ def test_bad_joint_options_stop_before_compute(setup, tmp_path):
         load_config(None, ["medusa.joint=true", "target_adapter=/some/adapter"])
     with pytest.raises(ValueError, match="lora_rank"):
         load_config(None, ["medusa.joint=true", "medusa.lora_rank=0"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(ValueError, match="medusa.lora_modules"):  # refused before any output (selfspec: exit 2)
         main(["medusa.joint=true", "medusa.lora_modules=q_proj", f"output_dir={tmp_path / 'o'}"])
     assert not (tmp_path / "o").exists()
     with pytest.raises(ValueError, match="medusa.lora_modules"):
