@@ -2,8 +2,8 @@
 
 A bare target's fingerprint (version 2) is ``"v2-"`` and 16 hex characters: a hash of the architecture, the sizes,
 and, for every weight tensor of the model in module order (the embeddings, every decoder layer's projections and
-norms, the final norm, an untied lm_head), its shape and the sign bits of an evenly strided sample of up to
-:data:`SAMPLE` of its values. Why sign bits: a value's sign survives every rounding a load can do (fp32 -> bf16 or
+norms, the final norm, an untied lm_head), its shape and the sign bits of up to :data:`SAMPLE` of its values (64
+evenly spaced slices). Why sign bits: a value's sign survives every rounding a load can do (fp32 -> bf16 or
 fp16 rounds to nearest, keeps the sign, and flushes what underflows to a zero of the same sign; what overflows
 fp16 becomes an infinity of the same sign), so fp32, bf16 and fp16 loads of the same weights, from a checkpoint in
 any of them, have the same fingerprint exactly, with no rounding boundary to fall on; a finer grid of magnitudes
@@ -41,8 +41,10 @@ if TYPE_CHECKING:
 FINGERPRINT_VERSION = 2
 PREFIX = f"v{FINGERPRINT_VERSION}-"
 SAMPLE = 1 << 16  # sign bits per weight tensor (a tensor of up to 65,536 values counts whole)
+BLOCKS = 64  # runs of consecutive values a larger tensor's sample is taken in
 ADAPTER_KEYS = ("lora_", "hada_", "lokr_", "ia3_", "oft_", "boft_")  # the names of adapter tensors in a PeftModel
 _NOT_BASE = (*ADAPTER_KEYS, "modules_to_save.")  # tensors a PeftModel holds beside its base model's
+_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # merged model -> its fingerprint, taken before the merge (entries die with the model)
 _ADAPTED: weakref.WeakKeyDictionary[torch.nn.Module, TargetFingerprint] = weakref.WeakKeyDictionary()
@@ -81,11 +83,19 @@ def fingerprint_as_stored(stored: str, given: str) -> str:
 
 
 def _sign_bits(tensor: torch.Tensor) -> bytes:
-    """The sign bits of an evenly strided sample of up to :data:`SAMPLE` values of ``tensor``, packed."""
+    """The sign bits of up to :data:`SAMPLE` values of ``tensor``, packed: all of them, or :data:`BLOCKS` evenly spaced
+    runs of consecutive values (slices of rows: cheap to read on any device)."""
     flat = tensor.detach().reshape(-1)
-    sample = flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE]
-    bits = torch.signbit(sample) if sample.is_floating_point() else sample < 0
-    return np.packbits(bits.cpu().numpy()).tobytes()
+    if flat.is_floating_point():  # the sign is the top bit of every IEEE format: read it as an integer's
+        flat = flat.view(_SAME_WIDTH_INT[flat.element_size()])
+    n, run = flat.numel(), SAMPLE // BLOCKS
+    if n <= SAMPLE:
+        values = flat.cpu().numpy()
+    else:
+        runs = [flat[i * (n - run) // (BLOCKS - 1) :][:run] for i in range(BLOCKS)]
+        on_cpu = flat.device.type == "cpu"  # numpy joins views there without a torch kernel; elsewhere one copy back
+        values = np.concatenate([r.numpy() for r in runs]) if on_cpu else torch.cat(runs).cpu().numpy()
+    return np.packbits(values < 0).tobytes()
 
 
 def _base_digest(model: torch.nn.Module) -> str:
