@@ -34,12 +34,13 @@ def test_stream_windows_are_exact_and_carry_every_method(tmp_path):
         assert set(row["methods"]) == set(STREAM_METHODS)
         for m in row["methods"].values():
             assert m["mismatches"] == [] and m["tau"] >= 1.0 and m["tokens_per_s"] > 0
+            assert 0.0 <= m["drafting_off"] <= 1.0  # the share of steps the live tree rule switched drafting off
         assert row["methods"]["no_draft"]["vs_no_draft"] == 1.0 and row["methods"]["no_draft"]["tau"] == 1.0
     assert sum(r["methods"]["online"]["adapt_s"] for r in report["rows"]) > 0
     assert models["hybrid_history"].history.num_outputs == 6
     paths = write_stream(report, tmp_path / "out")
     assert [p.name for p in paths] == ["stream.json", "stream.md", "stream.png"]
     assert json.loads(paths[0].read_text())["rows"][1]["last"] == 6
-    assert paths[1].read_text().startswith("| requests | head tau | head vs no_draft |")
+    assert paths[1].read_text().startswith("| requests | head tau | head vs no_draft | head off |")
     with pytest.raises(ValueError, match="unknown stream methods"):
         build_stream_models(target, tokenizer, str(heads), ["no_draft", "medusa"], online)

@@ -39,13 +39,14 @@ STREAM_METHODS = ("no_draft", "head", "online", "hybrid", "hybrid_history")
 @dataclasses.dataclass
 class Served:
     """One request of one method: tokens, verification steps and the tokens they produced (tau's terms), decode
-    seconds and the adaptation seconds it triggered."""
+    seconds, the adaptation seconds it triggered, and the steps its tree rule switched drafting off."""
 
     tokens: list[int]
     steps: int
     accepted: int
     decode_s: float
     adapt_s: float = 0.0
+    off_steps: int = 0
 
 
 def build_stream_models(
@@ -84,7 +85,7 @@ def serve(model: SpeculativeModel, prompt: BenchPrompt, max_new_tokens: int) -> 
     total = time.perf_counter() - t0
     adapt_s = (model.online.stats.train_s - before) if model.online is not None else 0.0
     per_step = out.stats.accepted_per_step
-    return Served(out.tokens, len(per_step), sum(per_step), total - adapt_s, adapt_s)
+    return Served(out.tokens, len(per_step), sum(per_step), total - adapt_s, adapt_s, out.stats.drafting_off_steps)
 
 
 def run_stream(
@@ -103,8 +104,9 @@ def run_stream(
 
 def window_rows(served: dict[str, list[Served]], window: int) -> list[dict[str, Any]]:
     """Per window of ``window`` requests and per method: tau (tokens per verification step), tokens/s, speed over
-    ``no_draft`` (its tokens/s over no_draft's in the window), adaptation seconds, and the requests whose tokens differ
-    from ``no_draft``'s (mismatches)."""
+    ``no_draft`` (its tokens/s over no_draft's in the window), the share of steps drafting was switched off
+    (``drafting_off``, by the live tree rule), adaptation seconds, and the requests whose tokens differ from
+    ``no_draft``'s (mismatches)."""
     ref = served["no_draft"]
     rows = []
     for start in range(0, len(ref), window):
@@ -120,6 +122,7 @@ def window_rows(served: dict[str, list[Served]], window: int) -> list[dict[str, 
                 "tau": round(sum(s.accepted for s in got) / max(1, sum(s.steps for s in got)), 3),
                 "tokens_per_s": round(rate, 2),
                 "vs_no_draft": round(rate / ref_rate, 3),
+                "drafting_off": round(sum(s.off_steps for s in got) / max(1, sum(s.steps for s in got)), 3),
                 "adapt_s": round(sum(s.adapt_s for s in got), 2),
                 "mismatches": mismatches,
             }
@@ -128,13 +131,17 @@ def window_rows(served: dict[str, list[Served]], window: int) -> list[dict[str, 
 
 
 def stream_markdown(report: dict[str, Any]) -> str:
-    """The report as a Markdown table: one row per window, tau and speed over no drafts per method."""
+    """The report as a Markdown table: one row per window, tau, speed over no drafts and the share of steps with
+    drafting switched off per method."""
     names = [n for n in report["methods"] if n != "no_draft"]
-    head = "| requests | " + " | ".join(f"{n} tau | {n} vs no_draft" for n in names) + " | adapt s | mismatches |"
-    lines = [head, "|---|" + "---:|---:|" * len(names) + "---:|---:|"]
+    cols = " | ".join(f"{n} tau | {n} vs no_draft | {n} off" for n in names)
+    head = "| requests | " + cols + " | adapt s | mismatches |"
+    lines = [head, "|---|" + "---:|---:|---:|" * len(names) + "---:|---:|"]
     for row in report["rows"]:
         m = row["methods"]
-        cells = " | ".join(f"{m[n]['tau']:.2f} | {m[n]['vs_no_draft']:.2f}x" for n in names)
+        cells = " | ".join(
+            f"{m[n]['tau']:.2f} | {m[n]['vs_no_draft']:.2f}x | {m[n].get('drafting_off', 0.0):.0%}" for n in names
+        )
         adapt = sum(v["adapt_s"] for v in m.values())
         bad = sum(len(v["mismatches"]) for v in m.values())
         lines.append(f"| {row['first']}-{row['last']} | {cells} | {adapt:.1f} | {bad} |")
