@@ -197,8 +197,8 @@ class OnlineAdapter:
             return self.live_version
 
     def observe(self, sequence: torch.Tensor, prompt_tokens: int, tau: float, served_s: float) -> None:
-        """Learn from one served request (the one :meth:`before_request` was last called for; without that call,
-        the one the live head serves now).
+        """Learn from one served request (of the request or batch :meth:`before_request` was last called for, whose
+        version served it; without that call, the version live now).
 
         Args:
             sequence: Long ``[T]``, the prompt and the output.
@@ -206,8 +206,7 @@ class OnlineAdapter:
             tau: the request's mean accepted tokens per step (its ``stats.mean_accepted_tokens``).
             served_s: the seconds it took to serve.
         """
-        version = self.live_version if self._serving is None else self._serving
-        self._serving = None
+        version = self.live_version if self._serving is None else self._serving  # every row of a batch: its version
         if not self.enabled:
             return
         self.join()  # the trainer's work on the previous request is done before the counts move on

@@ -284,3 +284,16 @@ def test_every_online_option_is_checked_against_its_range():
     for name, (value, valid) in BAD_OPTIONS.items():
         with pytest.raises(ValueError, match=f"OnlineOptions.{name} must be {valid}, got "):
             OnlineOptions(**{name: value})
+
+
+def test_every_row_of_a_batch_is_judged_as_served_by_the_head_of_its_batch(target, monkeypatch):
+    """A swap decided after the first row of a batch is a new version; the batch's other rows were served by the old
+    one, so they are in no window (and never judge the new head)."""
+    adapter = OnlineAdapter(make_eagle3(target), target, OnlineOptions(**{**FAST.__dict__, "window": 1}))
+    monkeypatch.setattr(adapter, "heldout_tau", lambda head: 2.0 if head is adapter.shadow else 1.0)
+    assert adapter.before_request() == 0
+    for ids in prompts(3, seed=7):
+        adapter.observe(torch.cat([ids, torch.tensor(greedy(target, ids))]), ids.numel(), 1.5, 0.1)
+    assert adapter.stats.swaps == 1 and adapter.live_version == 1 and adapter.stats.stale_requests == 2
+    assert [(w["version"], w["served"], w["action"]) for w in adapter.stats.windows] == [(0, [1], "swapped")]
+    assert adapter.before_request() == 1
