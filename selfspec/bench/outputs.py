@@ -6,16 +6,24 @@ import json
 from pathlib import Path
 
 from selfspec.bench.plots import write_plots
-from selfspec.bench.report import Aggregate, BenchReport, LlamaCppRecord, TreeBudgetRecord
-from selfspec.engines.registry import engine_title
+from selfspec.bench.report import Aggregate, BenchReport, TreeBudgetRecord
+from selfspec.engines.registry import Engine, engine, engine_title
 
 
-def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
+def fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _engine(name: str) -> Engine | None:
+    """The engine that made a report, or None for one not registered in this process (nothing of its own is shown)."""
+    try:
+        return engine(name)
+    except ValueError:
+        return None
+
+
 def _depth_text(rates: list[float | None] | None) -> str:
-    return "-" if not rates else " / ".join(_fmt(r, ".2f") for r in rates)
+    return "-" if not rates else " / ".join(fmt(r, ".2f") for r in rates)
 
 
 def _one_reference(report: BenchReport) -> bool:
@@ -44,14 +52,14 @@ def _row(agg: Aggregate, one_reference: bool = False) -> str:
     return " | ".join(
         [
             str(agg.num_samples),
-            _fmt(agg.median_tokens_per_s, ".1f"),
-            _fmt(agg.speedup, ".2f", "x"),
-            *(() if one_reference else (_fmt(agg.engine_speedup, ".2f", "x"),)),
-            _fmt(agg.tau),
+            fmt(agg.median_tokens_per_s, ".1f"),
+            fmt(agg.speedup, ".2f", "x"),
+            *(() if one_reference else (fmt(agg.engine_speedup, ".2f", "x"),)),
+            fmt(agg.tau),
             _depth_text(agg.acceptance_by_depth),
-            _fmt(agg.draft_share, ".0%"),
-            _fmt(agg.verify_share, ".0%"),
-            _fmt(agg.peak_memory_mb, ".0f"),
+            fmt(agg.draft_share, ".0%"),
+            fmt(agg.verify_share, ".0%"),
+            fmt(agg.peak_memory_mb, ".0f"),
             _mismatch_text(agg),
         ]
     )
@@ -65,14 +73,15 @@ def _budget_text(budget: TreeBudgetRecord | None) -> str:
         f"({budget.chosen_by}"
     )
     if budget.expected_tau is not None:
-        speedup = _fmt(budget.expected_speedup, ".2f", "x")
+        speedup = fmt(budget.expected_speedup, ".2f", "x")
         text += f": expected tau {budget.expected_tau:.2f}, expected speedup {speedup}"
     return text + ")"
 
 
 def markdown_report(report: BenchReport) -> str:
-    """``report.md``: settings, a table by method x category, an overall table, the greedy mismatches and, for the
-    llama.cpp engine, the settings chosen, the sweep and the cost decomposition."""
+    """``report.md``: settings, a table by method x category, an overall table, the greedy mismatches and the
+    engine's own section (:attr:`selfspec.engines.registry.Engine.report_lines`: llama.cpp's settings chosen, sweep
+    and cost decomposition)."""
     s = report.settings
     one = _one_reference(report)
     mode = "greedy" if not s.do_sample else f"sampling T={s.temperature} top_p={s.top_p}"
@@ -113,57 +122,11 @@ def markdown_report(report: BenchReport) -> str:
             lines += [
                 f"- {m.method}: question {m.question_id} turn {m.turn}, position {m.first_diff}" for m in report.ties
             ]
-    if report.llamacpp is not None:
-        lines += llamacpp_lines(report.llamacpp)
+    own = _engine(s.engine)
+    lines += own.report_lines(report) if own is not None else []
     if report.skipped:
         lines += ["", f"Skipped {len(report.skipped)} prompt turns longer than {s.max_prompt_tokens} tokens."]
     return "\n".join(lines) + "\n"
-
-
-def llamacpp_lines(rec: LlamaCppRecord) -> list[str]:
-    """The llama.cpp section of ``report.md``: build, chosen settings, verdicts, sweep, cost decomposition."""
-    lines = [
-        "",
-        "## llama.cpp",
-        "",
-        f"Build {rec.build}; target `{rec.target_gguf}`; settings chosen by {rec.chosen_by}.",
-        "",
-    ]
-    lines += [
-        "| method | spec type | draft max | p_min | draft threads | head GGUF | n-gram size |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name, st in rec.chosen.items():
-        cells = [st.spec_type, str(st.draft_max), _fmt(st.p_min), _fmt(st.draft_threads, "d"), st.outtype or "-"]
-        lines.append(f"| {name} | " + " | ".join([*cells, _fmt(st.ngram_size, "d")]) + " |")
-    lines += [""] + [f"- {name}: {text}" for name, text in rec.verdicts.items()]
-    if rec.costs is not None:
-        c = rec.costs
-        verify = ", ".join(f"{k + 1}: {u:.2f}" for k, u in enumerate(c.verify_units))
-        lines += [
-            "",
-            f"Cost decomposition (one target decode step = {c.token_ms:.2f} ms = 1 unit): a target forward over k "
-            f"tokens costs {verify} units (llama-bench).",
-        ]
-        for name, units in c.draft_units.items():
-            lines.append(
-                f"- {name}: draft {_fmt(units)} units per cycle (llama.cpp's draft timer); break-even tokens per "
-                f"step {_fmt(c.break_even_tau.get(name))}"
-            )
-    for name, points in rec.sweep.items():
-        if not points:
-            continue
-        lines += ["", f"Sweep of {name} (calibration prompts, speedup over plain llama.cpp):", ""]
-        lines += ["| draft max | p_min | draft threads | head GGUF | speedup | tokens/step | acceptance | draft ms |"]
-        lines += ["|---|---|---|---|---|---|---|---|"]
-        for pt in points:
-            st = pt.setting
-            lines.append(
-                f"| {st.draft_max} | {_fmt(st.p_min)} | {_fmt(st.draft_threads, 'd')} | {st.outtype or '-'} | "
-                f"{pt.speedup:.2f}x | {pt.tokens_per_step:.2f} | {_fmt(pt.acceptance, '.1%')} | "
-                f"{_fmt(pt.draft_ms_per_cycle)} |"
-            )
-    return lines
 
 
 def summary_text(report: BenchReport) -> str:
@@ -173,19 +136,19 @@ def summary_text(report: BenchReport) -> str:
     ref = overall[s.reference]
     engine = overall[s.engine_reference] if s.engine_reference is not None else None
     lines = [
-        f"{s.reference}: {_fmt(ref.median_tokens_per_s, '.1f')} tokens/s, {s.engine_reference}: "
-        f"{_fmt(engine and engine.median_tokens_per_s, '.1f')} tokens/s (medians over {ref.num_samples} prompt turns)",
+        f"{s.reference}: {fmt(ref.median_tokens_per_s, '.1f')} tokens/s, {s.engine_reference}: "
+        f"{fmt(engine and engine.median_tokens_per_s, '.1f')} tokens/s (medians over {ref.num_samples} prompt turns)",
         f"{'method':<24} {'tau':>6} {'vs ' + s.reference:>14} {'vs ' + str(s.engine_reference):>14} {'tokens/s':>9} "
         f"{'mismatches':>11}",
     ]
     for name, agg in overall.items():
         lines.append(
-            f"{name:<24} {_fmt(agg.tau):>6} {_fmt(agg.speedup, '.2f', 'x'):>14} "
-            f"{_fmt(agg.engine_speedup, '.2f', 'x'):>14} {_fmt(agg.median_tokens_per_s, '.1f'):>9} "
+            f"{name:<24} {fmt(agg.tau):>6} {fmt(agg.speedup, '.2f', 'x'):>14} "
+            f"{fmt(agg.engine_speedup, '.2f', 'x'):>14} {fmt(agg.median_tokens_per_s, '.1f'):>9} "
             f"{_mismatch_text(agg):>11}"
         )
-    if report.llamacpp is not None:
-        lines += [f"{name}: {text}" for name, text in report.llamacpp.verdicts.items()]
+    own = _engine(report.settings.engine)
+    lines += own.summary_lines(report) if own is not None else []
     return "\n".join(lines)
 
 

@@ -127,6 +127,8 @@ class Engine:
         options: its own ``selfspec bench`` flags.
         takes_methods: whether ``selfspec bench --methods`` (selfspec's built-in methods) applies to it.
         help: one line for ``selfspec bench --help``: what it runs and what it needs.
+        report_lines: ``report_lines(report) -> lines``: the engine's own section of ``report.md`` (from what its
+            bench added to the report); summary_lines: its own lines of the stdout summary.
     """
 
     name: str
@@ -143,6 +145,8 @@ class Engine:
     options: tuple[EngineOption, ...] = ()
     takes_methods: bool = False
     help: str = ""
+    report_lines: Callable[[BenchReport], list[str]] = lambda report: []
+    summary_lines: Callable[[BenchReport], list[str]] = lambda report: []
 
 
 _ENGINES: dict[str, Engine] = {}

@@ -89,7 +89,23 @@ HELP = (
     "n-gram drafts, with settings swept once per machine (needs `python -m selfspec.llamacpp` and selfspec[llamacpp])"
 )
 
+
+def report_lines(report: BenchReport) -> list[str]:
+    """llama.cpp's section of ``report.md`` (:mod:`selfspec.engines.llamacpp.report_text`)."""
+    from selfspec.engines.llamacpp import report_text
+
+    return report_text.report_lines(report)
+
+
+def summary_lines(report: BenchReport) -> list[str]:
+    """llama.cpp's verdict lines of the summary (:mod:`selfspec.engines.llamacpp.report_text`)."""
+    from selfspec.engines.llamacpp import report_text
+
+    return report_text.summary_lines(report)
+
+
 ENGINE = register_engine(Engine(
     "llamacpp", "llama.cpp", bench, chains, missing, export_format="gguf", families=("eagle3", "dflash", "dspark"),
     eagle31=False, sweep="selfspec.engines.llamacpp.settings", options=OPTIONS, help=HELP,
+    report_lines=report_lines, summary_lines=summary_lines,
 ))  # fmt: skip
