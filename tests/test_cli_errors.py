@@ -87,7 +87,7 @@ CASES = {
     ),
     "quickstart-unknown-key": (
         ["quickstart", "learning_rate=0.1"],
-        "unknown config keys ['learning_rate']; valid keys: ['betas',",
+        "unknown config keys ['learning_rate']; valid keys: ['",
     ),
     "quickstart-bad-override": (
         ["quickstart", "epochs=[1"],
@@ -146,6 +146,8 @@ RANGES = {
     "betas=[2,3]": "betas must be in [0, 1), got (2.0, 3.0)",
     "draft_vocab_size=0": "draft_vocab_size must be >= 1 (null: the full vocabulary), got 0",
     "max_train_minutes=-1": "max_train_minutes must be > 0 (null: no clock), got -1.0",
+    "eagle.batch_tokens=0": "eagle.batch_tokens must be >= 1, got 0",  # a section's field: its path
+    "medusa.num_heads=0": "medusa.num_heads must be >= 1, got 0",
 }
 
 

@@ -47,12 +47,12 @@ class EagleOptions:
 
     ce_weight: float = 0.1
     feature_weight: float = 1.0
-    noise: float = 0.1
-    batch_tokens: int = 2048
+    noise: float = in_range(0.1, ge=0)
+    batch_tokens: int = in_range(2048, ge=1)
     fc_bias: bool = True
     init_from_target_layer: bool = False
     ttt_steps: int = 1
-    ttt_decay: float = 0.8
+    ttt_decay: float = in_range(0.8, gt=0)
     score_prompt: bool = False
     loss: str = "kl"
 
@@ -86,11 +86,11 @@ class Eagle3Options:
 
     target_layers: tuple[int, ...] | None = None
     ttt_steps: int = 7
-    ttt_decay: float = 0.8
+    ttt_decay: float = in_range(0.8, gt=0)
     loss: str = "kl"
     init_layer: int | None = -1
     init_lm_head: bool = True
-    batch_tokens: int = 2048
+    batch_tokens: int = in_range(2048, ge=1)
     score_prompt: bool = False
     fc_norm: bool = False
     norm_output: bool = False
@@ -144,7 +144,7 @@ class BlockOptions:
     weights: str = "decay"
     markov_rank: int = 64
     confidence: bool = True
-    batch_tokens: int = 2048
+    batch_tokens: int = in_range(2048, ge=1)
     init_layer: int | None = -1
 
     def __post_init__(self) -> None:
@@ -181,18 +181,18 @@ class MedusaOptions:
         batch_tokens: tokens per optimiser step of joint training (whole sequences, padded per batch).
     """
 
-    num_heads: int = 4
+    num_heads: int = in_range(4, ge=1)
     num_layers: int = 1
     own_lm_head: bool = True
-    batch_positions: int = 256
-    head_decay: float = 0.8
+    batch_positions: int = in_range(256, ge=1)
+    head_decay: float = in_range(0.8, gt=0)
     joint: bool = False
     lora_rank: int = 8
     lora_alpha: int = 16
     lora_modules: tuple[str, ...] | None = None
     kl_weight: float = 1.0
     heads_weight: float = 1.0
-    batch_tokens: int = 1024
+    batch_tokens: int = in_range(1024, ge=1)
     loss: str = "ce"
 
     def __post_init__(self) -> None:
