@@ -35,7 +35,9 @@ build in its own venv, each head exported to the speculators layout, vLLM's own 
 
 Files: ``methods.py`` (settings and methods), ``run.py`` (the measured run and its aggregates),
 ``report.py`` (the report's dataclasses and strict reading), ``outputs.py`` (``report.md``, the summary,
-writing), ``plots.py``, ``llamacpp.py`` and ``llamacpp_settings.py`` (the llama.cpp engine), ``cli.py``.
+writing), ``plots.py``, ``driver.py`` (the one driver every engine plugs into), ``ties.py`` (near-ties),
+``batched.py`` (``--batch-size``), ``stream.py`` (``--stream``), ``fidelity.py`` (the export fidelity report),
+``cli.py``.
 
 Usage::
 
