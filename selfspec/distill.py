@@ -188,7 +188,8 @@ def distill(cfg: TrainConfig) -> dict[str, int]:
 def main(argv: Sequence[str] | None = None) -> int:
     """``selfspec distill CONFIG [key=value ...]``: the answers of the config's self-distillation, nothing else."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    counts = distill(command_config(list(argv or []), prog="selfspec distill"))
+    what = "the self-distillation stage of a training config alone: the target writes the answers (HF or vLLM)"
+    counts = distill(command_config(list(argv or []), prog="selfspec distill", description=what))
     print(json.dumps(counts))
     return 0
 

@@ -117,14 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def command_config(argv: list[str] | None, prog: str = "selfspec train") -> TrainConfig:
+def command_config(argv: list[str] | None, prog: str = "selfspec train", description: str | None = None) -> TrainConfig:
     """The config of a command line ``[CONFIG.yaml] [key=value ...]`` (``selfspec train``, ``selfspec distill``),
     with the files it names checked before any work.
 
     Raises:
         UserError: a config, override, adapter or chat template the user must fix (the message says what).
     """
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
+    parser = argparse.ArgumentParser(prog=prog, description=description or __doc__)
     parser.add_argument("config", nargs="?", help="YAML config (see configs/); omit to use the defaults")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of TrainConfig fields")
     args = parser.parse_args(argv)
