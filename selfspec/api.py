@@ -184,7 +184,8 @@ class SpeculativeModel:
             batch_tree: ``"auto"`` sizes every row's tree, at batch 1 and in batches, to the number of rows still
                 decoding and the acceptance the drafter is getting (across calls), from this machine's measured
                 costs, and turns speculation off for a while where it does not pay (:meth:`batch_tree_rule`; a model
-                loaded with ``tune="off"`` measures nothing and drafts as ``"fixed"``); ``"fixed"`` drafts the
+                loaded with ``tune="off"`` measures nothing and drafts as ``"fixed"``, and one prompt of an EAGLE
+                head whose ``depth`` and ``total_tokens`` were both given drafts that tree); ``"fixed"`` drafts the
                 drafter's own tree at every step.
 
         Returns:
@@ -246,8 +247,10 @@ class SpeculativeModel:
         )
         drafters = [self.drafter] if batch is None else [self.drafter.fork() for _ in ids]
         policy = None
+        given = self.tree_budget is not None and self.tree_budget.source == "given"  # a tree the caller fixed
         if batch_tree == "auto" and self.tune == "auto" and self.drafter.info().max_depth > 0:
-            policy = self.batch_tree_rule(batch=batch is not None)
+            if batch is not None or not given:  # one prompt: the tree the caller fixed is drafted as given
+                policy = self.batch_tree_rule(batch=batch is not None)
         if self.online is not None:
             self.online.before_request()  # a pending swap lands here, never within a request
         t0 = time.perf_counter()

@@ -163,7 +163,8 @@ def test_tau_and_acceptance_aggregate_the_per_turn_numbers(bench_run):
     overall = report["summary"]["medusa"]["overall"]
     pooled = sum(sum(r["accepted_per_step"]) for r in recs) / sum(r["steps"] for r in recs)
     assert overall["tau"] == pytest.approx(pooled)
-    first = sum(r["accepted_by_depth"][0] for r in recs) / sum(r["drafted_by_depth"][0] for r in recs)
+    drafted = [r for r in recs if r["drafted_by_depth"]]  # the live tree rule may switch a whole turn's drafts off
+    first = sum(r["accepted_by_depth"][0] for r in drafted) / sum(r["drafted_by_depth"][0] for r in drafted)
     assert overall["acceptance_by_depth"][0] == pytest.approx(first)
     for r in recs:
         # the first token comes from prefill; the last step may be cut at max_new_tokens
@@ -252,6 +253,33 @@ def test_a_schema_2_report_reads_back_upgraded(bench_run):
     old = BenchReport.from_dict(report)
     assert old.settings.engine_reference is None and old.samples[0].results["medusa"].engine_speedup is None
     assert "| - |" in bench.markdown_report(old) and "baseline" in bench.summary_text(old)
+
+
+def test_steps_without_drafts_are_recorded_and_a_schema_3_report_reads_back(bench_run):
+    """Each selfspec result counts its steps without drafts and those the live tree rule switched off; the aggregates
+    carry the share; reports written before the count read back with it null."""
+    report = BenchReport.from_dict(copy.deepcopy(bench_run[0]))
+    for sample in report.samples:
+        for name, rec in sample.results.items():
+            if rec.steps is None:
+                assert rec.plain_steps is None and rec.drafting_off_steps is None
+                continue
+            assert 0 <= rec.drafting_off_steps <= rec.plain_steps <= rec.steps and rec.drafting_off_s >= 0
+            if name == "no_draft":
+                assert rec.plain_steps == rec.steps and rec.drafting_off_steps == 0
+    shares = [s.overall.drafting_off_share for s in report.summary.values() if s.overall.tau is not None]
+    assert shares and all(0.0 <= x <= 1.0 for x in shares)
+    old = copy.deepcopy(bench_run[0])
+    old["schema_version"] = 3
+    for sample in old["samples"]:
+        for rec in sample["results"].values():
+            del rec["plain_steps"], rec["drafting_off_steps"], rec["drafting_off_s"]
+    for summ in old["summary"].values():
+        for agg in [summ["overall"], *summ["by_category"].values()]:
+            del agg["drafting_off_share"], agg["drafting_off_time_share"]
+    back = BenchReport.from_dict(old)
+    assert back.schema_version == 4 and back.samples[0].results["medusa"].drafting_off_steps is None
+    assert all(s.overall.drafting_off_share is None for s in back.summary.values())
 
 
 def test_plots_are_valid_pngs(bench_run):

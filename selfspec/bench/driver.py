@@ -420,6 +420,8 @@ def aggregate(records: Sequence[Result], do_sample: bool) -> Aggregate:
     accepted = [sum(r.accepted_by_depth[d] for r in by_depth if d < len(r.accepted_by_depth)) for d in range(depth)]
     drafted = [sum(r.drafted_by_depth[d] for r in by_depth if d < len(r.drafted_by_depth)) for d in range(depth)]
     rates = [a / d if d else None for a, d in zip(accepted, drafted, strict=True)]
+    off = [r for r in with_stats if r.drafting_off_steps is not None and r.drafting_off_s is not None]
+    off_steps, off_wall = sum(r.steps for r in off), sum(r.wall_s for r in off)
     return Aggregate(
         num_samples=len(records),
         median_tokens_per_s=_median([r.tokens_per_s for r in records]),
@@ -432,4 +434,6 @@ def aggregate(records: Sequence[Result], do_sample: bool) -> Aggregate:
         peak_memory_mb=max(r.peak_memory_mb for r in records) if records else None,
         mismatches=None if do_sample else sum(1 for r in records if r.matches_reference is False and not r.near_tie),
         near_ties=None if do_sample else sum(1 for r in records if r.near_tie),
+        drafting_off_share=sum(r.drafting_off_steps for r in off) / off_steps if off_steps else None,
+        drafting_off_time_share=sum(r.drafting_off_s for r in off) / off_wall if off and off_wall > 0 else None,
     )

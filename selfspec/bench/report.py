@@ -17,7 +17,9 @@ from typing import Any, Literal
 
 from selfspec.base.files import read_dataclass, read_json
 
-SCHEMA_VERSION = 3  # 2: methods[name].tree_budget; 3: the engine reference (engine_speedup), ties, llamacpp
+# 2: methods[name].tree_budget; 3: the engine reference (engine_speedup), ties, llamacpp; 4: the steps that drafted
+# nothing and those the live tree rule switched drafting off (results), their share (aggregates)
+SCHEMA_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,9 @@ class Result:
             near-tie of the target (top-2 logit margin under ``llamacpp.tie_margin``), where another
             arithmetic may rightly choose otherwise: reported, not counted as a mismatch. None otherwise.
         tokens: the generated token ids.
+        plain_steps: steps that verified the root alone (nothing drafted); None: no speculation stats.
+        drafting_off_steps, drafting_off_s: of those, the steps (and their seconds) the live tree rule switched
+            drafting off (:class:`~selfspec.decode.tuning.batch_rule.BatchTreeRule`).
     """
 
     new_tokens: int
@@ -160,6 +165,9 @@ class Result:
     first_diff: int | None
     near_tie: bool | None
     tokens: list[int]
+    plain_steps: int | None = None
+    drafting_off_steps: int | None = None
+    drafting_off_s: float | None = None
 
     @classmethod
     def of_call(cls, tokens: list[int], wall_s: float, finish_reason: str, **measured: Any) -> Result:
@@ -233,6 +241,8 @@ class Aggregate:
         mismatches: greedy: prompt turns whose output differs from the reference, near-ties not counted
             (:attr:`Result.near_tie`); None under sampling.
         near_ties: greedy: prompt turns whose output differs first at a near-tie; None under sampling.
+        drafting_off_share: sum ``drafting_off_steps`` / sum ``steps`` (the live tree rule's steps without drafts);
+            ``drafting_off_time_share``: sum ``drafting_off_s`` / sum ``wall_s``; None without speculation stats.
     """
 
     num_samples: int
@@ -246,6 +256,8 @@ class Aggregate:
     peak_memory_mb: float | None
     mismatches: int | None
     near_ties: int | None
+    drafting_off_share: float | None = None
+    drafting_off_time_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -429,11 +441,46 @@ class BenchReport:
 
 
 def upgrade(data: Any) -> Any:
-    """A schema-2 report's layout in schema 3 (what it did not measure is null: no engine-only baseline, no
-    near-tie check, the selfspec engine's wall-time timing); any other layout is returned as it is."""
-    if not isinstance(data, dict) or data.get("schema_version") != 2:
-        return data
-    data = dict(data, schema_version=SCHEMA_VERSION, ties=[], llamacpp=None)
+    """An older report's layout in the current schema, what it did not measure null: schema 2 had no engine-only
+    baseline, no near-tie check and the selfspec engine's wall-time timing; schema 3 no count of the steps without
+    drafts. Any other layout is returned as it is."""
+    if isinstance(data, dict) and data.get("schema_version") == 2:
+        data = _upgrade_2(data)
+    if isinstance(data, dict) and data.get("schema_version") == 3:
+        data = _map_records(
+            dict(data, schema_version=4),
+            lambda r: dict(r, plain_steps=None, drafting_off_steps=None, drafting_off_s=None),
+            lambda a: dict(a, drafting_off_share=None, drafting_off_time_share=None),
+        )
+    return data
+
+
+def _map_records(data: dict[str, Any], result: Any, agg: Any) -> dict[str, Any]:
+    """``data`` with ``result`` applied to every sample's result and ``agg`` to every aggregate (objects only)."""
+
+    def each(fn: Any, x: Any) -> Any:
+        return fn(x) if isinstance(x, dict) else x
+
+    data["samples"] = [
+        dict(x, results={k: each(result, v) for k, v in (x.get("results") or {}).items()}) if isinstance(x, dict) else x
+        for x in data.get("samples") or []
+    ]
+    data["summary"] = {
+        name: dict(
+            m,
+            overall=each(agg, m.get("overall")),
+            by_category={c: each(agg, a) for c, a in (m.get("by_category") or {}).items()},
+        )
+        if isinstance(m, dict)
+        else m
+        for name, m in (data.get("summary") or {}).items()
+    }
+    return data
+
+
+def _upgrade_2(data: dict[str, Any]) -> dict[str, Any]:
+    """A schema-2 report's layout in schema 3."""
+    data = dict(data, schema_version=3, ties=[], llamacpp=None)
     data["settings"] = dict(
         data.get("settings") or {},
         engine_reference=None,
@@ -441,29 +488,11 @@ def upgrade(data: Any) -> Any:
         timing="wall time of the whole call, prefill included",
     )
 
-    def result(r: Any) -> Any:
-        return dict(r, engine_speedup=None, near_tie=None) if isinstance(r, dict) else r
-
-    def agg(a: Any) -> Any:
-        return (
-            dict(a, engine_speedup=None, near_ties=None if a.get("mismatches") is None else 0)
-            if isinstance(a, dict)
-            else a
-        )
-
-    data["samples"] = [
-        dict(x, results={k: result(v) for k, v in (x.get("results") or {}).items()}) if isinstance(x, dict) else x
-        for x in data.get("samples") or []
-    ]
-    data["summary"] = {
-        name: dict(
-            m, overall=agg(m.get("overall")), by_category={c: agg(a) for c, a in (m.get("by_category") or {}).items()}
-        )
-        if isinstance(m, dict)
-        else m
-        for name, m in (data.get("summary") or {}).items()
-    }
-    return data
+    return _map_records(
+        data,
+        lambda r: dict(r, engine_speedup=None, near_tie=None),
+        lambda a: dict(a, engine_speedup=None, near_ties=None if a.get("mismatches") is None else 0),
+    )
 
 
 def read_report(path: str | Path) -> BenchReport:

@@ -63,6 +63,9 @@ def _result(tokens: list[int], stats: GenerationStats | None, wall_s: float, mem
         prefill_s=stats.prefill_s if spec else None,
         draft_s=stats.draft_s if spec else None,
         verify_s=stats.verify_s if spec else None,
+        plain_steps=stats.plain_steps if spec else None,
+        drafting_off_steps=stats.drafting_off_steps if spec else None,
+        drafting_off_s=stats.drafting_off_s if spec else None,
     )
 
 
