@@ -365,8 +365,7 @@ def speculative_simple(
         timeout: seconds before the run is killed.
 
     Raises:
-        RuntimeError: the tool failed or printed no timing (the message holds the end of its output).
-    """
+        RuntimeError: the tool failed or printed no timing (the message holds the end of its output)."""
     cmd = [str(build.tool("llama-speculative-simple")), *_common_args(model, prompt, n_predict, threads, ctx_size)]
     cmd += ["--spec-type", spec_type]
     if draft is not None:
@@ -424,8 +423,7 @@ def completion(
     ``eval time`` line (the forwards after the prompt).
 
     Raises:
-        RuntimeError: the tool failed or printed no timing (the message holds the end of its output).
-    """
+        RuntimeError: the tool failed or printed no timing (the message holds the end of its output)."""
     cmd = [str(build.tool("llama-completion")), *_common_args(model, prompt, n_predict, threads, ctx_size)]
     done, wall = _run_tool([*cmd, "-no-cnv", "--no-display-prompt"], timeout)
     evaluated, prompt_eval = _EVAL.search(done.stderr), _PROMPT_EVAL.search(done.stderr)
@@ -495,15 +493,8 @@ def build_info(found: LlamaCpp) -> dict:
     return read_json(path) if path.is_file() else {}
 
 
-if __name__ == "__main__":  # python -m selfspec.llamacpp: build (or find) and print the directory
-    parser = argparse.ArgumentParser(
-        prog="python -m selfspec.llamacpp",
-        description=f"Build llama.cpp ({SDIST}=={SDIST_VERSION}'s vendored copy, CPU tools) once into the selfspec "
-        "build cache and print its directory; a cached build (or $SELFSPEC_LLAMA_CPP) is printed at once. The build "
-        "takes about 5-12 minutes on 2 cores and needs cmake and a C++ compiler.",
-    )
-    parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs (default: 2)")
-    jobs = parser.parse_args().jobs
+if __name__ == "__main__":  # python -m selfspec.llamacpp: build (or find), print the directory; --help builds nothing
+    argparse.ArgumentParser("python -m selfspec.llamacpp", description=__doc__).parse_args()
     if find_llamacpp() is None:
         print(f"building llama.cpp ({SDIST}=={SDIST_VERSION}) into {build_dir()}, log: {build_dir()}.log", flush=True)
-    print(ensure_llamacpp(jobs=jobs).root)
+    print(ensure_llamacpp().root)

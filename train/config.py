@@ -443,16 +443,13 @@ def _read(cls: type, data: Mapping[str, Any], where: str = "", root: str = "") -
 
 
 class ConfigError(UserError):
-    """A training config that cannot be used: a missing file, YAML that does not parse, an unknown key, a value of
-    the wrong type or out of its range; the message names the key (or the file's line) and what to write."""
+    """A config that cannot be used (missing file, bad YAML, unknown key, wrong or out-of-range value)."""
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:
     """Where YAML parsing stopped and why, on one line (``line 2, column 1: expected ',' or ']'``)."""
-    marked = isinstance(err, yaml.MarkedYAMLError)
-    mark = err.problem_mark if marked else None
-    problem = err.problem if marked and err.problem else str(err).splitlines()[0]
-    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
+    mark = err.problem_mark if isinstance(err, yaml.MarkedYAMLError) and err.problem else None
+    return f"line {mark.line + 1}, column {mark.column + 1}: {err.problem}" if mark else str(err).splitlines()[0]
 
 
 def _parse_override(item: str) -> tuple[str, Any]:
@@ -462,10 +459,7 @@ def _parse_override(item: str) -> tuple[str, Any]:
     try:
         return key.strip(), yaml.safe_load(value) if value != "" else None
     except yaml.YAMLError as err:
-        raise ConfigError(
-            f"override {item!r}: {value!r} is not a YAML value ({_yaml_problem(err)}); close its brackets or quotes, "
-            f"or quote the whole value ({key.strip()}='\"...\"')"
-        ) from err
+        raise ConfigError(f"override {item!r} is not YAML ({_yaml_problem(err)}): fix its brackets or quotes") from err
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
