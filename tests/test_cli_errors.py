@@ -105,6 +105,10 @@ CASES = {
         ["train", "data=missing.jsonl", "output_dir=out"],
         "selfspec train: error: no such data file: missing.jsonl",
     ),
+    "train-unknown-target": (
+        ["train", "target=no-such-target", "output_dir=out"],
+        "selfspec train: error: unknown target 'no-such-target': use a local model directory",
+    ),
     "export-unknown-format": (
         ["export", "heads", "--format", "onnx", "--out", "out", "--target", "t"],
         "selfspec export: error: unknown export format 'onnx'; choose one of",

@@ -16,7 +16,7 @@ from accelerate.utils import gather_object, set_seed
 
 from selfspec.base.adapter import read_adapter_config
 from selfspec.base.errors import UserError, run_command
-from selfspec.base.target import load_target
+from selfspec.base.target import load_target, resolve_target
 from selfspec.train.chat_format import apply_reasoning, bind_chat_format, read_chat_template
 from selfspec.train.config import TrainConfig, load_config
 from selfspec.train.data import check_data_source, load_conversations, split_conversations
@@ -41,6 +41,7 @@ def run(cfg: TrainConfig) -> Path:
         The directory holding the trained heads (``<output_dir>/heads``).
     """
     check_data_source(cfg.data)  # a missing or empty data file stops before anything is written
+    resolve_target(cfg.target)  # so does an unknown target (an alias is converted here, once, as load_target would)
     cfg = warm_started(cfg)  # init_heads: the head's shape, read before any compute
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
