@@ -37,7 +37,7 @@ def _columns(report: BenchReport) -> str:
     engine = "" if _one_reference(report) else f" | speedup vs {s.engine_reference}"
     return (
         f"tokens/s (median) | speedup vs {s.reference}{engine} | tau | acceptance by depth "
-        "| draft share | verify share | peak MiB | mismatches"
+        "| draft share | verify share | drafting off | peak MiB | mismatches"
     )
 
 
@@ -59,6 +59,7 @@ def _row(agg: Aggregate, one_reference: bool = False) -> str:
             _depth_text(agg.acceptance_by_depth),
             fmt(agg.draft_share, ".0%"),
             fmt(agg.verify_share, ".0%"),
+            fmt(agg.drafting_off_share, ".0%"),
             fmt(agg.peak_memory_mb, ".0f"),
             _mismatch_text(agg),
         ]
@@ -94,17 +95,17 @@ def markdown_report(report: BenchReport) -> str:
         f"({len(report.samples)} prompt turns), reference `{s.reference}`, engine-only baseline "
         f"`{s.engine_reference}`. Speedup: median over prompt turns of tokens/s divided by the reference's (or the "
         f"engine-only baseline's: the gain of speculation alone) tokens/s on the same turn, same run. tokens/s: "
-        f"{s.timing}.",
+        f"{s.timing}. Drafting off: the share of verification steps the live tree rule decoded without drafts.",
         "",
         "## By category",
         "",
         f"| method | category | n | {_columns(report)} |",
-        "|" + "---|" * (12 - one),
+        "|" + "---|" * (13 - one),
     ]
     for name, summ in report.summary.items():
         for cat in report.categories:
             lines.append(f"| {name} | {cat} | {_row(summ.by_category[cat], one)} |")
-    lines += ["", "## Overall", "", f"| method | n | {_columns(report)} |", "|" + "---|" * (11 - one)]
+    lines += ["", "## Overall", "", f"| method | n | {_columns(report)} |", "|" + "---|" * (12 - one)]
     for name, summ in report.summary.items():
         lines.append(f"| {name} | {_row(summ.overall, one)} |")
     lines += ["", "## Methods", ""]
