@@ -138,11 +138,22 @@ def resolve_target(name: str | os.PathLike) -> str:
 
 
 def _supports_sdpa(where: str | os.PathLike) -> bool:
-    """Whether the causal LM class of the model at ``where`` runs SDPA attention (Gemma-2's does not)."""
+    """Whether the causal LM class of the model at ``where`` runs SDPA attention (Gemma-2's does not).
+
+    Raises:
+        TargetNotFoundError: its config cannot be read (a Hub id that does not exist or cannot be reached).
+    """
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(AutoConfig.from_pretrained(where)), None)
+    try:
+        config = AutoConfig.from_pretrained(where)
+    except OSError as err:  # a Hub id that is not there, or not reachable: the first read of the target
+        raise TargetNotFoundError(
+            f"cannot read the target {str(where)!r} ({str(err).splitlines()[0]}): check the Hub id, the network and "
+            "HF_HUB_OFFLINE, or pass a local model directory"
+        ) from err
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     return bool(getattr(model_cls, "_supports_sdpa", True)) if model_cls is not None else True
 
 
@@ -170,7 +181,7 @@ def load_target(
         its fingerprint names base and adapter when ``adapter`` is given.
 
     Raises:
-        TargetNotFoundError: see :func:`resolve_target`.
+        TargetNotFoundError: see :func:`resolve_target`; or a Hub id whose config cannot be read.
         selfspec.base.adapter.AdapterError: (a ``ValueError``) a missing adapter directory, or an adapter for
             another base model; raised before the adapter is applied.
     """
