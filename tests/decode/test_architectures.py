@@ -38,7 +38,7 @@ from selfspec.decode.masks import (
 from selfspec.decode.target_check import UnsupportedTargetError, check_target
 from selfspec.decode.tree import static_tree, tree_position_ids
 from selfspec.decode.verifier import Verifier
-from tests.helpers.archs import ARCHS, CONFIGS, SERVED_ARCHS, WINDOW, tiny_target
+from tests.helpers.archs import ARCHS, CONFIGS, SERVED_ARCHS, STATE_ARCHS, WINDOW, tiny_target
 from tests.helpers.drafters import OracleDrafter, TargetTopKDrafter
 from tests.helpers.heads import make_eagle3, random_heads
 from tests.helpers.sampling import N_SAMPLES, SAMPLING, processed_probs
@@ -276,12 +276,13 @@ def test_soft_capped_logits_are_the_models_own():
 
 @pytest.mark.parametrize(
     "arch",
-    ["llama", "gemma3"] + [pytest.param(a, marks=pytest.mark.slow) for a in SERVED_ARCHS],
+    ["llama", "gemma3"] + [pytest.param(a, marks=pytest.mark.slow) for a in SERVED_ARCHS + STATE_ARCHS],
 )
 def test_sampling_keeps_the_target_distribution(arch):
     """Seeded Pearson chi-square goodness of fit of the first two sampled tokens (temperature 0.7, top-k 6)
     against the target's exact distribution, after a 12-token prompt (past the window, so Gemma-3's
-    sliding layers mask keys; the served architectures: experts routed per token, latent attention, sinks):
+    sliding layers mask keys; the served architectures: experts routed per token, latent attention, sinks; the
+    hybrid ones: chains through recurrent states rolled back after each rejection):
     N = 400 samples, pairs with expected count >= 5 (the rest pooled), alpha = 0.001. Both acceptance and
     rejection of drafts occur. The served architectures run in the slow tier (400 decodes of a tiny target with
     experts take ~10-30 s)."""
