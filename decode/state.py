@@ -6,7 +6,7 @@ A state summarises every earlier token, so it cannot be masked per tree branch, 
 updated it. Such a target is verified on a chain (the tree's first branch: :func:`first_chain`) and its state is rolled
 back to the accepted prefix by ``transformers``' own past recording
 (``LinearAttentionCacheLayerMixin.activate_past_recording``): each forward keeps the state before it and after each
-of its last :data:`MAX_CHAIN` tokens (those tokens run through the layer's recurrent step, one at a time) and the
+of its last :data:`RECORDED_TOKENS` tokens (those tokens run through the layer's recurrent step, one at a time) and the
 convolution inputs it saw, and ``crop(-r)`` restores the state of ``r`` tokens before the end, so a rejection costs
 no extra pass. The loop asks :attr:`selfspec.decode.masks.AttentionLayout.chains_only`; the load check
 (:mod:`selfspec.decode.target_check`) verifies a rolled-back chain against the model's own logits before a target of
@@ -27,18 +27,22 @@ past recording rolls back: gated delta nets and Mamba-style layers (``"linear_at
 (``"conv"``)."""
 
 MAX_CHAIN = 16
-"""Nodes of the longest chain one verification of a state target takes (the root included): the tokens whose states
-each forward records."""
+"""Nodes of the longest chain one verification of a state target takes (the root included)."""
+
+RECORDED_TOKENS = 64
+"""The last tokens of every forward whose states a state layer records (those run through its recurrent step one at a
+time), so a crop of up to that many tokens since the last crop is exact: a verified chain (<= :data:`MAX_CHAIN`) and
+the cost measurements' trees (``decode/tuning/costs.py``, up to 48 nodes, cropped after each call)."""
 
 
 def state_cache_layer() -> Any:
-    """A fresh ``transformers`` ``LinearAttentionLayer`` recording the states of the last :data:`MAX_CHAIN` tokens of
-    every forward, so ``crop(-r)`` (r <= the tokens of the forwards since the last crop, at most :data:`MAX_CHAIN`)
-    rolls it back exactly."""
+    """A fresh ``transformers`` ``LinearAttentionLayer`` recording the states of the last :data:`RECORDED_TOKENS`
+    tokens of every forward, so ``crop(-r)`` (r <= the tokens of the forwards since the last crop, at most
+    :data:`RECORDED_TOKENS`) rolls it back exactly."""
     from transformers.cache_utils import LinearAttentionLayer  # heavy import, only when a cache is made
 
     layer = LinearAttentionLayer()
-    layer.activate_past_recording(recurrent_states_to_keep=MAX_CHAIN)
+    layer.activate_past_recording(recurrent_states_to_keep=RECORDED_TOKENS)
     return layer
 
 
