@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 
-from selfspec.bench import main
+from selfspec.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["bench", *sys.argv[1:]]))

@@ -1,7 +1,7 @@
 """Train draft heads on a frozen target: ``accelerate launch scripts/train.py CONFIG.yaml [key=value ...]``.
 
 The launcher Medusa and EAGLE users look for. It runs the package's training command
-(:func:`selfspec.train.__main__.main`, also ``selfspec train`` and ``accelerate launch -m selfspec.train``), so the
+(``selfspec train``, with its vLLM regeneration stage when the config names it), so the
 arguments, the config checks and the outputs are the same; its usage line names that command. ``CONFIG`` is a YAML
 run config (``configs/``); ``key=value`` overrides its fields (``lr=3e-4``, ``eagle3.ttt_steps=2``); an unknown key
 or a value of the wrong type exits with status 2 and a message that lists the valid keys.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 
-from selfspec.train.__main__ import main
+from selfspec.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["train", *sys.argv[1:]]))

@@ -30,7 +30,7 @@ def test_script_help_is_the_package_command(script, usage, flag):
 
 def test_train_script_refuses_an_unknown_config_key():
     out = _run(sys.executable, "scripts/train.py", "configs/eagle3-smollm2.yaml", "no_such_key=1")
-    assert out.returncode == 2 and out.stderr.startswith("usage: selfspec train")
+    assert out.returncode == 2 and out.stderr.startswith("selfspec train: error: ")
     assert "unknown config keys ['no_such_key']" in out.stderr and "valid keys" in out.stderr
     assert "max_train_tokens" in out.stderr  # the message lists the keys to choose from
 
