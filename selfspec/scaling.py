@@ -142,13 +142,15 @@ def run_logged(cmd: list[str], log: Path) -> float:
 
 
 def feature_tokens(run_dir: Path) -> int:
-    """Tokens of the training split in a run's feature store (0 when it kept none)."""
-    from safetensors import safe_open
+    """Tokens of the training split in a run's feature store (``features/rank*-of*/manifest.json``, every process's
+    complete shards; 0 when it kept none)."""
+    from selfspec.train.store_shards import read_manifest
 
     total = 0
-    for path in sorted((run_dir / "features").glob("rank*-of*.safetensors")):
-        with safe_open(str(path), "pt") as fh:
-            total += int(fh.get_tensor("lengths").sum())
+    for directory in sorted((run_dir / "features").glob("rank*-of*")):
+        manifest = read_manifest(directory)
+        if manifest is not None:
+            total += sum(s.tokens for s in manifest.shards if s.split == "train")
     return total
 
 
