@@ -23,7 +23,7 @@ from selfspec.decode.drafters.base import DraftLimit
 from selfspec.decode.tree import tree_depths
 from selfspec.decode.verify import verify_greedy
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
