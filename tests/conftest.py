@@ -77,3 +77,42 @@ def oracle():
     from tests.helpers.heads import build_oracle
 
     return build_oracle()
+
+
+# Tests run in parallel workers (pytest-xdist, ``-n`` in pyproject.toml): each worker holds one intra-op thread, so
+# two workers use the two cores a CI machine has. Tests that start process groups of their own (accelerate's and
+# torchrun's rendezvous ports, the engines' servers and thread pools) share one xdist group: they run one after
+# another on one worker while the other worker runs the rest.
+PROCESS_GROUP_FILES = frozenset(
+    {
+        "tests/benchmarks/test_trainers.py",
+        "tests/benchmarks/test_trainers_slow.py",
+        "tests/export/test_openvino.py",
+        "tests/export/test_served_exports.py",
+        "tests/export/test_speculators.py",
+        "tests/export/test_speculators_block.py",
+        "tests/export/test_vllm.py",
+        "tests/test_bench_fidelity.py",
+        "tests/test_bench_llamacpp.py",
+        "tests/test_bench_openvino.py",
+        "tests/test_bench_vllm.py",
+        "tests/test_engine_proofs.py",
+        "tests/test_gpu_check.py",
+        "tests/test_scripts.py",
+        "tests/train/test_accelerate_configs.py",
+        "tests/train/test_distill_engines.py",
+        "tests/train/test_multiprocess.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    root = config.rootpath
+    for item in items:
+        if item.path.relative_to(root).as_posix() in PROCESS_GROUP_FILES:
+            item.add_marker(pytest.mark.xdist_group("processes"))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker a core, at most 4 (each holds a torch and a tiny target or two)."""
+    return max(1, min(4, os.cpu_count() or 1))
