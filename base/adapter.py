@@ -10,7 +10,7 @@ merged model's own greedy ``generate``. The merged weights differ from the unmer
 forward by float rounding only (about 1e-6 relative in float32); the merge is done in float32 and the model
 cast to the requested dtype after.
 
-The merged model's fingerprint names base and adapter (:func:`selfspec.base.fingerprint.register_adapter`), the
+The merged model's fingerprint names base and adapter (:func:`selfspec.base.fingerprint.register_fingerprint`), the
 base part taken from the base's weights before the merge changed them, so heads trained on it are refused on the
 bare base and the other way round.
 """
@@ -27,7 +27,7 @@ import torch
 from peft import PeftModel
 
 from selfspec.base.errors import UserError
-from selfspec.base.fingerprint import register_adapter, target_fingerprint
+from selfspec.base.fingerprint import register_fingerprint, target_fingerprint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -153,7 +153,7 @@ def _merge(peft_model: PeftModel, dtype: torch.dtype | None) -> PreTrainedModel:
     merged = peft_model.float().merge_and_unload()
     merged = merged.to(dtype or base_dtype).eval()
     merged.requires_grad_(False)
-    register_adapter(merged, fingerprint)
+    register_fingerprint(merged, fingerprint)
     adapter = fingerprint.partition("+")[2]
     logger.info("merged the %s adapter (fingerprint %s) into the target", "/".join(sorted(kinds)), adapter)
     return merged

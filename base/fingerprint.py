@@ -17,8 +17,9 @@ A target adapted by a PEFT adapter (LoRA) is named by both parts, ``"v2-<base 16
 head trained on the adapted target is refused on the bare base and the other way round (:func:`mismatch_hint` says
 which fix applies). The adapter part comes from the ``PeftModel`` itself (:func:`adapter_fingerprint`) or, for a
 model merged from one (``merge_and_unload``, as :func:`selfspec.base.adapter.load_adapted` does), from
-:func:`register_adapter`: a weak table kept here, so no attribute is ever set on the target; the base part is the
-base's before the merge.
+:func:`register_fingerprint`: a weak table kept here, so no attribute is ever set on the target; the base part is the
+base's before the merge. A target whose decoder layers are sharded across processes (:mod:`selfspec.base.
+target_shards`) is registered the same way, with the fingerprint of its whole weights taken before the sharding.
 
 Version 1 (16 hex characters, no prefix; heads saved before version 2 carry it) hashed the sizes and a slice of the
 input embeddings only. :func:`target_fingerprint` returns a :class:`TargetFingerprint`, which also carries the
@@ -47,7 +48,7 @@ _NOT_BASE = (*ADAPTER_KEYS, "modules_to_save.")  # tensors a PeftModel holds bes
 _SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # merged model -> its fingerprint, taken before the merge (entries die with the model)
-_ADAPTED: weakref.WeakKeyDictionary[torch.nn.Module, TargetFingerprint] = weakref.WeakKeyDictionary()
+_REGISTERED: weakref.WeakKeyDictionary[torch.nn.Module, TargetFingerprint] = weakref.WeakKeyDictionary()
 
 
 class TargetFingerprint(str):
@@ -168,11 +169,12 @@ def adapter_fingerprint(peft_model: torch.nn.Module) -> str:
     return _adapter_digest(peft_model, legacy=False)
 
 
-def register_adapter(model: torch.nn.Module, fingerprint: TargetFingerprint) -> None:
-    """Record that ``model`` is a base model with an adapter merged into it, whose fingerprint (base and adapter
-    parts) ``fingerprint`` was taken from the ``PeftModel`` before the merge, so :func:`target_fingerprint` names
-    both. The model is not modified (a weak table holds the entry)."""
-    _ADAPTED[model] = fingerprint
+def register_fingerprint(model: torch.nn.Module, fingerprint: TargetFingerprint) -> None:
+    """Record ``fingerprint`` as ``model``'s, taken before ``model`` was changed in place: a base model with an
+    adapter merged into it (the fingerprint of the ``PeftModel`` before the merge: base and adapter parts), or a target
+    whose decoder layers were then sharded across processes (each process holds a part of their weights). From then
+    on :func:`target_fingerprint` returns it. The model is not modified (a weak table holds the entry)."""
+    _REGISTERED[model] = fingerprint
 
 
 def target_fingerprint(model: PreTrainedModel) -> TargetFingerprint:
@@ -186,7 +188,7 @@ def target_fingerprint(model: PreTrainedModel) -> TargetFingerprint:
         ``"v2-"`` and 16 hex characters for a bare target; ``"v2-<base>+<adapter>"`` for an adapted one; as a
         :class:`TargetFingerprint`, whose ``legacy`` is the version-1 fingerprint of the same target.
     """
-    registered = _ADAPTED.get(model)
+    registered = _REGISTERED.get(model)
     if registered is not None:
         return registered
     base, legacy = PREFIX + _base_digest(model), _legacy_base_digest(model)

@@ -49,6 +49,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from selfspec.base.cpu_linear import project
+from selfspec.base.target_shards import layer_state
 from selfspec.heads.config import check_family_fields, read_selfspec_config
 from selfspec.heads.families import HeadFamily, register_head_family
 from selfspec.heads.hub import HubMixin
@@ -314,7 +315,7 @@ class EagleHead(nn.Module, HubMixin):
         layer = decoder_layer_class(self.arch_config, target)(self.arch_config, layer_idx=0)
         if init_from_target_layer and target is not None:
             check_init_layer(target.config, -1, "EAGLE-1")
-            src = target.base_model.layers[-1].state_dict()
+            src = layer_state(target.base_model.layers[-1])  # whole, where the target is sharded
             src = {k: v for k, v in src.items() if not k.startswith("input_layernorm.")}
             layer.load_state_dict(src, strict=False)
         # EAGLE-1: the first (here: only) layer has no input norm; fc's output enters attention directly.

@@ -59,6 +59,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from selfspec.base.cpu_linear import project
+from selfspec.base.target_shards import layer_state
 from selfspec.heads.config import check_family_fields, check_layer_ids
 from selfspec.heads.eagle import (
     logit_softcap,
@@ -280,7 +281,7 @@ class Eagle3Head(nn.Module, HubMixin):
         if init_layer is not None and self.config.draft_layer == "target":  # a Llama layer starts from random
             layers = target.base_model.layers
             check_init_layer(target.config, init_layer, "EAGLE-3")
-            src = dict(layers[init_layer].state_dict())
+            src = layer_state(layers[init_layer])  # whole, where the target is sharded
             norm_w = src.pop("input_layernorm.weight", None)
             own = self.layers[0]
             for name in qkv:

@@ -13,6 +13,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from selfspec.base.target_shards import module_class
 from selfspec.heads.io import HeadFormatError
 
 if TYPE_CHECKING:
@@ -131,8 +132,9 @@ def _supports_sdpa(config: PretrainedConfig) -> bool:
 
 
 def decoder_layer_class(arch_config: PretrainedConfig, target: PreTrainedModel | None = None) -> type[nn.Module]:
-    """The decoder layer class of an architecture: ``target.model.layers[0].__class__`` when a target is
-    given, else that of a meta-device (no memory) model built from ``arch_config``.
+    """The decoder layer class of an architecture: the class of ``target.model.layers[0]`` when a target is
+    given (:func:`~selfspec.base.target_shards.module_class`: the layer's own class where it is sharded), else
+    that of a meta-device (no memory) model built from ``arch_config``.
 
     Raises:
         HeadFormatError: the architecture has no ``model.layers`` stack.
@@ -144,7 +146,7 @@ def decoder_layer_class(arch_config: PretrainedConfig, target: PreTrainedModel |
             layers = getattr(AutoModelForCausalLM.from_config(arch_config).base_model, "layers", None)
     if not layers:
         raise HeadFormatError(f"model type {arch_config.model_type!r} has no decoder layer stack (model.layers)")
-    return layers[0].__class__
+    return module_class(layers[0])
 
 
 # ------------------------------------------------------------ what the one-layer heads (EAGLE-1, EAGLE-3) share

@@ -102,6 +102,7 @@ PROCESS_GROUP_FILES = frozenset(
         "tests/train/test_accelerate_configs.py",
         "tests/train/test_distill_engines.py",
         "tests/train/test_multiprocess.py",
+        "tests/train/test_target_parallel.py",
     }
 )
 

@@ -109,6 +109,18 @@ CASES = {
         ["train", "target=no-such-target", "output_dir=out"],
         "selfspec train: error: unknown target 'no-such-target': use a local model directory",
     ),
+    "train-sharded-target-online": (
+        ["train", "target_parallel=fsdp", "features=online", "output_dir=out"],
+        "selfspec train: error: target_parallel: fsdp reads features from the store",
+    ),
+    "train-sharded-target-medusa2": (
+        ["train", "target_parallel=fsdp", "medusa.joint=true", "output_dir=out"],
+        "selfspec train: error: medusa.joint (Medusa-2) trains the target, which target_parallel shards frozen",
+    ),
+    "train-unknown-target-parallel": (
+        ["train", "target_parallel=tp2", "output_dir=out"],
+        "selfspec train: error: target_parallel must be one of ['none', 'fsdp'], got 'tp2'",
+    ),
     "export-unknown-format": (
         ["export", "heads", "--format", "onnx", "--out", "out", "--target", "t"],
         "selfspec export: error: unknown export format 'onnx'; choose one of",

@@ -17,6 +17,7 @@ from accelerate.utils import gather_object, set_seed
 from selfspec.base.adapter import read_adapter_config
 from selfspec.base.errors import UserError, run_command
 from selfspec.base.target import load_target, resolve_target
+from selfspec.base.target_shards import shard_target, sync_forwards
 from selfspec.train.chat_format import apply_reasoning, bind_chat_format, read_chat_template
 from selfspec.train.config import TrainConfig, load_config
 from selfspec.train.data import check_data_source, load_conversations, split_conversations
@@ -31,6 +32,10 @@ logger = logging.getLogger("selfspec.train")
 
 def run(cfg: TrainConfig) -> Path:
     """Run one training job end to end (data -> optional self-distillation -> features -> heads).
+
+    With ``target_parallel: fsdp`` and several processes, the target's decoder layers are sharded across them
+    (:func:`~selfspec.base.target_shards.shard_target`) and every stage that runs it ends in lockstep
+    (:func:`~selfspec.base.target_shards.sync_forwards`).
 
     The recipe comes from the registry (:func:`~selfspec.train.recipes.recipe_for`). Self-distillation runs on each
     process's share of the prompts; every process then holds the whole
@@ -57,9 +62,19 @@ def run(cfg: TrainConfig) -> Path:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     t0 = time.perf_counter()
+    sharded = cfg.target_parallel == "fsdp" and accelerator.num_processes > 1
+    if cfg.target_parallel == "fsdp" and not sharded:
+        logger.warning(
+            "target_parallel: fsdp with one process: the whole target is held (start with accelerate launch)"
+        )
     target, tokenizer = load_target(
-        cfg.target, dtype=getattr(torch, cfg.dtype), device=accelerator.device, adapter=cfg.target_adapter
+        cfg.target,
+        dtype=getattr(torch, cfg.dtype),
+        device="cpu" if sharded else accelerator.device,  # sharded, each process moves only its shards
+        adapter=cfg.target_adapter,
     )
+    if sharded:
+        shard_target(target, accelerator.device)
     tokenizer = bind_chat_format(
         tokenizer, cfg.chat_template, cfg.chat_template_kwargs
     )  # chat_template, chat_template_kwargs: checked before any work
@@ -73,10 +88,12 @@ def run(cfg: TrainConfig) -> Path:
         rank, world = accelerator.process_index, accelerator.num_processes
         to_distill, to_distill_eval, written = distill_plan(cfg, train_convs, eval_convs)
         quiet = not accelerator.is_local_main_process
-        distilled = {
-            split: distill_split(cfg, target, tokenizer, split, part[rank::world], rank, world, capture, quiet)
-            for split, part in (("train", to_distill), ("eval", to_distill_eval))
-        }
+        distilled = {}
+        for split, part in (("train", to_distill), ("eval", to_distill_eval)):
+            distilled[split] = distill_split(
+                cfg, target, tokenizer, split, part[rank::world], rank, world, capture, quiet
+            )
+            sync_forwards(target)  # a sharded target: the processes that are done wait for the others' forwards
         logger.info("self-distillation done in %.1fs", time.perf_counter() - t1)
         if written:
             logger.info("adding %d conversations as written (not regenerated)", len(written))

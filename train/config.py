@@ -242,6 +242,12 @@ class TrainConfig:
         distill_engine: what writes the answers: ``"hf"`` (the target's ``generate`` in the training processes) or
             ``"vllm"`` (vLLM in the environment ``python -m selfspec.engine_envs vllm`` builds, run by ``selfspec
             distill`` and ``selfspec train``: :mod:`selfspec.distill`); never a silent fall back between them.
+        target_parallel: how the training processes hold the frozen target: ``"none"``, each the whole target;
+            ``"fsdp"``, each decoder layer sharded across all the processes (FSDP2, :mod:`selfspec.base.
+            target_shards`), so a target larger than one device trains heads. With ``"fsdp"`` features come from the
+            store (``features: auto`` or ``store``), the draft's cost profile is not calibrated at the end of the run
+            (``selfspec tune-tree`` calibrates it where the head is served), and Medusa-2 (``medusa.joint``), which
+            trains the target, is refused.
         distill_tensor_parallel_size / distill_data_parallel_size: vLLM's ``tensor_parallel_size`` and
             ``data_parallel_size`` (GPUs per replica, replicas), passed through.
         original_conversations: with ``self_distill``, also train on this many further training
@@ -323,6 +329,7 @@ class TrainConfig:
     distill_top_p: float = in_range(1.0, gt=0, le=1)
     distill_system_prompt: str | None = None
     distill_engine: Literal["hf", "vllm"] = "hf"
+    target_parallel: Literal["none", "fsdp"] = "none"
     distill_tensor_parallel_size: int = in_range(1, ge=1)
     distill_data_parallel_size: int = in_range(1, ge=1)
     chat_template: str | None = None
@@ -398,6 +405,16 @@ class TrainConfig:
                 object.__setattr__(self, name, _read(cls, value, root=name))
             elif not isinstance(value, cls):
                 raise ValueError(f"{name} must be a mapping of {cls.__name__} fields, got {value!r}")
+        if self.target_parallel != "none" and self.features == "online":
+            raise ValueError(
+                f"target_parallel: {self.target_parallel} reads features from the store (online, the main process's "
+                "evaluation would run the sharded target alone): set features: store or auto"
+            )
+        if self.target_parallel != "none" and self.medusa.joint:
+            raise ValueError(
+                "medusa.joint (Medusa-2) trains the target, which target_parallel shards frozen: set target_parallel: "
+                "none"
+            )
         if self.medusa.joint and self.target_adapter:  # the option asks for Medusa-2 and its own adapter
             raise ValueError(
                 "medusa.joint (Medusa-2) trains its own LoRA adapter on the base target: drop target_adapter, or "

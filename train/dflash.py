@@ -34,6 +34,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from selfspec.base.fingerprint import target_fingerprint
+from selfspec.base.target_shards import layer_state
 from selfspec.heads.block_layers import draft_layer_config
 from selfspec.heads.dflash import SIBLING_TOP_K, BlockConfig, BlockHead, default_target_layer_ids
 from selfspec.heads.eagle import softcap
@@ -442,7 +443,7 @@ class BlockRecipe(FeatureRecipe):
 def init_from_target_layer(head: BlockHead, target: PreTrainedModel, index: int) -> None:
     """Start every draft layer from the target's layer ``index``: each tensor whose name and shape the target's
     layer shares (projections, MLP, norms), the rest kept (Qwen3's q/k norms where the target has none)."""
-    src = target.base_model.layers[index].state_dict()
+    src = layer_state(target.base_model.layers[index])  # whole, where the target is sharded
     for layer in head.layers:
         own = layer.state_dict()
         layer.load_state_dict({k: v for k, v in src.items() if k in own and own[k].shape == v.shape}, strict=False)

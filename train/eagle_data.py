@@ -16,18 +16,22 @@ and per-sequence position ids (no padding waste, one layer forward per row).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from selfspec.base.target_shards import is_sharded
 from selfspec.train.calibrate import calibrate_head
 from selfspec.train.feature_recipe import FeatureRecipe
 from selfspec.train.feature_store import FeatureStore
 
 if TYPE_CHECKING:
     from selfspec.train.inputs import RunInputs
+
+logger = logging.getLogger(__name__)
 
 
 def shift_pairs(
@@ -183,7 +187,11 @@ class PairRecipe(FeatureRecipe):
 
     def calibrated(self, head: torch.nn.Module, head_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
         """``summary`` with the saved head's acceptance profile and the conversations it decoded, when
-        ``cfg.calibrate_prompts`` > 0 and a tokenizer is given."""
+        ``cfg.calibrate_prompts`` > 0 and a tokenizer is given, and the target is whole in this process (a sharded
+        one decodes only in lockstep with the others: ``selfspec tune-tree`` calibrates the head where it is served)."""
+        if is_sharded(self.target):
+            logger.info("the target is sharded across processes: no acceptance profile (run selfspec tune-tree)")
+            return summary
         if self.cfg.calibrate_prompts > 0 and self.tokenizer is not None:
             profile = calibrate_head(self.cfg, head, self.target, self.tokenizer, self.eval_convs, head_dir)
             summary["acceptance_profile"] = profile

@@ -33,6 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from selfspec.base.fingerprint import target_fingerprint
+from selfspec.base.target_shards import sync_forwards
 from selfspec.train.chat_tokens import build_training_examples
 from selfspec.train.config import TrainConfig
 from selfspec.train.distill_states import CapturedStates
@@ -389,6 +390,7 @@ def target_features(run: RunInputs, layers: Sequence[int] | None = None) -> tupl
         own = load_features(mine, identity)
         if own is None:
             raise RuntimeError(f"the feature store {mine} just written cannot be read")
+    sync_forwards(target)  # a sharded target: a process done (or resumed complete) waits for the others' forwards
     if captured is not None:
         captured.clear()
     if world == 1:

@@ -227,7 +227,9 @@ def _generate(
         tails = [template_tail(tokenizer, m, t) for m, t in zip(prompts, texts, strict=True)]
         pad = tokenizer.pad_token_id
         return _generate_capturing(model, enc, max_new_tokens, pad, tails, capture, batch)
-    out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
+    out = model.generate(
+        **enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, synced_gpus=False, **sampling
+    )  # synced_gpus: a sharded target's forwards are in lockstep already (selfspec.base.target_shards)
     return list(out[:, enc["input_ids"].shape[1] :])
 
 
@@ -298,6 +300,7 @@ def _generate_capturing(
             generation_config=config,
             logits_processor=LogitsProcessorList([forcer]),
             stopping_criteria=StoppingCriteriaList([TailDone(forcer)]),
+            synced_gpus=False,
         )
     feats = torch.cat(steps, dim=1)  # [B, P + N - 1, F]: the i-th token fed at position i
     prompt_lengths = enc["attention_mask"].sum(dim=1).tolist()

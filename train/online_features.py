@@ -137,8 +137,8 @@ def feature_source(
     disk: int | None = None,
 ) -> tuple[str, str]:
     """Where a run's target features come from: ``cfg.features`` when it is ``"store"`` or ``"online"``; for
-    ``"auto"``, the store when a complete one exists, else online when the store would not fit on the disk, else the
-    cheaper of the two for this run (module docstring).
+    ``"auto"``, the store when the target is sharded (``target_parallel``) or a complete one exists, else online
+    when the store would not fit on the disk, else the cheaper of the two for this run (module docstring).
 
     Args:
         cfg: the run (``max_steps``, ``epochs``, ``eval_every``, ``grad_accum_steps``, ``features``).
@@ -161,6 +161,8 @@ def feature_source(
         raise ValueError(f"features must be one of {SOURCES}, got {mode!r}")
     if mode != "auto":
         return mode, f"features: {mode}"
+    if cfg.target_parallel != "none":  # online, the main process's evaluation would run the sharded target alone
+        return "store", f"target_parallel: {cfg.target_parallel} reads the target's features from the store"
     if cached:
         return "store", "a complete store of this run's inputs exists (no target forward needed)"
     store_bytes = (train_tokens + held_tokens) * width * itemsize
