@@ -115,6 +115,8 @@ class GenerationStats:
         accepted_by_depth: ``accepted_by_depth[d]`` = steps whose accepted path reached depth d+1.
         drafted_by_depth: ``drafted_by_depth[d]`` = steps whose tree had a node at depth d+1.
         tree_nodes: nodes verified over all steps (roots included).
+        steps_by_nodes: tree size (nodes, root included) -> steps that verified a tree of that size: the trees a
+            tree rule chose, as it resized them.
         plain_steps: steps that verified the root alone (nothing drafted: no continuation found, the end of the
             output or context, or drafting switched off).
         drafting_off_steps: of those, the steps a tree rule switched drafting off (live acceptance that did not pay,
@@ -131,6 +133,7 @@ class GenerationStats:
     accepted_by_depth: list[int] = field(default_factory=list)
     drafted_by_depth: list[int] = field(default_factory=list)
     tree_nodes: int = 0
+    steps_by_nodes: dict[int, int] = field(default_factory=dict)
     plain_steps: int = 0
     drafting_off_steps: int = 0
     drafting_off_s: float = 0.0
@@ -159,6 +162,7 @@ class GenerationStats:
         """Record one verification step: its tree's node count and depth, how deep its accepted path went."""
         self.steps += 1
         self.tree_nodes += nodes
+        self.steps_by_nodes[nodes] = self.steps_by_nodes.get(nodes, 0) + 1
         self.plain_steps += int(nodes == 1)
         self.accepted_per_step.append(accepted_depth + 1)
         while len(self.drafted_by_depth) < max_depth:

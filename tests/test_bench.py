@@ -278,8 +278,45 @@ def test_steps_without_drafts_are_recorded_and_a_schema_3_report_reads_back(benc
         for agg in [summ["overall"], *summ["by_category"].values()]:
             del agg["drafting_off_share"], agg["drafting_off_time_share"]
     back = BenchReport.from_dict(old)
-    assert back.schema_version == 4 and back.samples[0].results["medusa"].drafting_off_steps is None
+    assert back.schema_version == 5 and back.samples[0].results["medusa"].drafting_off_steps is None
     assert all(s.overall.drafting_off_share is None for s in back.summary.values())
+
+
+def test_the_trees_used_are_counted_and_reported_against_the_expected(bench_run):
+    """Every selfspec result counts its steps by tree size (the sizes sum to its steps and its nodes); the aggregate
+    pools them; report.md has a row per drafting method with the tree chosen, expected against measured tau and
+    speedup, the sizes used and the time with drafting off; a schema-4 report reads back with the counts null."""
+    report = BenchReport.from_dict(copy.deepcopy(bench_run[0]))
+    for sample in report.samples:
+        for name, rec in sample.results.items():
+            if rec.steps is None:
+                assert rec.steps_by_nodes is None
+                continue
+            sizes = {int(n): k for n, k in rec.steps_by_nodes.items()}
+            assert sum(sizes.values()) == rec.steps and sum(n * k for n, k in sizes.items()) == rec.tree_nodes
+            assert sizes.get(1, 0) == rec.plain_steps
+            if name == "no_draft":
+                assert sizes == {1: rec.steps}
+    medusa = report.summary["medusa"].overall
+    pooled = sum(r.results["medusa"].steps for r in report.samples)
+    assert sum(medusa.steps_by_nodes.values()) == pooled
+    text = bench.markdown_report(report)
+    assert "## Trees: chosen, expected and measured" in text
+    section = text.split("## Trees: chosen, expected and measured")[1].split("\n## ")[0].splitlines()
+    row = next(line for line in section if line.startswith("| medusa | "))
+    assert f"/ {medusa.tau:.2f} |" in row and f"/ {medusa.engine_speedup:.2f}x |" in row
+    assert not any(line.startswith("| baseline | ") for line in section)  # no speculation stats: no row
+    old = copy.deepcopy(bench_run[0])
+    old["schema_version"] = 4
+    for sample in old["samples"]:
+        for rec in sample["results"].values():
+            del rec["steps_by_nodes"]
+    for summ in old["summary"].values():
+        for agg in [summ["overall"], *summ["by_category"].values()]:
+            del agg["steps_by_nodes"]
+    back = BenchReport.from_dict(old)
+    assert back.schema_version == 5 and back.summary["medusa"].overall.steps_by_nodes is None
+    assert "## Trees" in bench.markdown_report(back)
 
 
 def test_plots_are_valid_pngs(bench_run):

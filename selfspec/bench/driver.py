@@ -422,6 +422,11 @@ def aggregate(records: Sequence[Result], do_sample: bool) -> Aggregate:
     rates = [a / d if d else None for a, d in zip(accepted, drafted, strict=True)]
     off = [r for r in with_stats if r.drafting_off_steps is not None and r.drafting_off_s is not None]
     off_steps, off_wall = sum(r.steps for r in off), sum(r.wall_s for r in off)
+    sized = [r.steps_by_nodes for r in with_stats if r.steps_by_nodes is not None]
+    by_nodes: dict[int, int] = {}
+    for counts in sized:
+        for nodes, n in counts.items():
+            by_nodes[int(nodes)] = by_nodes.get(int(nodes), 0) + n
     return Aggregate(
         num_samples=len(records),
         median_tokens_per_s=_median([r.tokens_per_s for r in records]),
@@ -436,4 +441,5 @@ def aggregate(records: Sequence[Result], do_sample: bool) -> Aggregate:
         near_ties=None if do_sample else sum(1 for r in records if r.near_tie),
         drafting_off_share=sum(r.drafting_off_steps for r in off) / off_steps if off_steps else None,
         drafting_off_time_share=sum(r.drafting_off_s for r in off) / off_wall if off and off_wall > 0 else None,
+        steps_by_nodes={str(n): by_nodes[n] for n in sorted(by_nodes)} if sized else None,
     )

@@ -79,6 +79,44 @@ def _budget_text(budget: TreeBudgetRecord | None) -> str:
     return text + ")"
 
 
+def _trees_used(agg: Aggregate) -> str:
+    """The tree sizes a method verified, by share of its steps (the four most used), and their mean."""
+    counts = {int(n): k for n, k in (agg.steps_by_nodes or {}).items()}
+    total = sum(counts.values())
+    if not total:
+        return "-"
+    most = sorted(sorted(counts, key=lambda n: -counts[n])[:4])
+    shares = ", ".join(f"{n}: {counts[n] / total:.0%}" for n in most) + (", ..." if len(counts) > 4 else "")
+    return f"{sum(n * k for n, k in counts.items()) / total:.1f} ({shares})"
+
+
+def tree_lines(report: BenchReport) -> list[str]:
+    """The ``report.md`` section on trees: per drafting method, the tree it was given or chose, the tau and speedup
+    over the engine's own decoding without drafts its cost model expected against those measured, the tree sizes it
+    verified (nodes, root included, by share of steps) and the steps and time with drafting switched off."""
+    rows = []
+    for name, summ in report.summary.items():
+        agg, method = summ.overall, report.methods.get(name)
+        if agg.tau is None or method is None:
+            continue
+        budget = method.tree_budget
+        chosen = "its own" if budget is None else f"depth {budget.depth}, top_k {budget.top_k}, "
+        chosen += "" if budget is None else f"{budget.total_tokens} tokens ({budget.chosen_by})"
+        expected = (None, None) if budget is None else (budget.expected_tau, budget.expected_speedup)
+        off = f"{fmt(agg.drafting_off_share, '.0%')} / {fmt(agg.drafting_off_time_share, '.0%')}"
+        rows.append(
+            f"| {name} | {chosen} | {fmt(expected[0])} / {fmt(agg.tau)} | {fmt(expected[1], '.2f', 'x')} / "
+            f"{fmt(agg.engine_speedup, '.2f', 'x')} | {_trees_used(agg)} | {off} |"
+        )
+    if not rows:
+        return []
+    head = (
+        f"| method | tree chosen | tau expected / measured | speedup vs {report.settings.engine_reference} "
+        "expected / measured | nodes a step (sizes by share of steps) | drafting off (steps / time) |"
+    )
+    return ["", "## Trees: chosen, expected and measured", "", head, "|---|---|---|---|---|---|", *rows]
+
+
 def markdown_report(report: BenchReport) -> str:
     """``report.md``: settings, a table by method x category, an overall table, the greedy mismatches and the
     engine's own section (:attr:`selfspec.engines.registry.Engine.report_lines`: llama.cpp's settings chosen, sweep
@@ -110,6 +148,7 @@ def markdown_report(report: BenchReport) -> str:
         lines.append(f"| {name} | {_row(summ.overall, one)} |")
     lines += ["", "## Methods", ""]
     lines += [f"- `{n}` ({m.kind}): {m.description}{_budget_text(m.tree_budget)}" for n, m in report.methods.items()]
+    lines += tree_lines(report)
     if not s.do_sample:
         lines += ["", "## Outputs differing from the reference (greedy)", ""]
         if report.mismatches:

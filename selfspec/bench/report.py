@@ -19,8 +19,9 @@ from selfspec.base.files import read_dataclass, read_json
 from selfspec.bench.report_schema import upgrade
 
 # 2: methods[name].tree_budget; 3: the engine reference (engine_speedup), ties, llamacpp; 4: the steps that drafted
-# nothing and those the live tree rule switched drafting off (results), their share (aggregates)
-SCHEMA_VERSION = 4
+# nothing and those the live tree rule switched drafting off (results), their share (aggregates); 5: the steps by
+# tree size (results and aggregates)
+SCHEMA_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,8 @@ class Result:
         plain_steps: steps that verified the root alone (nothing drafted); None: no speculation stats.
         drafting_off_steps, drafting_off_s: of those, the steps (and their seconds) the live tree rule switched
             drafting off (:class:`~selfspec.decode.tuning.batch_rule.BatchTreeRule`).
+        steps_by_nodes: tree size in nodes (root included, as a string) -> steps verifying a tree of that size;
+            None: no speculation stats.
     """
 
     new_tokens: int
@@ -169,6 +172,7 @@ class Result:
     plain_steps: int | None = None
     drafting_off_steps: int | None = None
     drafting_off_s: float | None = None
+    steps_by_nodes: dict[str, int] | None = None
 
     @classmethod
     def of_call(cls, tokens: list[int], wall_s: float, finish_reason: str, **measured: Any) -> Result:
@@ -244,6 +248,8 @@ class Aggregate:
         near_ties: greedy: prompt turns whose output differs first at a near-tie; None under sampling.
         drafting_off_share: sum ``drafting_off_steps`` / sum ``steps`` (the live tree rule's steps without drafts);
             ``drafting_off_time_share``: sum ``drafting_off_s`` / sum ``wall_s``; None without speculation stats.
+        steps_by_nodes: tree size in nodes (a string) -> steps, summed over the turns (the trees used); None
+            without speculation stats.
     """
 
     num_samples: int
@@ -259,6 +265,7 @@ class Aggregate:
     near_ties: int | None
     drafting_off_share: float | None = None
     drafting_off_time_share: float | None = None
+    steps_by_nodes: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)

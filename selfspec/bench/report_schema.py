@@ -10,7 +10,7 @@ from typing import Any
 def upgrade(data: Any) -> Any:
     """An older report's layout in the current schema, what it did not measure null: schema 2 had no engine-only
     baseline, no near-tie check and the selfspec engine's wall-time timing; schema 3 no count of the steps without
-    drafts. Any other layout is returned as it is."""
+    drafts; schema 4 no count of the steps by tree size. Any other layout is returned as it is."""
     if isinstance(data, dict) and data.get("schema_version") == 2:
         data = _upgrade_2(data)
     if isinstance(data, dict) and data.get("schema_version") == 3:
@@ -18,6 +18,12 @@ def upgrade(data: Any) -> Any:
             dict(data, schema_version=4),
             lambda r: dict(r, plain_steps=None, drafting_off_steps=None, drafting_off_s=None),
             lambda a: dict(a, drafting_off_share=None, drafting_off_time_share=None),
+        )
+    if isinstance(data, dict) and data.get("schema_version") == 4:
+        data = _map_records(
+            dict(data, schema_version=5),
+            lambda r: dict(r, steps_by_nodes=None),
+            lambda a: dict(a, steps_by_nodes=None),
         )
     return data
 

@@ -66,6 +66,7 @@ def _result(tokens: list[int], stats: GenerationStats | None, wall_s: float, mem
         plain_steps=stats.plain_steps if spec else None,
         drafting_off_steps=stats.drafting_off_steps if spec else None,
         drafting_off_s=stats.drafting_off_s if spec else None,
+        steps_by_nodes={str(n): k for n, k in sorted(stats.steps_by_nodes.items())} if spec else None,
     )
 
 
