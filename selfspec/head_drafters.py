@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from selfspec.decode.drafters import BlockDrafter, EagleDrafter, MedusaDrafter
 from selfspec.decode.drafters.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS
+from selfspec.decode.masks import attention_layout
 from selfspec.decode.tree import greedy_tree_from_accuracy, static_tree
 from selfspec.decode.tuning import budget as tree_budget
 from selfspec.decode.tuning import costs, draft_costs
@@ -106,9 +107,11 @@ def medusa_drafter(setup: DraftSetup, **options: Any) -> tuple[MedusaDrafter, No
     target, heads, tree, tree_nodes = setup.target, setup.head, setup.tree, setup.tree_nodes
     heads.attach_target(target.get_output_embeddings().weight)
     acc = heads.config.head_topk_accuracy
+    chains = attention_layout(target.config).chains_only  # a state target verifies chains only: sized as chains
     if tree is None:
         if tree_nodes is None and acc and setup.tune == "auto":
-            size = tree_budget.choose_tree(costs.get_cost_profile(target), tree_budget.medusa_trees(acc))
+            trees = tree_budget.medusa_trees(acc, chains=chains)
+            size = tree_budget.choose_tree(costs.get_cost_profile(target), trees)
             n = size.shape.nodes
             logger.info(
                 "Medusa tree sized to this machine: %d nodes (expected tau %.2f, %.1f ms a step, %.2fx plain decoding)",
@@ -121,6 +124,8 @@ def medusa_drafter(setup: DraftSetup, **options: Any) -> tuple[MedusaDrafter, No
             n = tree_nodes or DEFAULT_TREE_NODES
         usable = [p for p in DEFAULT_MEDUSA_PATHS if len(p) <= heads.config.num_heads]
         tree = greedy_tree_from_accuracy(acc, n) if acc else usable[: n - 1]
+        if chains:  # the top-1 chain of as many heads as the tree has drafts (at most every head)
+            tree = [(0,) * d for d in range(1, min(n, heads.config.num_heads + 1))]
     return MedusaDrafter(heads, static_tree(tree)), None
 
 
@@ -151,6 +156,8 @@ def block_drafter(
     if setup.tune == "auto" and chain and (length is None or top_k is None):
         rows = cfg.heldout_siblings or ()
         width = top_k if top_k is None or top_k <= len(rows) + 1 else 1  # a width not profiled: chain sized alone
+        if attention_layout(target.config).chains_only:  # a state target verifies the block's chain alone
+            width = 1
         whole = cfg.max_drafts  # one forward over the whole block whatever the tree: one cost for every shape
         draft_ms = draft_costs.get_draft_cost(BlockDrafter(head, target), target, [whole])[whole]
         trees = tree_budget.block_trees(chain, draft_ms, siblings=rows, length=length, top_k=width)

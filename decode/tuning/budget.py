@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from selfspec.decode.drafters.base import TreeShape
+from selfspec.decode.masks import attention_layout
+from selfspec.decode.state import MAX_CHAIN
 from selfspec.decode.tree import greedy_tree_scores
 from selfspec.decode.tuning.calibration import AcceptanceProfile, num_candidates
 from selfspec.decode.tuning.costs import DEFAULT_NODE_COUNTS, CostProfile, get_cost_profile
@@ -143,10 +145,16 @@ def eagle_trees(
     draft_ms_by_depth: Mapping[int, float],
     depth: int | None = None,
     total_tokens: int | None = None,
+    chains: bool = False,
 ) -> list[TreeCandidate]:
     """EAGLE-2's candidate budgets (depth d, total_tokens N), in (d, N) order: ``tau(d, N)`` from the acceptance
     profile, ``n = min(N, candidates(d))`` draft nodes verified (a budget above what a depth creates keeps them all,
     so only ``N <= candidates(d)`` is listed), the draft cost of depth d.
+
+    With ``chains`` (a target verified on chains only, :mod:`selfspec.decode.state`: the loop verifies a tree's
+    first branch, at most :data:`~selfspec.decode.state.MAX_CHAIN` nodes), only the chains are priced: N = d, d + 1
+    nodes verified, up to ``MAX_CHAIN``; their tau ``tau(d, d)`` is that of the d best-scored drafts, which a chain
+    of d reaches where they lie on one branch (an upper bound otherwise).
 
     Args:
         acceptance: the head's acceptance profile (its ``top_k`` is the shapes').
@@ -165,6 +173,13 @@ def eagle_trees(
         if d not in draft_ms_by_depth:
             raise ValueError(f"no draft cost for depth {d}")
         n_cand = num_candidates(acceptance.top_k, d)
+        if chains:
+            fits = d + 1 <= MAX_CHAIN and d <= acceptance.total_tokens_max and total_tokens in (None, d)
+            if fits:
+                out.append(
+                    (TreeShape(d, d, d + 1, acceptance.top_k), acceptance.tau_at(d, d), float(draft_ms_by_depth[d]))
+                )
+            continue
         if total_tokens is not None:
             if min(total_tokens, n_cand) > acceptance.total_tokens_max:
                 continue
@@ -174,6 +189,11 @@ def eagle_trees(
         for n in budgets:
             shape = TreeShape(d, n, min(n, n_cand) + 1, acceptance.top_k)
             out.append((shape, acceptance.tau_at(d, n), float(draft_ms_by_depth[d])))
+    if not out and chains:
+        raise ValueError(
+            f"this target is verified on chains only: total_tokens must equal the depth, at most {MAX_CHAIN - 1} "
+            f"and {acceptance.total_tokens_max} (the acceptance profile's largest budget)"
+        )
     if not out:
         raise ValueError(
             f"total_tokens {total_tokens} is outside the acceptance profile "
@@ -211,13 +231,17 @@ def tune_tree_budget(
         cost = get_cost_profile(target, refresh=refresh)
     depths = [depth] if depth is not None else range(1, acceptance.depth_max + 1)
     draft = get_draft_cost(drafter, target, depths, refresh=refresh)
-    return choose_tree(cost, eagle_trees(acceptance, draft, depth, total_tokens), overhead_ms=overhead_ms)
+    chains = attention_layout(target.config).chains_only  # a state target: chains priced (eagle_trees)
+    return choose_tree(cost, eagle_trees(acceptance, draft, depth, total_tokens, chains), overhead_ms=overhead_ms)
 
 
 def medusa_trees(
-    topk_accuracy: Sequence[Sequence[float]], max_nodes: int = 32, draft_ms: float = 0.0
+    topk_accuracy: Sequence[Sequence[float]], max_nodes: int = 32, draft_ms: float = 0.0, chains: bool = False
 ) -> list[TreeCandidate]:
-    """Medusa's candidate trees: its greedy static tree of N nodes for N in ``2..max_nodes``, in N order.
+    """Medusa's candidate trees: its greedy static tree of N nodes for N in ``2..max_nodes``, in N order. With
+    ``chains`` (a target verified on chains only), the chains of every head's top-1 instead: N - 1 heads, N up to
+    ``max_nodes``, :data:`~selfspec.decode.state.MAX_CHAIN` and the heads + 1, ``tau(N) = 1 + sum over d < N of the
+    product of the first d heads' top-1 accuracies``.
 
     ``tau(N)`` is Medusa's own estimate for its greedy tree of N nodes (:func:`~selfspec.decode.tree.
     greedy_tree_scores`: ``1 +`` the sum of products of the heads' held-out top-k accuracies, as if heads erred
@@ -236,9 +260,16 @@ def medusa_trees(
         raise ValueError("max_nodes must be >= 2")
     if not topk_accuracy or not topk_accuracy[0]:
         raise ValueError("need the heads' top-k accuracies (head_topk_accuracy in their config)")
+    out: list[TreeCandidate] = []
+    if chains:
+        tau, reach = 1.0, 1.0
+        for n in range(2, min(max_nodes, MAX_CHAIN, len(topk_accuracy) + 1) + 1):
+            reach *= float(topk_accuracy[n - 2][0])
+            tau += reach
+            out.append((TreeShape(n - 1, n - 1, n, 1), tau, draft_ms))
+        return out
     scored = greedy_tree_scores(topk_accuracy, max_nodes)
     scores = [score for _, score in scored]
-    out: list[TreeCandidate] = []
     for n in range(2, len(scores) + 2):
         paths = [path for path, _ in scored[: n - 1]]
         shape = TreeShape(max(map(len, paths)), n - 1, n, 1 + max(max(p) for p in paths))

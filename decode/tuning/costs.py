@@ -271,9 +271,13 @@ class CostProfile:
         return read_dataclass(cls, data, header={"format": _COST_FORMAT, "version": COST_PROFILE_VERSION})
 
 
-def _profile_parents(num_nodes: int) -> torch.Tensor:
+def _profile_parents(num_nodes: int, chain: bool = False) -> torch.Tensor:
     """A bushy tree of ``num_nodes`` nodes (node i's parent is ``(i - 1) // 2``): from 3 nodes on it takes
-    the tree-mask path of :meth:`Verifier.forward_tree`, as EAGLE-2 trees do."""
+    the tree-mask path of :meth:`Verifier.forward_tree`, as EAGLE-2 trees do. With ``chain``, a chain of
+    ``num_nodes`` nodes (node i's parent is i - 1): what a target verified on chains only verifies
+    (:attr:`Verifier.chains_only`, :mod:`selfspec.decode.state`)."""
+    if chain:
+        return torch.arange(-1, num_nodes - 1, dtype=torch.long)
     return torch.tensor([-1] + [(i - 1) // 2 for i in range(1, num_nodes)], dtype=torch.long)
 
 
@@ -301,7 +305,8 @@ def measure_cost_profile(
 ) -> CostProfile:
     """Measure the verification cost curve of ``target`` where it is (device, dtype, threads).
 
-    For each size N: the median wall ms of :meth:`Verifier.forward_tree` over a tree of N nodes plus
+    For each size N: the median wall ms of :meth:`Verifier.forward_tree` over a tree of N nodes (a chain of N for a
+    target verified on chains only, :attr:`Verifier.chains_only`) plus
     :meth:`Verifier.lm_logits` over its N hidden states, on a ``DynamicCache`` prefilled with
     ``context_length`` random tokens (cropped back after every call); one untimed call per size first,
     sizes interleaved (CUDA synchronised around each call), in rounds until every median is steady
@@ -358,7 +363,8 @@ def measure_cost_profile(
 
     fns, reps = {}, {}
     for n in sizes:
-        tokens, parents = torch.randint(0, vocab, (n,), generator=gen).to(device), _profile_parents(n).to(device)
+        tokens = torch.randint(0, vocab, (n,), generator=gen).to(device)
+        parents = _profile_parents(n, chain=verifier.chains_only).to(device)
         for kernel in kernels:
             if cpu_linear.kernel_applies(kernel, n):
                 fns[n, kernel] = verify(tokens, parents, kernel)

@@ -147,3 +147,58 @@ def test_a_layer_with_attention_and_a_state_is_refused():
     model = AutoModelForCausalLM.from_config(config).eval()
     with pytest.raises(UnsupportedTargetError, match=r"FalconH1ForCausalLM cannot be .*layer types \['hybrid'\]"):
         selfspec.load(model, prompt_lookup=True, tune="off")
+
+
+def test_a_state_targets_verification_cost_is_measured_on_chains(monkeypatch):
+    """The cost profile times what the loop verifies for a state target: a chain of every size, never a tree."""
+    from selfspec.decode.tuning import costs, timing
+
+    seen = []
+    forward_tree = Verifier.forward_tree
+
+    def recording(self, tokens, parents, *args, **kwargs):
+        seen.append(parents.tolist())
+        return forward_tree(self, tokens, parents, *args, **kwargs)
+
+    monkeypatch.setattr(Verifier, "forward_tree", recording)
+    rule = timing.TimingRule(max_spread=1.0, max_rounds=1)
+    profile = costs.measure_cost_profile(
+        target("lfm2"), node_counts=(1, 3, 6), context_length=16, repeats=1, kernels=("linear",), rule=rule
+    )
+    assert profile.node_counts == (1, 3, 6) and len(profile.verify_ms) == 3
+    assert {len(p) for p in seen} == {1, 3, 6}
+    assert all(p == list(range(-1, len(p) - 1)) for p in seen)  # node i's parent is i - 1
+
+
+def test_tree_budgets_of_a_state_target_price_chains(monkeypatch):
+    """EAGLE's budgets for a state target are chains (N = depth, depth + 1 <= MAX_CHAIN nodes, tau of the depth best
+    drafts); Medusa's are the top-1 chains with tau 1 + the sum of the products of the heads' top-1 accuracies; the
+    chooser picks a chain for the state target and a tree for the same profiles on a dense one."""
+    from selfspec.decode.tuning import budget
+    from selfspec.decode.tuning.calibration import AcceptanceProfile
+    from selfspec.decode.tuning.costs import CostProfile
+
+    depth_max, n_max = 8, 24
+    tau = tuple(tuple(1.0 + 0.9 * (1 - 0.6**d) * (1 + 0.02 * n) for n in range(1, n_max + 1)) for d in range(1, 9))
+    zeros = tuple(tuple(0 for _ in row) for row in tau)
+    profile = AcceptanceProfile(top_k=2, tau=tau, inexact_steps=zeros, steps=100, prompts=4, max_new_tokens=64)
+    draft = dict.fromkeys(range(1, depth_max + 1), 0.1)
+    chains = budget.eagle_trees(profile, draft, chains=True)
+    assert [shape.nodes for shape, _, _ in chains] == [d + 1 for d in range(1, depth_max + 1)]
+    assert all(s.tokens == s.depth and t == profile.tau_at(s.depth, s.depth) for s, t, _ in chains)
+    with pytest.raises(ValueError, match="chains only: total_tokens must equal the depth"):
+        budget.eagle_trees(profile, draft, depth=3, total_tokens=5, chains=True)
+    acc = [[0.8, 0.9], [0.5, 0.7], [0.4, 0.6]]
+    medusa = budget.medusa_trees(acc, chains=True)
+    assert [shape.nodes for shape, _, _ in medusa] == [2, 3, 4]
+    assert [t for _, t, _ in medusa] == pytest.approx([1.8, 1.8 + 0.4, 1.8 + 0.4 + 0.16])
+    flat = tuple(0.01 * n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32))  # verification nearly free: the biggest wins
+    cost = CostProfile(
+        target_fingerprint="f" * 16, device="cpu test", dtype="float32", threads=1, torch=torch.__version__,
+        context_length=128, node_counts=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), verify_ms=tuple(10 + x for x in flat),
+    )  # fmt: skip
+    monkeypatch.setattr(budget, "get_draft_cost", lambda drafter, target, depths, refresh=False: draft)
+    for arch, is_chain in (("lfm2", True), ("llama", False)):
+        t = target(arch)
+        size = budget.tune_tree_budget(t, EagleDrafter(make_eagle3(t), t, top_k=2), profile, cost=cost)
+        assert (size.shape.nodes == size.shape.depth + 1) is is_chain, arch
