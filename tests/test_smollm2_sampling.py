@@ -38,15 +38,19 @@ class TargetTopKDrafter(Drafter):
 
     def __init__(self, model):
         self.model = model
+        self.trees: dict[tuple[int, ...], DraftTree] = {}  # a context's tree, computed once (it is deterministic)
 
     def info(self):
         return DrafterInfo(name="target_topk", max_depth=2)
 
     def propose(self, context, sampling, generator, limit):
-        first = processed_probs(self.model, context).topk(3).indices
-        second = processed_probs(self.model, torch.cat([context, first[:1]])).topk(2).indices
-        tokens = torch.cat([context[-1:], first, second])
-        return DraftTree(tokens, torch.tensor([-1, 0, 0, 0, 1, 1]))
+        key = tuple(context.tolist())
+        if key not in self.trees:
+            first = processed_probs(self.model, context).topk(3).indices
+            second = processed_probs(self.model, torch.cat([context, first[:1]])).topk(2).indices
+            tokens = torch.cat([context[-1:], first, second])
+            self.trees[key] = DraftTree(tokens, torch.tensor([-1, 0, 0, 0, 1, 1]))
+        return self.trees[key]
 
 
 def test_first_two_tokens_follow_target_distribution(smollm2):
