@@ -53,6 +53,26 @@ class _Lockstep:
 _SHARDED: weakref.WeakKeyDictionary[torch.nn.Module, _Lockstep] = weakref.WeakKeyDictionary()
 
 
+def check_target_parallel(mode: str, features: str, trains_target: bool) -> None:
+    """Refuse a training run that a sharded target (``target_parallel: fsdp``) cannot serve: its features come from
+    the store (``features: auto`` or ``store``: online, the main process's evaluation would run the sharded target
+    alone), its head does not train the target (Medusa-2, ``medusa.joint``); the draft's cost profile is not
+    calibrated at the end of the run (``selfspec tune-tree`` calibrates it where the head is served).
+
+    Raises:
+        ValueError: ``features`` is ``"online"`` or ``trains_target`` with a sharded target, saying what to set.
+    """
+    if mode != "none" and features == "online":
+        raise ValueError(
+            f"target_parallel: {mode} reads features from the store (online, the main process's evaluation would run "
+            "the sharded target alone): set features: store or auto"
+        )
+    if mode != "none" and trains_target:
+        raise ValueError(
+            "medusa.joint (Medusa-2) trains the target, which target_parallel shards frozen: set target_parallel: none"
+        )
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules of ``model`` whose class ``model._no_split_modules`` names (its decoder layers), in module order.
 

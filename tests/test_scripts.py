@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # the scripts run the selfspec command in new processes (about 8 s each here)
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -55,7 +56,6 @@ def test_bench_script_examples_parse():
         build_parser().parse_args(argv)
 
 
-@pytest.mark.slow
 def test_train_script_under_accelerate_launch():
     """``accelerate launch scripts/train.py ...``, the command the script's docstring gives, reaches the same parser."""
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1"]

@@ -20,6 +20,7 @@ import yaml
 
 from selfspec.base.errors import UserError
 from selfspec.base.files import in_range, read_dataclass
+from selfspec.base.target_shards import check_target_parallel
 from selfspec.heads.config import check_layer_ids
 from selfspec.heads.families import head_families
 from selfspec.train.chat_format import check_template_kwargs
@@ -219,11 +220,9 @@ class TrainConfig:
         target: target name (local dir, Hub id or alias, see :func:`selfspec.target.resolve_target`).
         target_adapter: a PEFT adapter directory (``PeftModel.save_pretrained``) merged into ``target``
             (:mod:`selfspec.base.adapter`); the heads are trained on, and fingerprinted as, the adapted target.
-        init_heads: a heads directory (or Hub id) of this run's family, trained on this target, to start from
-            instead of a fresh head (:mod:`selfspec.train.warm_start`): its shape options (draft vocabulary, fused
-            layers, block size ...) replace the config's, every tensor is copied, and the head is evaluated before
-            the first step so selection can keep it. For Medusa-2 (``medusa.joint``): Medusa-1 heads, its two-stage
-            recipe. The directory is only read.
+        init_heads: heads (a directory or Hub id, only read) of this run's family and target to start from
+            (:mod:`selfspec.train.warm_start`): their shape options replace the config's, every tensor is copied, and
+            they are evaluated before the first step; Medusa-2 (``medusa.joint``) starts from Medusa-1 heads.
         data: ``"sharegpt"`` (packaged), a local .json/.jsonl path, or a Hub dataset id.
         max_conversations: conversations read from ``data`` (before the split).
         eval_fraction: held-out share, split by a hash of the conversation id.
@@ -242,12 +241,8 @@ class TrainConfig:
         distill_engine: what writes the answers: ``"hf"`` (the target's ``generate`` in the training processes) or
             ``"vllm"`` (vLLM in the environment ``python -m selfspec.engine_envs vllm`` builds, run by ``selfspec
             distill`` and ``selfspec train``: :mod:`selfspec.distill`); never a silent fall back between them.
-        target_parallel: how the training processes hold the frozen target: ``"none"``, each the whole target;
-            ``"fsdp"``, each decoder layer sharded across all the processes (FSDP2, :mod:`selfspec.base.
-            target_shards`), so a target larger than one device trains heads. With ``"fsdp"`` features come from the
-            store (``features: auto`` or ``store``), the draft's cost profile is not calibrated at the end of the run
-            (``selfspec tune-tree`` calibrates it where the head is served), and Medusa-2 (``medusa.joint``), which
-            trains the target, is refused.
+        target_parallel: ``"none"`` (each process holds the whole target) or ``"fsdp"`` (each decoder layer sharded
+            across the processes, :mod:`selfspec.base.target_shards`, which says what it allows).
         distill_tensor_parallel_size / distill_data_parallel_size: vLLM's ``tensor_parallel_size`` and
             ``data_parallel_size`` (GPUs per replica, replicas), passed through.
         original_conversations: with ``self_distill``, also train on this many further training
@@ -380,9 +375,7 @@ class TrainConfig:
         if self.select_head not in ("tau", "last"):
             raise ValueError(f"select_head must be 'tau' or 'last', got {self.select_head!r}")
         if self.feature_batch_tokens < 0:
-            raise ValueError(
-                f"feature_batch_tokens must be >= 0 (0: one example at a time), got {self.feature_batch_tokens}"
-            )
+            raise ValueError(f"feature_batch_tokens must be >= 0 (0: one at a time), got {self.feature_batch_tokens}")
         if self.features not in ("auto", "store", "online"):
             raise ValueError(f"features must be 'auto', 'store' or 'online', got {self.features!r}")
         if self.feature_shard_mb <= 0:
@@ -405,16 +398,7 @@ class TrainConfig:
                 object.__setattr__(self, name, _read(cls, value, root=name))
             elif not isinstance(value, cls):
                 raise ValueError(f"{name} must be a mapping of {cls.__name__} fields, got {value!r}")
-        if self.target_parallel != "none" and self.features == "online":
-            raise ValueError(
-                f"target_parallel: {self.target_parallel} reads features from the store (online, the main process's "
-                "evaluation would run the sharded target alone): set features: store or auto"
-            )
-        if self.target_parallel != "none" and self.medusa.joint:
-            raise ValueError(
-                "medusa.joint (Medusa-2) trains the target, which target_parallel shards frozen: set target_parallel: "
-                "none"
-            )
+        check_target_parallel(self.target_parallel, self.features, self.medusa.joint)
         if self.medusa.joint and self.target_adapter:  # the option asks for Medusa-2 and its own adapter
             raise ValueError(
                 "medusa.joint (Medusa-2) trains its own LoRA adapter on the base target: drop target_adapter, or "

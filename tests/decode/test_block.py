@@ -45,6 +45,7 @@ def test_greedy_output_is_the_targets_on_every_architecture(arch, head_type):
             assert sum(out.stats.drafted_by_depth) > 0
 
 
+@pytest.mark.slow  # over 5 s: the whole suite runs it
 def test_a_fitted_head_gets_drafts_accepted_and_stays_exact():
     """A head whose block reproduces the target's greedy continuation (its lm_head rows made the target's and its
     layers tuned for a few steps on the target's own continuation) gets many drafts accepted per step; the output is

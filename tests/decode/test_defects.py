@@ -74,6 +74,7 @@ def _first_token_counts(draw, n: int) -> dict[int, int]:
     return counts
 
 
+@pytest.mark.slow  # over 5 s: the whole suite runs it
 def test_min_new_tokens_first_token_distribution_matches_generate(tiny_target):
     """Seeded, statistical: 400 draws each from ``generate`` and from the speculative loop; for each token
     of the exact distribution, ``|freq - p| <= 4.5 sqrt(p (1 - p) / n)`` (a false failure about 1e-5)."""

@@ -77,6 +77,7 @@ def reference(target, ids: torch.Tensor, n: int) -> list[int]:
     return out[0, ids.numel() :].tolist()
 
 
+@pytest.mark.slow  # over 5 s: the whole suite runs it
 @pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle3.1"])
 @pytest.mark.parametrize("depth, top_k, total", SETTINGS)
 def test_greedy_equals_generate_trained_head(depth, top_k, total, eagle31):
@@ -123,6 +124,7 @@ class Recorder(Drafter):
         self.inner.accept(accepted)
 
 
+@pytest.mark.slow  # over 5 s: the whole suite runs it
 def test_accepted_nodes_get_their_layer_states_and_state_equals_fresh_start():
     """``accept`` receives, for the root and each accepted draft, the target's states entering the head's three
     layers at that position (equal to a prefill of the whole context), and after several steps the drafter's
@@ -195,6 +197,7 @@ def test_d2t_applied_exactly_once_never_out_of_range(favourite, expected):
     assert out.tokens == reference(target, prompt, 12)
 
 
+@pytest.mark.slow  # over 5 s: the whole suite runs it
 def test_sampling_keeps_the_target_distribution():
     """Seeded Pearson chi-square of the first two sampled tokens (temperature 0.7, top-k 6) against the target's
     exact distribution, drafting with the trained EAGLE-3 head (N = 400, alpha = 0.001, as

@@ -148,6 +148,7 @@ def test_split_follows_measured_acceptance_and_cost():
     assert h2.split[-1] == (5, 0)  # the head's tree alone
 
 
+@pytest.mark.slow  # over 5 s: the whole suite runs it
 def test_sampling_keeps_the_target_distribution():
     """Seeded chi-square (as tests/decode/test_architectures.py): first two sampled tokens of a hybrid of
     the target's own top-k tree and prompt lookup, on a repetitive prompt, N = 300, alpha = 0.001."""

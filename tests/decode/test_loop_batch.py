@@ -181,6 +181,7 @@ N_SAMPLES = 300
 SAMPLING = SamplingConfig(do_sample=True, temperature=0.7, top_k=6)
 
 
+@pytest.mark.slow  # over 5 s: the whole suite runs it
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_sampling_keeps_each_rows_distribution(arch):
     """Seeded Pearson chi-square of each row's first two sampled tokens against the target's exact

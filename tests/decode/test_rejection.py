@@ -313,6 +313,7 @@ MUTANTS = {
 }
 
 
+@pytest.mark.slow  # over 5 s: the whole suite runs it
 @pytest.mark.parametrize("case", ["chain", "tree"])
 def test_exact_check_fails_for_a_broken_verifier(monkeypatch, case):
     """Mutation test of the enumeration: the very enumeration of test_exact_chain_sampling_is_lossless /

@@ -257,6 +257,7 @@ def test_exact_sampling_through_a_tree_with_an_index_chain():
     assert_lossless(enumerate_law(run), prefix0, v, 4, expect_longest=4)
 
 
+@pytest.mark.slow  # over 5 s: the whole suite runs it
 def test_sampling_keeps_the_target_distribution_with_an_index():
     """Seeded chi-square as tests/decode/test_hybrid.py, the index holding the target's likely and unlikely
     continuations of the prompt's tail, N = 300, alpha = 0.001."""

@@ -66,6 +66,7 @@ def test_outputs_stay_the_targets_while_the_head_changes(target):
     assert model.online.memory_bytes() <= (96 + 96 // 4 + 2 * 64) * (4 * 32 * 4 + 8)  # within the declared bound
 
 
+@pytest.mark.slow  # over 5 s: the whole suite runs it
 def test_sampled_outputs_keep_the_targets_distribution_while_adapting(target):
     """Seeded, 400 draws of the first two sampled tokens after one prompt, with the head adapting between draws;
     pooled chi-square against the target's exact law of those two tokens, and of the first, at p < 0.001."""
